@@ -1,0 +1,28 @@
+# Two commands do everything on a fresh machine (Python 3.11, no GPU):
+#   make local   set up .venv, then run the 27B recipe's --local job on local Ray on CPU
+#   make test    set up .venv, then run the test suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup local test bench-data clean
+setup: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# the CPU build of torch first: an unpinned torch pulls a several-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+local: setup
+	$(BIN)/python jobs/qwen27b_b300.py --local
+
+test: setup
+	$(BIN)/python -m pytest -x -q tests
+
+bench-data: setup
+	$(BIN)/python bench/data_pipeline.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
