@@ -1,0 +1,401 @@
+"""The typed recipe: one object describes a run, validated before Ray starts.
+
+Everything else reads a `Recipe`; this module reads nothing else of the project. A field is
+changed from the command line with `--set section.field=value`; an unknown section or field,
+a value of the wrong type or out of range fails here with a message that names the field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; the message names the field and what it allows."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "Qwen/Qwen3.8-27B"          # hub id, or a local folder with config.json
+    revision: str | None = None              # pinned commit of the hub repo
+    family: str = "qwen3_5"                  # qwen3_5 | qwen3 | qwen2
+    tokenizer: str | None = None             # defaults to `name`
+    local_tiny: bool = False                 # build a tiny model of `family` from a config (--local)
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    trust_remote_code: bool = False
+    max_position_embeddings: int | None = None  # read from the model config when None
+    chat_template: str | None = None         # a jinja file to use instead of the tokenizer's own
+
+
+@dataclass
+class DataConfig:
+    source: str = "hf://HuggingFaceH4/ultrachat_200k"  # hf://repo, a local jsonl/json/parquet file or folder, or builtin:chat
+    revision: str | None = None
+    split: str = "train_sft"
+    schema: Literal["auto", "messages", "conversation", "prompt_completion"] = "auto"
+    validation_fraction: float = 0.0         # carved out of `split` when > 0 (seeded)
+    validation_split: str | None = None      # a separate split of the source for evaluation
+    seed: int = 42
+    seq_len: int = 32768                     # tokens per packed block
+    max_rows: int | None = None              # read at most this many rows (smoke runs)
+    pack_window: int = 2048                  # conversations held for best-fit-decreasing packing
+    overlong: Literal["split", "drop"] = "split"
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    num_cpus_per_op: float = 0.25            # fractional CPUs for Ray Data operators (no deadlock on small hosts)
+
+
+@dataclass
+class TrainConfig:
+    loop: Literal["fsdp2", "trl"] = "fsdp2"
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    min_lr_ratio: float = 0.0
+    max_steps: int | None = None             # None: one pass over the data
+    epochs: int = 1
+    micro_batch_size: int = 1                # packed blocks per micro-batch
+    grad_accum: int = 1
+    max_grad_norm: float = 1.0
+    activation_checkpointing: Literal["none", "full", "selective"] = "full"
+    master_weights: Literal["fp32", "bf16"] = "fp32"
+    log_every: int = 100
+    checkpoint_every: int = 500
+    eval_every: int | None = None
+    keep_checkpoints: int = 2
+    load_best_at_end: bool = False
+    compile: bool = False
+    seed: int = 0
+    # TRL loop only
+    lora_r: int = 0                          # 0: full fine-tune
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(default_factory=list)
+    lora_lr_multiplier: float = 1.0
+    use_liger: bool = False                  # honoured only where a GPU is present
+    gradient_checkpointing: bool = True
+    max_length: int | None = None            # TRL: per-example truncation length
+    packing: bool = True                     # TRL: feed packed blocks from the project's pipeline
+    merge_adapter: bool = True
+
+
+@dataclass
+class ScalingConfig:
+    num_workers: int = 8
+    use_gpu: bool = True
+    gpus_per_node: int = 8
+    cpus_per_worker: float = 1.0
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    accelerator_type: str | None = None
+    max_failures: int = 3
+
+
+@dataclass
+class TrackingConfig:
+    storage_path: str = "~/raytune_runs"     # Ray Train storage; shared by every node on a cluster
+    run_name: str = "qwen27b-ultrachat"      # re-submitting the same name resumes it
+    tracking_uri: str | None = None          # None: sqlite file under the run's folder
+    experiment: str = "raytune_ft"
+
+
+@dataclass
+class RegistryConfig:
+    name: str = "main.default.qwen27b_ultrachat"   # catalog.schema.model
+    registry_uri: str | None = None          # None: the tracking store; "databricks-uc"; "uc:http://host:port"
+    enabled: bool = True
+    timeout_s: float = 1800.0
+    num_cpus: float = 1.0
+    memory_gb: float | None = None
+
+
+@dataclass
+class Recipe:
+    job: str = "qwen27b_b300"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(os.path.expanduser(self.tracking.storage_path), self.tracking.run_name)
+
+    @property
+    def tracking_uri(self) -> str:
+        if self.tracking.tracking_uri:
+            return self.tracking.tracking_uri
+        return "sqlite:///" + os.path.join(os.path.abspath(self.run_dir), "mlflow.db")
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe) if f.name != "job"}
+
+
+# ---------------------------------------------------------------- overrides
+
+def _section_classes() -> dict[str, type]:
+    hints = typing.get_type_hints(Recipe)
+    return {name: hints[name] for name in SECTIONS}
+
+
+def _coerce(path: str, raw: str, tp: Any) -> Any:
+    """Parse the text of `--set path=raw` into the annotated type `tp`."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union or str(origin) == "types.UnionType" or type(tp).__name__ == "UnionType":
+        non_none = [a for a in args if a is not type(None)]
+        if raw.lower() in ("none", "null", ""):
+            if type(None) in args:
+                return None
+        return _coerce(path, raw, non_none[0])
+    if origin is Literal:
+        if raw not in args:
+            raise RecipeError(f"{path}: {raw!r} is not one of {', '.join(map(repr, args))}")
+        return raw
+    if tp is bool:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise RecipeError(f"{path}: {raw!r} is not a boolean (true/false)")
+    if tp is int:
+        try:
+            return int(raw.replace("_", ""))
+        except ValueError:
+            raise RecipeError(f"{path}: {raw!r} is not an integer") from None
+    if tp is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise RecipeError(f"{path}: {raw!r} is not a number") from None
+    if tp is str:
+        return raw
+    # lists, tuples, dicts: JSON, or comma-separated for lists/tuples
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        if origin in (list, tuple):
+            value = [v.strip() for v in raw.split(",") if v.strip()]
+        else:
+            raise RecipeError(f"{path}: {raw!r} is not valid JSON for {tp}") from None
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            raise RecipeError(f"{path}: expected a list, got {raw!r}")
+        inner = args[0] if args else str
+        if origin is tuple and len(args) >= 2 and args[1] is not Ellipsis:
+            if len(value) != len(args):
+                raise RecipeError(f"{path}: expected {len(args)} values, got {len(value)}")
+            return tuple(_coerce(f"{path}[{i}]", str(v), a) for i, (v, a) in enumerate(zip(value, args)))
+        items = [_coerce(f"{path}[{i}]", v if isinstance(v, str) else json.dumps(v), inner)
+                 for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise RecipeError(f"{path}: expected a JSON object, got {raw!r}")
+        return value
+    return value
+
+
+def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
+    """Apply `section.field=value` strings in order; unknown names fail with the allowed ones."""
+    classes = _section_classes()
+    for item in overrides or []:
+        if "=" not in item:
+            raise RecipeError(f"--set {item!r}: expected section.field=value")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if "." not in key:
+            raise RecipeError(f"--set {key}: expected section.field (sections: {', '.join(classes)})")
+        section, name = key.split(".", 1)
+        if section not in classes:
+            raise RecipeError(f"{key}: unknown section {section!r} (sections: {', '.join(classes)})")
+        cls = classes[section]
+        hints = typing.get_type_hints(cls)
+        if name not in hints:
+            raise RecipeError(f"{key}: unknown field {name!r} of {section} (fields: {', '.join(hints)})")
+        setattr(getattr(recipe, section), name, _coerce(key, raw.strip(), hints[name]))
+    return recipe
+
+
+# ---------------------------------------------------------------- validation
+
+_UC_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def _check_types(recipe: Recipe) -> None:
+    classes = _section_classes()
+    for section, cls in classes.items():
+        obj = getattr(recipe, section)
+        if not isinstance(obj, cls):
+            raise RecipeError(f"{section}: expected {cls.__name__}, got {type(obj).__name__}")
+        for name, tp in typing.get_type_hints(cls).items():
+            _check_value(f"{section}.{name}", getattr(obj, name), tp)
+
+
+def _check_value(path: str, value: Any, tp: Any) -> None:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if type(tp).__name__ == "UnionType" or origin is typing.Union:
+        if value is None and type(None) in args:
+            return
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                _check_value(path, value, a)
+                return
+            except RecipeError:
+                continue
+        raise RecipeError(f"{path}: {value!r} has the wrong type (expected {tp})")
+    if origin is Literal:
+        if value not in args:
+            raise RecipeError(f"{path}: {value!r} is not one of {', '.join(map(repr, args))}")
+        return
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif tp is str:
+        ok = isinstance(value, str)
+    elif origin in (list, tuple):
+        ok = isinstance(value, (list, tuple))
+    elif origin is dict:
+        ok = isinstance(value, dict)
+    else:
+        ok = True
+    if not ok:
+        raise RecipeError(f"{path}: {value!r} has the wrong type (expected {getattr(tp, '__name__', tp)})")
+
+
+def _range(path: str, value: float, lo: float | None = None, hi: float | None = None,
+           lo_open: bool = False) -> None:
+    bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi)
+    if bad:
+        lo_txt = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
+        hi_txt = "" if hi is None else f"<= {hi}"
+        allowed = " and ".join(t for t in (lo_txt, hi_txt) if t)
+        raise RecipeError(f"{path}: {value!r} is out of range (allowed: {allowed})")
+
+
+def validate_registry_name(name: str, path: str = "registry.name") -> None:
+    parts = name.split(".")
+    if len(parts) != 3 or not all(_UC_PART.match(p) for p in parts):
+        raise RecipeError(
+            f"{path}: {name!r} is not a three-level Unity Catalog name catalog.schema.model "
+            "(each part letters, digits, '_' or '-', not starting with '-')")
+
+
+def validate(recipe: Recipe) -> Recipe:
+    """Check every field for type and range; raise RecipeError naming the first bad one."""
+    _check_types(recipe)
+    m, d, t, s, tr, r = recipe.model, recipe.data, recipe.train, recipe.scaling, recipe.tracking, recipe.registry
+    if not m.name.strip():
+        raise RecipeError("model.name: must not be empty")
+    if m.family not in ("qwen3_5", "qwen3", "qwen2"):
+        raise RecipeError(f"model.family: {m.family!r} is not one of 'qwen3_5', 'qwen3', 'qwen2'")
+    if m.revision is not None and not re.fullmatch(r"[0-9a-f]{7,40}|[A-Za-z0-9._/-]+", m.revision):
+        raise RecipeError(f"model.revision: {m.revision!r} is not a commit hash or branch name")
+    if m.chat_template is not None and not os.path.isfile(os.path.expanduser(m.chat_template)):
+        raise RecipeError(f"model.chat_template: {m.chat_template!r} is not a file")
+
+    if not d.source.strip():
+        raise RecipeError("data.source: must not be empty")
+    if not (d.source.startswith(("hf://", "builtin:"))):
+        if not os.path.exists(os.path.expanduser(d.source)):
+            raise RecipeError(f"data.source: {d.source!r} does not exist (a local file or folder, "
+                              "hf://org/dataset or builtin:chat)")
+    _range("data.seq_len", d.seq_len, 16, 1 << 20)
+    if m.max_position_embeddings is not None and d.seq_len > m.max_position_embeddings:
+        raise RecipeError(f"data.seq_len: {d.seq_len} exceeds the model context "
+                          f"model.max_position_embeddings={m.max_position_embeddings}")
+    _range("data.validation_fraction", d.validation_fraction, 0.0, 0.5)
+    if d.max_rows is not None:
+        _range("data.max_rows", d.max_rows, 1)
+    _range("data.pack_window", d.pack_window, 1, 1_000_000)
+    _range("data.num_cpus_per_op", d.num_cpus_per_op, 0.0, 64, lo_open=True)
+
+    _range("train.lr", t.lr, 0.0, 1.0, lo_open=True)
+    b1, b2 = t.betas
+    _range("train.betas[0]", b1, 0.0, 1.0)
+    _range("train.betas[1]", b2, 0.0, 1.0)
+    if not (b1 < 1.0 and b2 < 1.0):
+        raise RecipeError(f"train.betas: {t.betas!r} out of range (allowed: each in [0, 1))")
+    _range("train.weight_decay", t.weight_decay, 0.0, 1.0)
+    _range("train.warmup_steps", t.warmup_steps, 0)
+    _range("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0)
+    if t.max_steps is not None:
+        _range("train.max_steps", t.max_steps, 1)
+        if t.warmup_steps > t.max_steps:
+            raise RecipeError(f"train.warmup_steps: {t.warmup_steps} exceeds train.max_steps={t.max_steps}")
+    _range("train.epochs", t.epochs, 1, 1000)
+    _range("train.micro_batch_size", t.micro_batch_size, 1, 4096)
+    _range("train.grad_accum", t.grad_accum, 1, 4096)
+    _range("train.max_grad_norm", t.max_grad_norm, 0.0)
+    _range("train.log_every", t.log_every, 1)
+    _range("train.checkpoint_every", t.checkpoint_every, 1)
+    if t.eval_every is not None:
+        _range("train.eval_every", t.eval_every, 1)
+    _range("train.keep_checkpoints", t.keep_checkpoints, 1, 1000)
+    _range("train.lora_r", t.lora_r, 0, 4096)
+    _range("train.lora_dropout", t.lora_dropout, 0.0, 1.0)
+    _range("train.lora_lr_multiplier", t.lora_lr_multiplier, 0.0, 1e4, lo_open=True)
+    if t.lora_r and t.loop != "trl":
+        raise RecipeError("train.lora_r: LoRA is offered by the TRL loop only (train.loop='trl')")
+    if t.load_best_at_end and not t.eval_every:
+        raise RecipeError("train.load_best_at_end: needs train.eval_every and a validation set")
+    if t.eval_every and d.validation_fraction == 0.0 and d.validation_split is None:
+        raise RecipeError("train.eval_every: no validation data (set data.validation_fraction or "
+                          "data.validation_split)")
+    if t.max_length is not None:
+        _range("train.max_length", t.max_length, 16, 1 << 20)
+
+    _range("scaling.num_workers", s.num_workers, 1, 100_000)
+    _range("scaling.gpus_per_node", s.gpus_per_node, 1, 64)
+    _range("scaling.cpus_per_worker", s.cpus_per_worker, 0.0, 1024, lo_open=True)
+    _range("scaling.max_failures", s.max_failures, -1, 10_000)
+    if s.use_gpu and s.num_workers > s.gpus_per_node and s.num_workers % s.gpus_per_node:
+        raise RecipeError(
+            f"scaling.num_workers: {s.num_workers} workers do not fill whole nodes of "
+            f"scaling.gpus_per_node={s.gpus_per_node} GPUs (allowed: up to {s.gpus_per_node}, "
+            f"or a multiple of it)")
+    if s.backend == "nccl" and not s.use_gpu:
+        raise RecipeError("scaling.backend: 'nccl' needs scaling.use_gpu=true (use 'gloo' or 'auto' on CPU)")
+    for k, v in s.resources_per_worker.items():
+        if not isinstance(v, (int, float)) or v < 0:
+            raise RecipeError(f"scaling.resources_per_worker.{k}: {v!r} must be a number >= 0")
+
+    if not tr.storage_path.strip():
+        raise RecipeError("tracking.storage_path: must not be empty")
+    if not _RUN_NAME.match(tr.run_name):
+        raise RecipeError(f"tracking.run_name: {tr.run_name!r} (allowed: letters, digits, '.', '_', '-')")
+    if tr.tracking_uri is not None and not re.match(r"^(sqlite:///|file:|https?://|databricks)", tr.tracking_uri):
+        raise RecipeError(f"tracking.tracking_uri: {tr.tracking_uri!r} (allowed: sqlite:///path, file:path, "
+                          "http(s)://host, databricks)")
+
+    validate_registry_name(r.name)
+    if r.registry_uri is not None and not (r.registry_uri == "databricks-uc" or
+                                           r.registry_uri.startswith(("uc:http://", "uc:https://",
+                                                                      "databricks-uc://", "sqlite:///",
+                                                                      "http://", "https://", "file:"))):
+        raise RecipeError(f"registry.registry_uri: {r.registry_uri!r} (allowed: databricks-uc, "
+                          "uc:http://host:port, an MLflow tracking URI, or unset for the run's own store)")
+    _range("registry.timeout_s", r.timeout_s, 0.0, lo_open=True)
+    _range("registry.num_cpus", r.num_cpus, 0.0, 1024, lo_open=True)
+    return recipe
