@@ -399,3 +399,25 @@ def validate(recipe: Recipe) -> Recipe:
     _range("registry.timeout_s", r.timeout_s, 0.0, lo_open=True)
     _range("registry.num_cpus", r.num_cpus, 0.0, 1024, lo_open=True)
     return recipe
+
+
+def recipe_from_dict(d: dict[str, Any]) -> Recipe:
+    """Rebuild a Recipe from `Recipe.to_dict()` (as shipped to Ray workers); unknown keys fail."""
+    classes = _section_classes()
+    kwargs: dict[str, Any] = {}
+    for key, value in d.items():
+        if key == "job":
+            kwargs["job"] = value
+            continue
+        if key not in classes:
+            raise RecipeError(f"{key}: unknown section (sections: {', '.join(classes)})")
+        cls = classes[key]
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(value) - names
+        if unknown:
+            raise RecipeError(f"{key}.{sorted(unknown)[0]}: unknown field of {key} (fields: {', '.join(sorted(names))})")
+        hints = typing.get_type_hints(cls)
+        fixed = {k: (tuple(v) if typing.get_origin(hints[k]) is tuple and isinstance(v, list) else v)
+                 for k, v in value.items()}
+        kwargs[key] = cls(**fixed)
+    return Recipe(**kwargs)

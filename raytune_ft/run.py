@@ -1,0 +1,144 @@
+"""The order of a run: validate -> fit -> register. The only module that knows training and registry."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+from raytune_ft.recipe import Recipe, validate
+
+
+@dataclass
+class RunSummary:
+    job: str
+    run_name: str
+    status: str                                # registered | trained_not_registered | trained
+    steps: int = 0
+    tokens: int = 0
+    tokens_per_s: float = 0.0
+    final_loss: float | None = None
+    best_loss: float | None = None
+    checkpoint: str | None = None
+    registered_name: str | None = None
+    registered_version: str | None = None
+    registration_error: str | None = None
+    retry_command: str | None = None
+    mlflow_run_id: str | None = None
+    tracking_uri: str | None = None
+    data: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def lines(self) -> list[str]:
+        out = [f"job {self.job} (run {self.run_name}): {self.status}",
+               f"  steps            {self.steps}",
+               f"  tokens           {self.tokens:,} ({self.tokens_per_s:,.0f} tokens/s)",
+               f"  final loss       {self.final_loss:.4f}" if self.final_loss is not None else "  final loss       n/a"]
+        if self.best_loss is not None:
+            out.append(f"  best eval loss   {self.best_loss:.4f}")
+        out.append(f"  checkpoint       {self.checkpoint}")
+        if self.registered_version is not None:
+            out.append(f"  registered       {self.registered_name} version {self.registered_version}")
+        elif self.registration_error:
+            out.append(f"  NOT registered   {self.registration_error}")
+            out.append(f"  retry with       {self.retry_command}")
+        if self.data:
+            skipped = self.data.get("rows_skipped_by_reason") or {}
+            out.append(f"  data             {self.data.get('rows_read', 0)} rows read, "
+                       f"{sum(skipped.values())} skipped {dict(skipped) if skipped else ''}, "
+                       f"{self.data.get('blocks', 0)} blocks")
+        out.append(f"  mlflow           {self.tracking_uri} run {self.mlflow_run_id}")
+        out.append(f"  wall time        {self.seconds:.0f} s")
+        return out
+
+
+def ensure_ray(local: bool) -> None:
+    """Join the cluster when RAY_ADDRESS is set (as under `ray job submit`), else start a local Ray.
+
+    A bare `ray.init()` would join whatever /tmp/ray/ray_current_cluster names, even a dead cluster.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+        return
+    # more logical CPUs than cores: Ray Data operators inside the trainer must not starve
+    ncpu = max(8, 2 * (os.cpu_count() or 2)) if local else None
+    ray.init(address="local", num_cpus=ncpu, include_dashboard=False)
+
+
+def merged_data_counters(checkpoint_dir: str) -> dict:
+    from raytune_ft.data.packing import DataCounters
+
+    total = DataCounters()
+    for path in sorted(glob.glob(os.path.join(checkpoint_dir, "train_state", "rank*.json"))):
+        with open(path) as f:
+            st = json.load(f)
+        if st.get("counters"):
+            total.merge(DataCounters.from_dict(st["counters"]))
+    return total.to_dict()
+
+
+def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) -> RunSummary:
+    """Validate, train on Ray Train, then register the final checkpoint from a separate Ray task."""
+    from raytune_ft import tracking
+    from raytune_ft.train.checkpoint import read_meta
+    from raytune_ft.train.launch import build_trainer
+
+    validate(recipe)
+    t0 = time.time()
+    ensure_ray(local)
+    run_id = tracking.start_run(recipe)
+    trainer = build_trainer(recipe, mlflow_run_id=run_id, total_steps=recipe.train.max_steps)
+    try:
+        result = trainer.fit()
+    except BaseException as e:
+        tracking.end_run(recipe, run_id, status="FAILED", tags={"raytune.status": "failed",
+                                                                "raytune.error": f"{type(e).__name__}: {e}"[:4000]})
+        raise
+    ckpt = result.checkpoint
+    if ckpt is None:
+        raise RuntimeError("training finished without a checkpoint")
+    with ckpt.as_directory() as ckpt_dir:
+        meta = read_meta(ckpt_dir)
+        data = merged_data_counters(ckpt_dir)
+    metrics = result.metrics or {}
+    summary = RunSummary(
+        job=recipe.job, run_name=recipe.tracking.run_name, status="trained", steps=int(metrics.get("step", 0)),
+        tokens=int(metrics.get("tokens", 0)), final_loss=meta.get("final_loss", metrics.get("loss")),
+        best_loss=meta.get("best_eval_loss"), checkpoint=ckpt.path, mlflow_run_id=run_id,
+        tracking_uri=recipe.tracking_uri, data=data)
+    secs = metrics.get("train_seconds") or 0
+    summary.tokens_per_s = summary.tokens / secs if secs else 0.0
+
+    do_register = recipe.registry.enabled if register is None else register
+    status_tags = {"raytune.status": "trained", "raytune.checkpoint": ckpt.path}
+    if do_register:
+        from raytune_ft.registry import run_registration
+
+        outcome = run_registration(ckpt.path, recipe.registry, recipe.tracking_uri,
+                                   metadata={**meta, "job": recipe.job}, run_id=run_id)
+        if outcome.ok:
+            summary.status = "registered"
+            summary.registered_name, summary.registered_version = outcome.name, str(outcome.version)
+            status_tags.update({"raytune.status": "registered", "raytune.registered_version": str(outcome.version)})
+        else:
+            summary.status = "trained_not_registered"
+            summary.registration_error = outcome.error
+            summary.retry_command = outcome.retry_command
+            status_tags.update({"raytune.status": "trained_not_registered"})
+    summary.seconds = time.time() - t0
+    try:
+        tracking.end_run(recipe, run_id, tags=status_tags,
+                         metrics={"final_loss": summary.final_loss or float("nan"), "total_tokens": summary.tokens})
+    except Exception as e:  # the run is trained and (maybe) registered: tracking must not lose it
+        print(f"[raytune_ft] could not close the MLflow run: {type(e).__name__}")
+    summary_path = os.path.join(recipe.run_dir, "summary.json") if "://" not in recipe.run_dir else None
+    if summary_path:
+        os.makedirs(os.path.dirname(summary_path), exist_ok=True)
+        with open(summary_path, "w") as f:
+            json.dump(asdict(summary), f, indent=2, default=str)
+    return summary

@@ -1,0 +1,100 @@
+"""The MLflow run of a job: created by the driver before `fit`, written by rank 0, closed by the driver.
+
+Credentials (Databricks, Hugging Face, MLflow tokens) are read by MLflow and the hub client from the
+environment only; nothing here writes them. `redact` removes any secret-looking environment value
+from text before it reaches a log, a param or a tag.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+
+from raytune_ft.recipe import Recipe
+
+SECRET_ENV = re.compile(r"(TOKEN|SECRET|PASSWORD|API_KEY|ACCESS_KEY|CREDENTIAL|AUTH)", re.I)
+
+
+def secret_values() -> list[str]:
+    return [v for k, v in os.environ.items() if SECRET_ENV.search(k) and v and len(v) >= 6]
+
+
+def redact(text: str) -> str:
+    for v in secret_values():
+        text = text.replace(v, "***")
+    # user:password@host in URIs
+    return re.sub(r"(://[^/:@\s]+:)[^@/\s]+@", r"\1***@", text)
+
+
+def flat_params(recipe: Recipe) -> dict[str, str]:
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = redact(str(value))[:500]
+
+    walk("", recipe.to_dict())
+    return out
+
+
+def _git_commit() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def run_tags(recipe: Recipe) -> dict[str, str]:
+    import importlib.metadata as md
+
+    tags = {"raytune.job": recipe.job, "raytune.run_name": recipe.tracking.run_name,
+            "raytune.git_commit": _git_commit(), "raytune.python": platform.python_version()}
+    for pkg in ("raytune-ft", "torch", "ray", "transformers", "trl", "peft", "mlflow"):
+        try:
+            tags[f"version.{pkg}"] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return tags
+
+
+def start_run(recipe: Recipe) -> str:
+    """Create (or reopen, on a re-submit of the same run name) the MLflow run; return its id."""
+    import mlflow
+
+    client = mlflow.MlflowClient(recipe.tracking_uri)
+    exp = client.get_experiment_by_name(recipe.tracking.experiment)
+    exp_id = exp.experiment_id if exp else client.create_experiment(recipe.tracking.experiment)
+    found = client.search_runs([exp_id], filter_string=f"tags.`raytune.run_name` = '{recipe.tracking.run_name}'",
+                               max_results=1, order_by=["attributes.start_time DESC"])
+    if found and found[0].info.status in ("RUNNING", "FAILED", "KILLED"):
+        run_id = found[0].info.run_id
+        client.update_run(run_id, status="RUNNING")
+        client.set_tag(run_id, "raytune.resubmitted", "true")
+        return run_id
+    run = client.create_run(exp_id, run_name=recipe.tracking.run_name, tags=run_tags(recipe))
+    params = flat_params(recipe)
+    from mlflow.entities import Param
+
+    items = [Param(k, v) for k, v in params.items()]
+    for i in range(0, len(items), 90):
+        client.log_batch(run.info.run_id, params=items[i:i + 90])
+    return run.info.run_id
+
+
+def end_run(recipe: Recipe, run_id: str, status: str = "FINISHED", tags: dict | None = None,
+            metrics: dict | None = None) -> None:
+    import mlflow
+
+    client = mlflow.MlflowClient(recipe.tracking_uri)
+    for k, v in (tags or {}).items():
+        client.set_tag(run_id, k, redact(str(v)))
+    for k, v in (metrics or {}).items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            client.log_metric(run_id, k, float(v))
+    client.set_terminated(run_id, status=status)

@@ -1,0 +1,142 @@
+"""Checkpoints of the FSDP2 loop: DCP shards for resume, a Hugging Face folder for export.
+
+Layout of one Ray Train checkpoint directory (every rank's files merged by Ray into one folder):
+    dcp/                 torch.distributed.checkpoint shards (model + optimizer), one file per rank
+    train_state/rank{R}.json   step, blocks consumed by that rank, data counters, scheduler state
+    hf/                  (final checkpoint only) config.json, sharded *.safetensors + index, tokenizer
+    raytune_meta.json    job, model name, family, step, final loss (read by the registry)
+
+Ray registers a checkpoint only after every worker's `report` returned, so a worker dying while
+writing leaves the previous checkpoint as the latest one.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+SHARD_BYTES = 4 * 1024**3
+META_FILE = "raytune_meta.json"
+
+
+class _AppState:
+    """Stateful wrapper so DCP saves/loads model and optimizer through the FSDP-aware helpers."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+
+def save_train_checkpoint(directory: str, model, optimizer, rank: int, train_state: dict) -> None:
+    """Every rank writes its own DCP shard and its own train-state file into `directory`."""
+    os.makedirs(os.path.join(directory, "train_state"), exist_ok=True)
+    dcp.save({"app": _AppState(model, optimizer)}, checkpoint_id=os.path.join(directory, "dcp"))
+    with open(os.path.join(directory, "train_state", f"rank{rank}.json"), "w") as f:
+        json.dump(train_state, f)
+
+
+def load_train_checkpoint(directory: str, model, optimizer, rank: int) -> dict:
+    """Load model + optimizer shards into the (already sharded) model; return this rank's train state."""
+    dcp.load({"app": _AppState(model, optimizer)}, checkpoint_id=os.path.join(directory, "dcp"))
+    path = os.path.join(directory, "train_state", f"rank{rank}.json")
+    if not os.path.exists(path):
+        raise RuntimeError(f"checkpoint {directory} has no train state for rank {rank}: it was written by a run "
+                           "with a different number of workers; resume with the same scaling.num_workers")
+    with open(path) as f:
+        return json.load(f)
+
+
+def export_hf_folder(out_dir: str, model: torch.nn.Module, hf_config, tokenizer, rank: int,
+                     dtype: torch.dtype = torch.bfloat16, prefix_strip: str = "") -> None:
+    """Write a Hugging Face folder from an FSDP2-sharded model, one parameter gathered at a time.
+
+    All ranks take part in each gather (a collective); only rank 0 keeps the gathered tensor, on
+    the CPU, and flushes a safetensors shard every ~4 GiB, so neither a GPU nor host RAM ever holds
+    the whole model.
+    """
+    from safetensors.torch import save_file
+
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes, shard_files, weight_map, total = 0, [], {}, 0
+
+    def flush():
+        nonlocal shard, shard_bytes
+        if rank == 0 and shard:
+            name = f"model-{len(shard_files) + 1:05d}.safetensors"
+            save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+            shard_files.append(name)
+            for k in shard:
+                weight_map[k] = name
+        shard, shard_bytes = {}, 0
+
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    for key, value in model.state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        if rank != 0:
+            continue
+        name = key[len(prefix_strip):] if prefix_strip and key.startswith(prefix_strip) else key
+        if tied and name == "lm_head.weight":
+            continue
+        t = full.detach().to("cpu", dtype=dtype if full.is_floating_point() else full.dtype).contiguous()
+        shard[name] = t
+        shard_bytes += t.numel() * t.element_size()
+        total += t.numel() * t.element_size()
+        if shard_bytes >= SHARD_BYTES:
+            flush()
+    flush()
+    if rank == 0:
+        # rename to the HF convention model-0000i-of-0000n.safetensors
+        n = len(shard_files)
+        renamed = {}
+        for i, old in enumerate(shard_files, 1):
+            new = f"model-{i:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"
+            os.replace(os.path.join(out_dir, old), os.path.join(out_dir, new))
+            renamed[old] = new
+        if n > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {k: renamed[v] for k, v in weight_map.items()}}
+            with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+        cfg = hf_config.__class__.from_dict(hf_config.to_dict())
+        cfg.torch_dtype = dtype
+        cfg.use_cache = True
+        cfg.save_pretrained(out_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def write_meta(directory: str, meta: dict) -> None:
+    with open(os.path.join(directory, META_FILE), "w") as f:
+        json.dump(meta, f, indent=2, default=str)
+
+
+def read_meta(directory: str) -> dict:
+    path = os.path.join(directory, META_FILE)
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+__all__ = ["save_train_checkpoint", "load_train_checkpoint", "export_hf_folder", "write_meta",
+           "read_meta", "StateDictOptions"]

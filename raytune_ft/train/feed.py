@@ -1,0 +1,79 @@
+"""Feed of packed blocks into a training step, the same on every rank.
+
+Each rank streams its own disjoint share of the data (see `raytune_ft.data.pipeline`), packs it into
+blocks and groups the blocks into the step's micro-batches. All ranks must run the same number of
+steps or a collective hangs: when one rank's share runs dry before the others, it feeds all-padding
+blocks (no supervised token, so no gradient) until every rank is dry; those blocks are counted. A
+tiny all-reduce on a CPU (gloo) group decides, so the GPU never waits for it.
+
+Resume: the order of a rank's blocks is deterministic, so a resumed run skips the blocks it had
+consumed at the checkpoint (counted in the checkpoint) and continues with the next unseen one.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from raytune_ft.recipe import Recipe
+
+
+class StepFeed:
+    def __init__(self, recipe: Recipe, *, rank: int, world: int, device: torch.device, skip_blocks: int = 0,
+                 counters_state: dict | None = None, split: str = "train", blocks: Iterator[dict] | None = None):
+        from raytune_ft.data.packing import DataCounters, padding_block
+        from raytune_ft.data.pipeline import worker_blocks
+
+        self.recipe, self.rank, self.world, self.device = recipe, rank, world, device
+        self.per_step = recipe.train.grad_accum * recipe.train.micro_batch_size
+        self.counters = DataCounters.from_dict(counters_state) if counters_state else DataCounters()
+        self._pad = padding_block(recipe.data.seq_len)
+        self._pad["n_pad"] = np.int64(recipe.data.seq_len)
+        self.blocks_consumed = skip_blocks
+        if blocks is None:
+            blocks = worker_blocks(recipe, rank=rank, world=world, counters=self.counters,
+                                   skip_blocks=skip_blocks, split=split)
+        self._it = iter(blocks)
+        self._dry = False
+        self._group = dist.new_group(backend="gloo") if dist.is_initialized() and device.type == "cuda" else None
+
+    def _take(self) -> list[dict]:
+        out = []
+        while not self._dry and len(out) < self.per_step:
+            try:
+                out.append(next(self._it))
+            except StopIteration:
+                self._dry = True
+        return out
+
+    def next_step(self):
+        """The step's micro-batches (list of StepBatch), or None once every rank is dry."""
+        from raytune_ft.train.fsdp_loop import StepBatch
+
+        got = self._take()
+        if dist.is_initialized():
+            flag = torch.tensor([len(got)], dtype=torch.int64)
+            if self._group is None and self.device.type != "cpu":
+                flag = flag.to(self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            any_left = int(flag.item()) > 0
+        else:
+            any_left = bool(got)
+        if not any_left:
+            return None
+        self.blocks_consumed += len(got)
+        n_fill = self.per_step - len(got)
+        if n_fill:
+            self.counters.equalisation_padding_blocks += n_fill
+            got = got + [self._pad] * n_fill
+        mbs = self.recipe.train.micro_batch_size
+        batches = [StepBatch.from_blocks(got[i:i + mbs], self.device) for i in range(0, len(got), mbs)]
+        return batches
+
+    def counters_state(self) -> dict:
+        return self.counters.to_dict()
+
+    def data_metrics(self) -> dict:
+        return self.counters.as_metrics()

@@ -1,0 +1,291 @@
+"""The FSDP2 training loop of the 27B recipe, run inside each Ray Train worker.
+
+One optimizer step = `grad_accum` micro-batches of `micro_batch_size` packed blocks per rank.
+The loss is the sum of per-token losses over the step's supervised tokens on all ranks, divided
+by their global count (all-reduced before the first backward of the step), so a token weighs the
+same whatever rank or micro-batch it lands on. FSDP2 averages gradients over ranks; each
+micro-batch loss is multiplied by the world size to undo that average.
+
+Non-finite losses and gradient norms are accumulated into a device flag and checked where the
+host syncs anyway (log and checkpoint steps), so the step itself never waits on the GPU.
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from raytune_ft.recipe import Recipe
+from raytune_ft.train import checkpoint as ckpt_io
+from raytune_ft.train.common import (
+    WorkerLog,
+    lr_at,
+    recipe_from_config,
+    report,
+)
+
+
+class PackedCausalLM(nn.Module):
+    """A causal LM whose forward returns (sum of shifted token losses, supervised token count).
+
+    Wrapping the HF model lets FSDP2's root hooks cover the embedding, final norm and lm_head
+    while the loss is computed in chunks, never holding fp32 logits for a whole block.
+    """
+
+    def __init__(self, lm: nn.Module, loss_chunk: int = 4096):
+        super().__init__()
+        self.lm = lm
+        self.loss_chunk = loss_chunk
+
+    def forward(self, input_ids, labels, position_ids, cu_seqlens, seq_idx, max_seqlen: int):
+        from raytune_ft.models.gated_delta import packed_forward_kwargs
+        from raytune_ft.models.loss import chunked_cross_entropy
+
+        kwargs = packed_forward_kwargs(input_ids=input_ids, position_ids=position_ids,
+                                       cu_seqlens=cu_seqlens, seq_idx=seq_idx, max_seqlen=max_seqlen)
+        hidden = self.lm.model(**kwargs).last_hidden_state
+        return chunked_cross_entropy(hidden, self.lm.lm_head.weight, labels, chunk_size=self.loss_chunk)
+
+
+@dataclass
+class StepBatch:
+    """A micro-batch flattened to one row: blocks laid end to end, boundaries merged."""
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    seq_idx: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    n_supervised: int
+    n_real: int
+    seq_lens: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_blocks(cls, blocks: list[dict], device: torch.device) -> "StepBatch":
+        import numpy as np
+
+        ids, labels, pos, sidx, cu = [], [], [], [], [0]
+        seq_lens, n_real, n_sup, offset, seg_offset = [], 0, 0, 0, 0
+        for b in blocks:
+            ids.append(b["input_ids"]); labels.append(b["labels"]); pos.append(b["position_ids"])
+            sidx.append(b["seq_idx"].astype(np.int32) + seg_offset)
+            c = b["cu_seqlens"].astype(np.int64)
+            cu.extend((c[1:] + offset).tolist())
+            lens = np.diff(c)
+            # the last segment of a block is padding when its labels are all -100 and it is marked so
+            pad = int(b.get("n_pad", 0))
+            real_lens = lens.tolist()
+            if pad:
+                real_lens = real_lens[:-1]
+            seq_lens.extend(real_lens)
+            n_real += len(b["input_ids"]) - pad
+            n_sup += int((b["labels"][1:] != -100).sum())
+            offset += len(b["input_ids"])
+            seg_offset += len(lens)
+        t = lambda a, dt: torch.from_numpy(np.concatenate(a).astype(dt)).unsqueeze(0).to(device, non_blocking=True)
+        cu_t = torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True)
+        max_len = int(max(np.diff(np.asarray(cu)))) if len(cu) > 1 else 1
+        return cls(t(ids, np.int64), t(labels, np.int64), t(pos, np.int64), t(sidx, np.int32), cu_t,
+                   max_len, n_sup, n_real, seq_lens)
+
+
+def _device() -> torch.device:
+    import ray.train.torch
+
+    return ray.train.torch.get_device()
+
+
+def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
+    """Build (or load) the model, install the packed-sequence paths, and shard it with FSDP2."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from raytune_ft.models.attention import select_attention_backend
+    from raytune_ft.models.build import decoder_layers, load_causal_lm, tokenizer_for
+    from raytune_ft.models.gated_delta import enable_packing
+
+    tok = tokenizer_for(recipe.model)
+    on_gpu = device.type == "cuda"
+    compute_dtype = torch.bfloat16 if (on_gpu and recipe.model.dtype == "bfloat16") else torch.float32
+    param_dtype = torch.float32 if recipe.train.master_weights == "fp32" else compute_dtype
+    torch.manual_seed(recipe.train.seed)
+    lm = load_causal_lm(recipe.model, tokenizer_vocab_size=len(tok), device="cpu", dtype=param_dtype)
+    backend = select_attention_backend(device)
+    enable_packing(lm)
+    log.info(f"attention backend: {backend}; params {param_dtype}, compute {compute_dtype}, "
+             f"reduce fp32; activation checkpointing {recipe.train.activation_checkpointing}")
+    layers = decoder_layers(lm)
+    _set_activation_checkpointing(lm, layers, recipe.train.activation_checkpointing)
+    model = PackedCausalLM(lm)
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    model.to(device)
+    return model, lm, tok
+
+
+def _set_activation_checkpointing(lm, layers, mode: str) -> None:
+    if mode == "none":
+        return
+    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if mode == "selective":
+        # layer-selective: recompute every other decoder layer, keep the rest's activations
+        for i, layer in enumerate(layers):
+            if i % 2 == 1 and hasattr(layer, "gradient_checkpointing"):
+                layer.gradient_checkpointing = False
+
+
+def train_fsdp(config: dict) -> None:
+    """Ray Train worker entry point for the FSDP2 loop."""
+    import ray.train
+
+    from raytune_ft.train.feed import StepFeed
+
+    recipe = recipe_from_config(config)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = _device()
+    log = WorkerLog(rank, recipe, config.get("mlflow_run_id"))
+    t_cfg = recipe.train
+
+    model, lm, tok = build_fsdp_model(recipe, device, log)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=t_cfg.lr, betas=tuple(t_cfg.betas), weight_decay=t_cfg.weight_decay,
+                            fused=device.type == "cuda")
+
+    state = {"step": 0, "blocks_consumed": 0, "history": [], "counters": {}}
+    resume = ray.train.get_checkpoint()
+    if resume is not None:
+        with resume.as_directory() as d:
+            state = ckpt_io.load_train_checkpoint(d, model, opt, rank)
+        log.info(f"resumed from checkpoint at step {state['step']} ({state['blocks_consumed']} blocks consumed "
+                 f"on rank {rank})")
+
+    total_steps = int(config.get("total_steps") or t_cfg.max_steps or 0)
+    feed = StepFeed(recipe, rank=rank, world=world, device=device, skip_blocks=state["blocks_consumed"],
+                    counters_state=state.get("counters"))
+    from raytune_ft.models.flops import flops_per_block, gpu_peak_tflops
+
+    peak_flops = gpu_peak_tflops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu") * 1e12
+    n_layers_cfg = lm.config
+
+    step = state["step"]
+    bad = torch.zeros((), dtype=torch.bool, device=device)
+    pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, float]] = []
+    window_tokens, window_flops, window_t0 = 0, 0.0, time.perf_counter()
+    run_t0 = time.perf_counter()
+    last_metrics: dict = {}
+
+    while total_steps == 0 or step < total_steps:
+        micro_batches = feed.next_step()
+        if micro_batches is None:  # every rank's data is spent
+            break
+        n_sup = torch.tensor(float(sum(mb.n_supervised for mb in micro_batches)), device=device)
+        dist.all_reduce(n_sup)
+        denom = n_sup.clamp(min=1.0)
+        loss_sum = torch.zeros((), device=device)
+        for i, mb in enumerate(micro_batches):
+            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            ls, _ = model(mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens, mb.seq_idx, mb.max_seqlen)
+            (ls * world / denom).backward()
+            loss_sum += ls.detach().float()
+            window_tokens += mb.n_real
+            window_flops += flops_per_block(n_layers_cfg, mb.seq_lens)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, t_cfg.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        bad |= ~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)
+        lr = t_cfg.lr * lr_at(step, t_cfg, total_steps)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        pending.append((step, loss_sum, denom, grad_norm.detach(), lr))
+
+        at_log = step % t_cfg.log_every == 0 or step == total_steps
+        at_ckpt = step % t_cfg.checkpoint_every == 0 and step != total_steps
+        if not (at_log or at_ckpt):
+            continue
+        # host sync point: losses of the window, the non-finite flag, throughput
+        losses = torch.stack([p[1] for p in pending])
+        dist.all_reduce(losses)
+        if bool(bad.item()):
+            raise FloatingPointError(
+                f"non-finite loss or gradient norm within steps {pending[0][0]}..{step} "
+                f"(rank {rank}); stopping without saving: the last good checkpoint is kept. "
+                "Lower train.lr, check the data, or use train.master_weights=fp32.")
+        dt = time.perf_counter() - window_t0
+        tokens_all = torch.tensor(float(window_tokens), device=device)
+        dist.all_reduce(tokens_all)
+        state["tokens_total"] = state.get("tokens_total", 0) + int(tokens_all.item())
+        for (s, _, d, gn, lr_s), l in zip(pending, losses.tolist()):
+            state["history"].append({"step": s, "loss": l / float(d), "lr": lr_s, "grad_norm": float(gn)})
+        tps = float(tokens_all) / max(dt, 1e-9)
+        mfu = (window_flops / max(dt, 1e-9)) / peak_flops if peak_flops else 0.0
+        last_metrics = {
+            "step": step, "loss": state["history"][-1]["loss"], "lr": pending[-1][4],
+            "grad_norm": state["history"][-1]["grad_norm"], "tokens_per_s": tps,
+            "tokens_per_s_per_worker": tps / world, "mfu": mfu, "tokens": state["tokens_total"],
+            "epoch_progress": step / total_steps if total_steps else 0.0,
+        }
+        if device.type == "cuda":
+            last_metrics["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        log.progress(last_metrics, total_steps, time.perf_counter() - run_t0)
+        pending.clear()
+        window_tokens, window_flops, window_t0 = 0, 0.0, time.perf_counter()
+        state["step"] = step
+        state["blocks_consumed"] = feed.blocks_consumed
+        state["counters"] = feed.counters_state()
+        if at_ckpt:
+            _save_and_report(recipe, model, opt, rank, state, last_metrics, log, final=False)
+        else:
+            report(last_metrics | feed.data_metrics())
+
+    # end of the run: the step count, counters and history go into the final checkpoint
+    rest = torch.tensor(float(window_tokens), device=device)
+    dist.all_reduce(rest)
+    state["tokens_total"] = state.get("tokens_total", 0) + int(rest.item())
+    if pending:  # steps after the last log (the data ran out before total_steps)
+        losses = torch.stack([p[1] for p in pending])
+        dist.all_reduce(losses)
+        if bool(bad.item()):
+            raise FloatingPointError(f"non-finite loss or gradient norm within the last steps (rank {rank})")
+        for (s, _, d, gn, lr_s), l in zip(pending, losses.tolist()):
+            state["history"].append({"step": s, "loss": l / float(d), "lr": lr_s, "grad_norm": float(gn)})
+    state["step"] = step
+    state["blocks_consumed"] = feed.blocks_consumed
+    state["counters"] = feed.counters_state()
+    final = dict(last_metrics)
+    final.update({"step": step, "loss": state["history"][-1]["loss"] if state["history"] else float("nan"),
+                  "train_seconds": time.perf_counter() - run_t0, "tokens": state["tokens_total"], "done": True})
+    _save_and_report(recipe, model, opt, rank, state, final | feed.data_metrics(), log, final=True,
+                     lm=lm, tokenizer=tok)
+    log.close()
+
+
+def _save_and_report(recipe, model, opt, rank, state, metrics, log, *, final: bool, lm=None, tokenizer=None):
+    import ray.train
+
+    with tempfile.TemporaryDirectory(prefix="raytune_ckpt_") as d:
+        ckpt_io.save_train_checkpoint(d, model, opt, rank, state)
+        if final:
+            ckpt_io.export_hf_folder(os.path.join(d, "hf"), model, lm.config, tokenizer, rank,
+                                     dtype=torch.bfloat16 if recipe.model.dtype == "bfloat16" else torch.float32,
+                                     prefix_strip="lm.")
+        if rank == 0:
+            ckpt_io.write_meta(d, {
+                "job": recipe.job, "model_name": recipe.model.name, "revision": recipe.model.revision,
+                "family": recipe.model.family, "step": state["step"], "final": final,
+                "final_loss": state["history"][-1]["loss"] if state["history"] else None,
+                "run_name": recipe.tracking.run_name, "loop": "fsdp2",
+            })
+        log.info(f"checkpoint at step {state['step']}{' (final, with hf/ export)' if final else ''}")
+        ray.train.report({k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))},
+                         checkpoint=ray.train.Checkpoint.from_directory(d))

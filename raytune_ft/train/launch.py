@@ -1,0 +1,49 @@
+"""Launch a recipe's training loop on Ray Train: one TorchTrainer, N workers, the recipe's scaling."""
+from __future__ import annotations
+
+import os
+
+from raytune_ft.recipe import Recipe
+
+
+def _worker_env() -> dict[str, str]:
+    keep = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "RAYTUNE_HF_ROOT", "HF_HOME",
+            "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+    return {k: os.environ[k] for k in keep if k in os.environ}
+
+
+def storage_path(recipe: Recipe) -> str:
+    path = recipe.tracking.storage_path
+    if "://" in path:
+        return path
+    path = os.path.abspath(os.path.expanduser(path))
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, total_steps: int | None):
+    """The TorchTrainer for `recipe`; re-running with the same run name resumes from its last checkpoint."""
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    s = recipe.scaling
+    if recipe.train.loop == "fsdp2":
+        from raytune_ft.train.fsdp_loop import train_fsdp as loop
+    else:
+        from raytune_ft.train.trl_loop import train_trl as loop
+    backend = s.backend if s.backend != "auto" else ("nccl" if s.use_gpu else "gloo")
+    resources = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
+    if s.use_gpu:
+        resources.setdefault("GPU", 1)
+    scaling = ray.train.ScalingConfig(
+        num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,
+        placement_strategy=s.placement_strategy, accelerator_type=s.accelerator_type)
+    run_config = ray.train.RunConfig(
+        name=recipe.tracking.run_name, storage_path=storage_path(recipe),
+        failure_config=ray.train.FailureConfig(max_failures=s.max_failures),
+        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=recipe.train.keep_checkpoints),
+        worker_runtime_env={"env_vars": _worker_env()},
+    )
+    config = {"recipe": recipe.to_dict(), "mlflow_run_id": mlflow_run_id, "total_steps": total_steps}
+    return TorchTrainer(loop, train_loop_config=config, scaling_config=scaling, run_config=run_config,
+                        torch_config=TorchConfig(backend=backend))
