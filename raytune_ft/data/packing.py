@@ -1,0 +1,213 @@
+"""Pack tokenized conversations into fixed-length blocks with block-diagonal signals.
+
+`pack_blocks(examples, seq_len)` takes `(ids, mask)` pairs and yields blocks of exactly `seq_len`
+tokens. Each block holds whole conversations one after another, then padding:
+
+    input_ids     int64 [seq_len]
+    labels        int64 [seq_len]  token id where the mask is True, else -100; also -100 on each
+                                   conversation's first token and on padding. Not shifted: the loss
+                                   predicts labels[t] from position t-1, so -100 on a first token
+                                   keeps the shifted loss from crossing a conversation boundary.
+    position_ids  int64 [seq_len]  0, 1, 2, ... restarting in each conversation (and in the padding)
+    seq_idx       int32 [seq_len]  conversation index in the block; padding is the last segment
+    cu_seqlens    int32 [n_segments + 1]  segment boundaries, padding counted as the last segment
+
+Packing: best-fit-decreasing over a bounded window of `window` conversations. When the window is
+full, its conversations are sorted longest first and each goes into the open block with the least
+room that still fits it. Every block is emitted except the least filled one, whose conversations go
+back into the window to be packed with the next `window` arrivals: so only the very end of the
+stream leaves partly filled blocks, and the stream's tail is packed (and its padding counted), never
+dropped. Memory: at most `window` conversations plus one block's worth held back.
+
+Policy for a conversation longer than a block (`overlong`):
+  "split" (default): cut it into `seq_len`-token pieces; each piece is packed as a conversation of its
+          own (positions restart at 0, its first token's label is -100 since the piece cannot see the
+          previous one); later pieces keep their own loss. Counted in `conversations_split`.
+  "drop":  skip it, counted in `rows_skipped_by_reason["overlong"]`.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class DataCounters:
+    """What the data path read, skipped, packed and padded; mergeable across workers."""
+
+    rows_read: int = 0
+    rows_skipped_by_reason: dict[str, int] = field(default_factory=dict)
+    conversations_packed: int = 0
+    conversations_split: int = 0          # over-long conversations cut into block-sized pieces
+    blocks: int = 0
+    padding_tokens: int = 0
+    real_tokens: int = 0
+    supervised_tokens: int = 0            # labels != -100
+    equalisation_padding_blocks: int = 0  # all-padding blocks a rank ran so every rank steps equally
+
+    def skip(self, reason: str, n: int = 1) -> None:
+        self.rows_skipped_by_reason[reason] = self.rows_skipped_by_reason.get(reason, 0) + n
+
+    @property
+    def rows_skipped(self) -> int:
+        return sum(self.rows_skipped_by_reason.values())
+
+    def merge(self, other: "DataCounters") -> "DataCounters":
+        """Add `other` into self (for summing the counts of several workers); returns self."""
+        for f in dataclasses.fields(self):
+            if f.name == "rows_skipped_by_reason":
+                for k, v in other.rows_skipped_by_reason.items():
+                    self.skip(k, v)
+            else:
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DataCounters":
+        return cls(**{k: (dict(v) if isinstance(v, dict) else v) for k, v in d.items()})
+
+    def as_metrics(self, prefix: str = "data/") -> dict[str, float]:
+        """A flat dict of numbers (for MLflow / ray.train.report)."""
+        out: dict[str, float] = {}
+        for f in dataclasses.fields(self):
+            if f.name == "rows_skipped_by_reason":
+                continue
+            out[prefix + f.name] = getattr(self, f.name)
+        out[prefix + "rows_skipped"] = self.rows_skipped
+        for reason, n in sorted(self.rows_skipped_by_reason.items()):
+            out[f"{prefix}rows_skipped/{reason}"] = n
+        total = self.real_tokens + self.padding_tokens
+        out[prefix + "packing_efficiency"] = self.real_tokens / total if total else 0.0
+        return out
+
+
+def block_from_segments(segments: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int,
+                        pad_id: int = 0) -> dict[str, np.ndarray]:
+    """Lay out conversations `(ids, mask)` (total length <= seq_len) as one padded block."""
+    input_ids = np.full(seq_len, pad_id, dtype=np.int64)
+    labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
+    position_ids = np.empty(seq_len, dtype=np.int64)
+    seq_idx = np.empty(seq_len, dtype=np.int32)
+    bounds = [0]
+    pos = 0
+    for i, (ids, mask) in enumerate(segments):
+        n = len(ids)
+        end = pos + n
+        input_ids[pos:end] = ids
+        labels[pos:end] = np.where(mask, ids, IGNORE_INDEX)
+        labels[pos] = IGNORE_INDEX            # nothing in this block predicts a conversation's first token
+        position_ids[pos:end] = np.arange(n)
+        seq_idx[pos:end] = i
+        pos = end
+        bounds.append(pos)
+    if pos > seq_len:
+        raise ValueError(f"segments hold {pos} tokens, more than seq_len={seq_len}")
+    if pos < seq_len:                         # padding: its own last segment, never supervised
+        position_ids[pos:] = np.arange(seq_len - pos)
+        seq_idx[pos:] = len(segments)
+        bounds.append(seq_len)
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
+            "seq_idx": seq_idx, "cu_seqlens": np.asarray(bounds, dtype=np.int32)}
+
+
+def padding_block(seq_len: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """A block of padding only (labels all -100): what a rank runs when its data is exhausted."""
+    return block_from_segments([], seq_len, pad_id)
+
+
+def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins (lists of indices into `lengths`) from best-fit-decreasing; ties keep arrival order."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    # Open bins sorted by room left: (room, bin number); bisect finds the tightest bin that fits.
+    rooms: list[tuple[int, int]] = []
+    for i in order:
+        n = lengths[i]
+        k = bisect.bisect_left(rooms, (n, -1))
+        if k < len(rooms):
+            room, b = rooms.pop(k)
+            bins[b].append(i)
+            if room - n > 0:
+                bisect.insort(rooms, (room - n, b))
+        else:
+            bins.append([i])
+            if capacity - n > 0:
+                bisect.insort(rooms, (capacity - n, len(bins) - 1))
+    return bins
+
+
+def pack_blocks(examples: Iterable[tuple[Sequence[int], Sequence[bool]]], seq_len: int, *,
+                window: int = 2048, pad_id: int = 0, overlong: str = "split",
+                counters: DataCounters | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """Pack `(ids, mask)` conversations into `seq_len` blocks (fields and policies: module docstring).
+
+    Deterministic: the same examples in the same order give the same blocks. `counters`, when given,
+    receives conversations_packed / conversations_split / blocks / token counts as blocks are made.
+    """
+    if overlong not in ("split", "drop"):
+        raise ValueError(f"overlong={overlong!r}: expected 'split' or 'drop'")
+    if seq_len < 2:
+        raise ValueError("seq_len must be >= 2")
+    c = counters if counters is not None else DataCounters()
+    pending: list[tuple[np.ndarray, np.ndarray]] = []
+    # Repack once `window` new conversations have joined the ones held back, so the held-back block
+    # (at most one block's worth) never makes each arrival trigger a repack.
+    pack_at = window
+
+    def emit(segs):
+        block = block_from_segments(segs, seq_len, pad_id)
+        real = sum(len(s[0]) for s in segs)
+        c.blocks += 1
+        c.conversations_packed += len(segs)
+        c.real_tokens += real
+        c.padding_tokens += seq_len - real
+        c.supervised_tokens += int((block["labels"] != IGNORE_INDEX).sum())
+        return block
+
+    def pack_pending(final: bool):
+        bins = best_fit_decreasing([len(p[0]) for p in pending], seq_len)
+        keep: list[int] = []
+        if not final:
+            # Hold back the least filled block: its conversations rejoin the window.
+            fill = [sum(len(pending[i][0]) for i in b) for b in bins]
+            worst = min(range(len(bins)), key=lambda b: (fill[b], b))
+            keep = sorted(bins.pop(worst))
+        out = [emit([pending[i] for i in b]) for b in bins]
+        pending[:] = [pending[i] for i in keep]
+        return out
+
+    for ids, mask in examples:
+        ids = np.asarray(ids, dtype=np.int64)
+        mask = np.asarray(mask, dtype=bool)
+        if len(ids) != len(mask):
+            raise ValueError(f"ids and mask differ in length ({len(ids)} vs {len(mask)})")
+        if len(ids) == 0:
+            c.skip("empty")
+            continue
+        if len(ids) > seq_len:
+            if overlong == "drop":
+                c.skip("overlong")
+                continue
+            c.conversations_split += 1
+            for start in range(0, len(ids), seq_len):
+                piece = (ids[start:start + seq_len], mask[start:start + seq_len])
+                if len(piece[0]) == seq_len:
+                    yield emit([piece])       # a full piece is a block of its own
+                else:
+                    pending.append(piece)
+        else:
+            pending.append((ids, mask))
+        if len(pending) >= pack_at:
+            yield from pack_pending(final=False)
+            pack_at = len(pending) + window
+    if pending:
+        yield from pack_pending(final=True)

@@ -1,0 +1,398 @@
+"""The Ray Data pipeline: read a source, tokenize and mask each conversation, and, inside each Ray
+Train worker, pack that worker's share into fixed blocks with every rank running the same steps.
+
+Driver side (before `TorchTrainer.fit`):
+
+    train_ds = build_dataset(recipe.data, tokenizer, split="train")
+    val_ds   = build_dataset(recipe.data, tokenizer, split="validation")
+    TorchTrainer(..., datasets={"train": train_ds, "validation": val_ds},
+                 dataset_config=train_data_config())
+
+Worker side (inside the train loop):
+
+    counters = DataCounters()
+    blocks = iter_blocks(ray.train.get_dataset_shard("train"), data, counters=counters,
+                         skip_blocks=blocks_done_before_resume)
+    for block, is_padding in equalize_steps(blocks, seq_len=data.seq_len, counters=counters, device=dev):
+        ...
+    metrics.update(gather_counters(counters).as_metrics())   # every rank calls it (a collective)
+
+Sharding. `train_data_config()` splits the train dataset with `streaming_split(equal=False)`:
+Ray Train's default (`equal=True`) makes the shares equal by dropping rows, silently. Unequal shares
+are instead evened out at the block level by `equalize_steps`: a rank that runs dry runs all-padding
+blocks (labels all -100, no gradient signal) until every rank is dry, and counts them in
+`equalisation_padding_blocks`. With `preserve_order=True` and no locality hints, Ray's splitter hands
+each bundle to the consumer with the fewest rows so far, so the shares are deterministic for a given
+source and block layout; that is what makes "skip the first N blocks" an exact resume.
+
+Rows that cannot be trained on are not dropped in the Ray Data stage: they travel as rows with an
+empty `input_ids` and a `skip_reason`, so the worker that receives them counts them; the counts are
+summed across workers by `gather_counters`.
+"""
+from __future__ import annotations
+
+import fnmatch
+import functools
+import hashlib
+import json
+import os
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from raytune_ft.data.builtin import builtin_chat
+from raytune_ft.data.packing import DataCounters, pack_blocks, padding_block
+from raytune_ft.data.sft import SpanNotFound, render_sft
+from raytune_ft.data.sources import to_messages
+
+__all__ = ["DataCounters", "build_dataset", "iter_blocks", "equalize_steps", "gather_counters",
+           "train_data_config", "resolve_hf_parquet", "HF_ROOT_ENV"]
+
+# Offline stand-in for the hub: hf://org/name reads <root>/org/name/, laid out as the hub repo is
+# (e.g. data/train_sft-00000-of-00003.parquet). Same listing and reading code as the real hub.
+HF_ROOT_ENV = "RAYTUNE_HF_ROOT"
+BUILTIN_DEFAULT_ROWS = 2000
+_SPLIT_BUCKETS = 1 << 32
+
+
+# ---------------------------------------------------------------- tokenizer in Ray tasks
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_from_path(path: str, chat_template: str | None):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.expanduser(path))
+    if chat_template:
+        tok.chat_template = _read_template(chat_template)
+    return tok
+
+
+def _read_template(template: str) -> str:
+    """A template given as a file path is read; anything else is the template text itself."""
+    if "{" not in template and os.path.isfile(os.path.expanduser(template)):
+        with open(os.path.expanduser(template)) as f:
+            return f.read()
+    return template
+
+
+class _TokenizerRef:
+    """What a Ray task carries to get the tokenizer: a path (loaded once per process) or the object."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None):
+        if isinstance(tokenizer, (str, os.PathLike)):
+            self.path, self.obj = os.fspath(tokenizer), None
+            self.chat_template = chat_template
+        else:
+            self.path, self.obj = None, tokenizer
+            if chat_template:                      # do not mutate the caller's tokenizer
+                import copy
+                self.obj = copy.copy(tokenizer)
+                self.obj.chat_template = _read_template(chat_template)
+            self.chat_template = None
+
+    def get(self):
+        return self.obj if self.obj is not None else _tokenizer_from_path(self.path, self.chat_template)
+
+
+# ---------------------------------------------------------------- sources
+
+def resolve_hf_parquet(repo: str, split: str, revision: str | None = None,
+                       hf_root: str | None = None) -> tuple[list[str], Any]:
+    """Parquet files of one split of a hub dataset repo, and the filesystem to read them with.
+
+    Online: `HfFileSystem` at `revision` (streamed by Ray Data, never downloaded whole to one node).
+    Offline (`hf_root` or $RAYTUNE_HF_ROOT): a local folder laid out like the repo. Split files are
+    matched the way the hub names them: `<split>-*.parquet` or `<split>/*.parquet` anywhere in the repo.
+    """
+    import fsspec
+
+    root = hf_root or os.environ.get(HF_ROOT_ENV)
+    if root:
+        fs = fsspec.filesystem("file")
+        base = os.path.join(os.path.abspath(os.path.expanduser(root)), repo)
+    else:
+        from huggingface_hub import HfFileSystem
+
+        fs = HfFileSystem()
+        base = f"datasets/{repo}@{revision or 'main'}"
+    files = sorted(fs.glob(f"{base}/**/*.parquet"))
+    picked = [f for f in files
+              if fnmatch.fnmatch(os.path.basename(f), f"{split}-*.parquet")
+              or os.path.basename(f) == f"{split}.parquet"
+              or os.path.basename(os.path.dirname(f)) == split]
+    if not picked:
+        raise FileNotFoundError(f"no parquet files for split {split!r} in hf://{repo}"
+                                f"{'@' + revision if revision else ''} (looked under {base})")
+    return picked, fs
+
+
+def _read_source(data, split_name: str):
+    """A Ray Dataset of raw rows. jsonl is read as text lines so one bad line is counted, not fatal."""
+    import ray.data
+
+    src = data.source
+    if src.startswith("builtin:"):
+        parts = src.split(":")
+        if parts[1] != "chat":
+            raise ValueError(f"data.source: unknown builtin dataset {src!r} (known: builtin:chat[:N])")
+        n = int(parts[2]) if len(parts) > 2 else BUILTIN_DEFAULT_ROWS
+        # Distinct rows for the separate validation split of a builtin source.
+        seed = data.seed if split_name == data.split else data.seed + 1
+        return ray.data.from_items([{"text": json.dumps(r)} for r in builtin_chat(n, seed)])
+    if src.startswith("hf://"):
+        repo = src[len("hf://"):].removeprefix("datasets/").strip("/")
+        paths, fs = resolve_hf_parquet(repo, split_name, data.revision)
+        return ray.data.read_parquet(paths, filesystem=fs)
+    path = os.path.expanduser(src)
+    if os.path.isdir(path):
+        files = sorted(os.path.join(d, f) for d, _, fs_ in os.walk(path) for f in fs_)
+        parquet = [f for f in files if f.endswith(".parquet")]
+        if parquet:
+            return ray.data.read_parquet(parquet)
+        texts = [f for f in files if f.endswith((".jsonl", ".json"))]
+        if not texts:
+            raise FileNotFoundError(f"data.source: no .parquet/.jsonl/.json files under {src!r}")
+        return _read_json_files(texts)
+    if path.endswith(".parquet"):
+        return ray.data.read_parquet(path)
+    return _read_json_files([path])
+
+
+def _read_json_files(files: list[str]):
+    import ray.data
+
+    lines, arrays = [], []
+    for f in files:
+        with open(f, "rb") as fh:
+            head = fh.read(4096).lstrip()
+        (arrays if head.startswith(b"[") else lines).append(f)
+    parts = []
+    if lines:
+        parts.append(ray.data.read_text(lines, drop_empty_lines=True))
+    for f in arrays:                              # a JSON array file: small by nature, parsed here
+        with open(f) as fh:
+            rows = json.load(fh)
+        parts.append(ray.data.from_items([{"text": json.dumps(r)} for r in rows]))
+    return parts[0] if len(parts) == 1 else parts[0].union(*parts[1:])
+
+
+# ---------------------------------------------------------------- tokenize + mask (a Ray Data map)
+
+def _split_bucket(messages: Any, seed: int) -> float:
+    """A number in [0, 1) fixed by the row's content and the seed: which split a row falls in."""
+    key = json.dumps(messages, sort_keys=True, ensure_ascii=False, default=str).encode()
+    h = hashlib.blake2b(key, digest_size=8, salt=(seed & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")).digest()
+    return int.from_bytes(h[:4], "little") / _SPLIT_BUCKETS
+
+
+def tokenize_rows(rows: Iterable[Any], tokenizer, *, schema: str = "auto",
+                  template_kwargs: dict | None = None, validation_fraction: float = 0.0,
+                  keep: str = "all", seed: int = 42) -> dict[str, list]:
+    """Columns `input_ids`, `mask`, `skip_reason` for raw rows (dicts, or json text lines).
+
+    `keep` is "train" / "validation" / "all": with `validation_fraction > 0`, rows whose seeded hash
+    falls under the fraction are validation rows and the rest train rows; the other split's rows are
+    left out (not counted: they are not this split's). A skipped row keeps a place with empty ids.
+    """
+    out: dict[str, list] = {"input_ids": [], "mask": [], "skip_reason": []}
+    kwargs = template_kwargs or {}
+    for row in rows:
+        if isinstance(row, dict) and set(row) == {"text"} and isinstance(row["text"], str):
+            row = row["text"]
+        messages, reason = to_messages(row, schema)
+        if validation_fraction > 0 and keep != "all":
+            in_val = _split_bucket(messages if messages is not None else repr(row), seed) < validation_fraction
+            if in_val != (keep == "validation"):
+                continue
+        ids: list[int] = []
+        mask: list[bool] = []
+        if messages is not None:
+            try:
+                ids, mask = render_sft(tokenizer, messages, **kwargs)
+            except SpanNotFound:
+                reason = "span_not_found"
+            except Exception:                       # noqa: BLE001 - a template raising on a row's data
+                reason = "template_error"
+        out["input_ids"].append(ids if reason is None else [])
+        out["mask"].append(mask if reason is None else [])
+        out["skip_reason"].append(reason or "")
+    return out
+
+
+def _map_fn(tok_ref: _TokenizerRef, schema: str, template_kwargs: dict, fraction: float, keep: str,
+            seed: int):
+    import pyarrow as pa
+
+    def fn(batch: "pa.Table") -> "pa.Table":
+        cols = tokenize_rows(batch.to_pylist(), tok_ref.get(), schema=schema,
+                             template_kwargs=template_kwargs, validation_fraction=fraction,
+                             keep=keep, seed=seed)
+        return pa.table({"input_ids": pa.array(cols["input_ids"], type=pa.list_(pa.int32())),
+                         "mask": pa.array(cols["mask"], type=pa.list_(pa.bool_())),
+                         "skip_reason": pa.array(cols["skip_reason"], type=pa.string())})
+    return fn
+
+
+def build_dataset(data, tokenizer, *, split: str = "train", chat_template: str | None = None):
+    """A Ray Dataset of tokenized, masked conversations of `split` ("train" or "validation").
+
+    Columns: `input_ids` list<int32>, `mask` list<bool>, `skip_reason` string ("" for a usable row;
+    otherwise the reason, with empty ids). `tokenizer` is a fast tokenizer or a path to one (loaded
+    once per Ray worker process); `chat_template` (text or a .jinja path) overrides its template.
+    Lazy: nothing is read until the dataset is consumed.
+    """
+    if split not in ("train", "validation"):
+        raise ValueError(f"split={split!r}: expected 'train' or 'validation'")
+    if split == "validation" and data.validation_split:
+        source_split, keep, fraction = data.validation_split, "all", 0.0
+    elif split == "validation":
+        if data.validation_fraction <= 0:
+            raise ValueError("no validation data: set data.validation_fraction or data.validation_split")
+        source_split, keep, fraction = data.split, "validation", data.validation_fraction
+    else:
+        source_split, keep, fraction = data.split, "train", data.validation_fraction
+    ds = _read_source(data, source_split)
+    # Deterministic row order end to end: the splits, the validation carve-out and resume rely on it.
+    ds.context.execution_options.preserve_order = True
+    if data.max_rows is not None:
+        ds = ds.limit(data.max_rows)
+    fn = _map_fn(_TokenizerRef(tokenizer, chat_template), data.schema, dict(data.template_kwargs),
+                 fraction, keep, data.seed)
+    return ds.map_batches(fn, batch_format="pyarrow", batch_size=64, num_cpus=data.num_cpus_per_op,
+                          zero_copy_batch=True)
+
+
+# ---------------------------------------------------------------- worker side
+
+def _iter_rows(shard: Any, batch_size: int = 256) -> Iterator[tuple[Any, Any, str]]:
+    """(ids, mask, skip_reason) from a DataIterator / Dataset shard, or an iterable of row dicts."""
+    if hasattr(shard, "iter_batches"):
+        for batch in shard.iter_batches(batch_size=batch_size, batch_format="pyarrow"):
+            ids_col, mask_col = batch.column("input_ids"), batch.column("mask")
+            reasons = batch.column("skip_reason").to_pylist()
+            for i, reason in enumerate(reasons):
+                if reason:
+                    yield None, None, reason
+                else:
+                    yield (ids_col[i].values.to_numpy(zero_copy_only=False),
+                           mask_col[i].values.to_numpy(zero_copy_only=False), "")
+    else:
+        for row in shard:
+            yield row["input_ids"], row["mask"], row.get("skip_reason") or ""
+
+
+def iter_blocks(shard: Any, data, *, world_size: int = 1, rank: int = 0,
+                counters: DataCounters | None = None, skip_blocks: int = 0, pad_id: int = 0,
+                split_rows: bool = False) -> Iterator[dict[str, np.ndarray]]:
+    """Pack this worker's rows into `data.seq_len` blocks (see `pack_blocks`), counting as it goes.
+
+    `shard` is `ray.train.get_dataset_shard("train")` (already this rank's share), a Dataset, or an
+    iterable of row dicts. With `split_rows=True` the shard is the whole stream and this rank keeps
+    rows `rank, rank + world_size, ...` (for a dataset not split by Ray Train).
+
+    Resume: `skip_blocks=N` re-reads and re-packs the first N blocks without yielding them (their
+    tokenization is paid again; nothing is trained twice), then continues. Exact when the rank sees
+    the same rows in the same order, which `build_dataset` + `train_data_config` provide. Counters
+    include the replayed blocks, i.e. they count from the start of the pass.
+    """
+    c = counters if counters is not None else DataCounters()
+
+    def examples():
+        for i, (ids, mask, reason) in enumerate(_iter_rows(shard)):
+            if split_rows and i % world_size != rank:
+                continue
+            c.rows_read += 1
+            if reason:
+                c.skip(reason)
+                continue
+            yield ids, mask
+
+    for n, block in enumerate(pack_blocks(examples(), data.seq_len, window=data.pack_window,
+                                          pad_id=pad_id, overlong=data.overlong, counters=c)):
+        if n >= skip_blocks:
+            yield block
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def equalize_steps(blocks: Iterable[dict[str, np.ndarray]], *, seq_len: int, pad_id: int = 0,
+                   group: Any = None, device: Any = None, counters: DataCounters | None = None
+                   ) -> Iterator[tuple[dict[str, np.ndarray], bool]]:
+    """Yield `(block, is_padding)` until every rank's blocks are exhausted, so all ranks step equally.
+
+    One all-reduce (MAX) of a one-element flag per block, on `device` (CUDA for NCCL, CPU for gloo).
+    A rank that has run dry yields all-padding blocks (labels all -100: zero loss, zero supervised
+    tokens) and counts each in `counters.equalisation_padding_blocks`; when every rank is dry, all stop
+    together. Padding rather than dropping: the other ranks' tail rows are trained on, and the cost is
+    visible in the counters. Without torch.distributed initialised it passes blocks through.
+    """
+    dist = _dist()
+    it = iter(blocks)
+    c = counters if counters is not None else DataCounters()
+    if dist is None:
+        for block in it:
+            yield block, False
+        return
+    import torch
+
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    while True:
+        block = next(it, None)
+        flag.fill_(0 if block is None else 1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if int(flag.item()) == 0:
+            return
+        if block is None:
+            c.equalisation_padding_blocks += 1
+            c.blocks += 1
+            c.padding_tokens += seq_len
+            yield padding_block(seq_len, pad_id), True
+        else:
+            yield block, False
+
+
+def gather_counters(counters: DataCounters, group: Any = None) -> DataCounters:
+    """Counters summed over all ranks (a collective: every rank must call it); local without dist."""
+    dist = _dist()
+    if dist is None:
+        return DataCounters().merge(counters)
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, counters.to_dict(), group=group)
+    total = DataCounters()
+    for p in parts:
+        total.merge(DataCounters.from_dict(p))
+    return total
+
+
+def train_data_config(datasets_to_split: Any = ("train",)):
+    """A `ray.train.DataConfig` that splits without dropping rows and in a deterministic order.
+
+    Pass it as `TorchTrainer(dataset_config=train_data_config())`. Splits `datasets_to_split` with
+    `streaming_split(equal=False)`; the others (validation) reach every worker whole.
+    """
+    import ray.train
+    from ray.data import ExecutionOptions
+
+    class _NoDropDataConfig(ray.train.DataConfig):
+        def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+            output = [{} for _ in range(world_size)]
+            for name, ds in datasets.items():
+                if ds.name is None:
+                    ds.set_name(name)
+                ds = ds.copy(ds)
+                opts: ExecutionOptions = self._resolve_execution_options(name)
+                opts.preserve_order = True
+                ds.context.execution_options = opts
+                if name in self._datasets_to_split:
+                    for i, part in enumerate(ds.streaming_split(world_size, equal=False)):
+                        output[i][name] = part
+                else:
+                    for i in range(world_size):
+                        output[i][name] = ds.iterator()
+            return output
+
+    return _NoDropDataConfig(datasets_to_split=list(datasets_to_split))
