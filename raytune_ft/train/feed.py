@@ -24,13 +24,11 @@ class StepFeed:
     def __init__(self, recipe: Recipe, *, rank: int, world: int, device: torch.device, skip_blocks: int = 0,
                  counters_state: dict | None = None, split: str = "train", blocks: Iterator[dict] | None = None):
         from raytune_ft.data.packing import DataCounters, padding_block
-        from raytune_ft.data.pipeline import worker_blocks
 
         self.recipe, self.rank, self.world, self.device = recipe, rank, world, device
         self.per_step = recipe.train.grad_accum * recipe.train.micro_batch_size
         self.counters = DataCounters.from_dict(counters_state) if counters_state else DataCounters()
         self._pad = padding_block(recipe.data.seq_len)
-        self._pad["n_pad"] = np.int64(recipe.data.seq_len)
         self.blocks_consumed = skip_blocks
         if blocks is None:
             blocks = worker_blocks(recipe, rank=rank, world=world, counters=self.counters,
@@ -67,6 +65,8 @@ class StepFeed:
         n_fill = self.per_step - len(got)
         if n_fill:
             self.counters.equalisation_padding_blocks += n_fill
+            self.counters.blocks += n_fill
+            self.counters.padding_tokens += n_fill * self.recipe.data.seq_len
             got = got + [self._pad] * n_fill
         mbs = self.recipe.train.micro_batch_size
         batches = [StepBatch.from_blocks(got[i:i + mbs], self.device) for i in range(0, len(got), mbs)]
@@ -77,3 +77,15 @@ class StepFeed:
 
     def data_metrics(self) -> dict:
         return self.counters.as_metrics()
+
+
+def worker_blocks(recipe: Recipe, *, rank: int, world: int, counters, skip_blocks: int = 0,
+                  split: str = "train") -> Iterator[dict]:
+    """This worker's packed blocks of `split`, from its Ray Train dataset shard."""
+    import ray.train
+
+    from raytune_ft.data.pipeline import iter_blocks
+
+    shard = ray.train.get_dataset_shard(split)
+    return iter_blocks(shard, recipe.data, world_size=world, rank=rank, counters=counters,
+                       skip_blocks=skip_blocks)

@@ -43,25 +43,18 @@ class PackedCausalLM(nn.Module):
         self.lm = lm
         self.loss_chunk = loss_chunk
 
-    def forward(self, input_ids, labels, position_ids, cu_seqlens, seq_idx, max_seqlen: int):
-        from raytune_ft.models.gated_delta import packed_forward_kwargs
+    def forward(self, labels: torch.Tensor, **packed_kwargs):
         from raytune_ft.models.loss import chunked_cross_entropy
 
-        kwargs = packed_forward_kwargs(input_ids=input_ids, position_ids=position_ids,
-                                       cu_seqlens=cu_seqlens, seq_idx=seq_idx, max_seqlen=max_seqlen)
-        hidden = self.lm.model(**kwargs).last_hidden_state
+        hidden = self.lm.model(**packed_kwargs).last_hidden_state
         return chunked_cross_entropy(hidden, self.lm.lm_head.weight, labels, chunk_size=self.loss_chunk)
 
 
 @dataclass
 class StepBatch:
-    """A micro-batch flattened to one row: blocks laid end to end, boundaries merged."""
-    input_ids: torch.Tensor
+    """A micro-batch: its blocks laid end to end as one row, with merged boundaries (on the device)."""
+    kwargs: dict
     labels: torch.Tensor
-    position_ids: torch.Tensor
-    seq_idx: torch.Tensor
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
     n_supervised: int
     n_real: int
     seq_lens: list[int] = field(default_factory=list)
@@ -70,29 +63,23 @@ class StepBatch:
     def from_blocks(cls, blocks: list[dict], device: torch.device) -> "StepBatch":
         import numpy as np
 
-        ids, labels, pos, sidx, cu = [], [], [], [], [0]
-        seq_lens, n_real, n_sup, offset, seg_offset = [], 0, 0, 0, 0
+        from raytune_ft.models.gated_delta import packed_forward_kwargs
+
+        stack = {k: np.stack([b[k] for b in blocks]) for k in ("input_ids", "labels", "position_ids", "seq_idx")}
+        stack["cu_seqlens"] = [b["cu_seqlens"] for b in blocks]
+        kwargs = packed_forward_kwargs(stack, device=device)
+        seq_lens, n_real = [], 0
         for b in blocks:
-            ids.append(b["input_ids"]); labels.append(b["labels"]); pos.append(b["position_ids"])
-            sidx.append(b["seq_idx"].astype(np.int32) + seg_offset)
-            c = b["cu_seqlens"].astype(np.int64)
-            cu.extend((c[1:] + offset).tolist())
-            lens = np.diff(c)
-            # the last segment of a block is padding when its labels are all -100 and it is marked so
-            pad = int(b.get("n_pad", 0))
-            real_lens = lens.tolist()
-            if pad:
-                real_lens = real_lens[:-1]
-            seq_lens.extend(real_lens)
-            n_real += len(b["input_ids"]) - pad
-            n_sup += int((b["labels"][1:] != -100).sum())
-            offset += len(b["input_ids"])
-            seg_offset += len(lens)
-        t = lambda a, dt: torch.from_numpy(np.concatenate(a).astype(dt)).unsqueeze(0).to(device, non_blocking=True)
-        cu_t = torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True)
-        max_len = int(max(np.diff(np.asarray(cu)))) if len(cu) > 1 else 1
-        return cls(t(ids, np.int64), t(labels, np.int64), t(pos, np.int64), t(sidx, np.int32), cu_t,
-                   max_len, n_sup, n_real, seq_lens)
+            lens = np.diff(b["cu_seqlens"].astype(np.int64)).tolist()
+            last = int(b["cu_seqlens"][-2])
+            # the block's padding: a trailing segment of pad ids (0) with no supervised token
+            if not (b["labels"][last:] != -100).any() and not b["input_ids"][last:].any():
+                lens = lens[:-1]
+            seq_lens.extend(lens)
+            n_real += int(sum(lens))
+        labels = torch.from_numpy(stack["labels"].reshape(1, -1)).to(device, non_blocking=True)
+        n_sup = int((stack["labels"][:, 1:] != -100).sum())
+        return cls(kwargs, labels, n_sup, n_real, seq_lens)
 
 
 def _device() -> torch.device:
@@ -192,7 +179,7 @@ def train_fsdp(config: dict) -> None:
         loss_sum = torch.zeros((), device=device)
         for i, mb in enumerate(micro_batches):
             model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            ls, _ = model(mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens, mb.seq_idx, mb.max_seqlen)
+            ls, _ = model(mb.labels, **mb.kwargs)
             (ls * world / denom).backward()
             loss_sum += ls.detach().float()
             window_tokens += mb.n_real

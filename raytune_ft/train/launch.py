@@ -45,5 +45,19 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, total_steps: int
         worker_runtime_env={"env_vars": _worker_env()},
     )
     config = {"recipe": recipe.to_dict(), "mlflow_run_id": mlflow_run_id, "total_steps": total_steps}
+    datasets, dataset_config = build_datasets(recipe)
     return TorchTrainer(loop, train_loop_config=config, scaling_config=scaling, run_config=run_config,
-                        torch_config=TorchConfig(backend=backend))
+                        torch_config=TorchConfig(backend=backend), datasets=datasets,
+                        dataset_config=dataset_config)
+
+
+def build_datasets(recipe: Recipe):
+    """The train (and validation) Ray Datasets: read, tokenize and mask lazily; split without dropping rows."""
+    from raytune_ft.data.pipeline import build_dataset, train_data_config
+    from raytune_ft.models.build import tokenizer_for
+
+    tok = tokenizer_for(recipe.model)
+    datasets = {"train": build_dataset(recipe.data, tok, split="train")}
+    if recipe.data.validation_fraction > 0 or recipe.data.validation_split:
+        datasets["validation"] = build_dataset(recipe.data, tok, split="validation")
+    return datasets, train_data_config(("train",))
