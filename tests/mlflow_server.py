@@ -1,0 +1,101 @@
+"""Start a real `mlflow server` process on loopback for tests (sqlite backend, proxied local artifacts).
+
+Usage from a test module:
+
+    from tests.mlflow_server import MlflowServer
+    @pytest.fixture(scope="module")
+    def mlflow_server(tmp_path_factory):
+        with MlflowServer(tmp_path_factory.mktemp("mlflow")) as server:
+            yield server          # server.uri == "http://127.0.0.1:<port>"
+
+The server can be stopped and started again on the same port and store (`stop()` / `start()`),
+which is how the registration-failure tests take the registry down and bring it back.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (bound then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MlflowServer:
+    """One `mlflow server` child process: sqlite store and artifacts under `root`."""
+
+    def __init__(self, root: str | os.PathLike, port: int | None = None, start_timeout_s: float = 90.0):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.root / "server.log"
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "MlflowServer":
+        mlflow_bin = Path(sys.executable).with_name("mlflow")
+        cmd = [str(mlflow_bin) if mlflow_bin.exists() else "mlflow", "server",
+               "--host", "127.0.0.1", "--port", str(self.port),
+               "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+               "--artifacts-destination", str(self.root / "artifacts"),
+               # one worker: the tests need a process, not throughput, and the machine has 2 cores
+               "--workers", "1"]
+        env = dict(os.environ)
+        env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+        log = open(self.log_path, "ab")
+        # own process group, so stop() ends the server and any worker it forked, and nothing else
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, cwd=self.root)
+        log.close()
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited with {self.proc.returncode}:\n"
+                                   f"{self.log_path.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(self.uri + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"mlflow server did not answer /health within {self.start_timeout_s}s:\n"
+                           f"{self.log_path.read_text()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self.proc = None
+        # wait until the port is really closed, so a "registry down" test sees connection refused
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                if s.connect_ex(("127.0.0.1", self.port)) != 0:
+                    return
+            time.sleep(0.1)
+
+    def __enter__(self) -> "MlflowServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
