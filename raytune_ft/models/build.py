@@ -1,0 +1,307 @@
+"""Build the model and tokenizer a recipe names: tiny from a config, or pretrained from a checkpoint.
+
+Pretrained checkpoints are read with our own safetensors loader rather than `from_pretrained`, for two
+reasons: the Qwen3.8-27B checkpoint is a vision-language model (Qwen3_5ForConditionalGeneration) whose
+text tower sits under `model.language_model.*` and we train only that tower as a Qwen3_5ForCausalLM;
+and under FSDP2 each rank must fill only its own shard. The flow for FSDP2:
+
+    model = load_causal_lm(cfg, device="meta")              # no memory, packing enabled
+    for layer in decoder_layers(model): fully_shard(layer)  # then fully_shard(model)
+    model.to_empty(device="cuda")
+    load_pretrained_weights_sharded(model, cfg)              # each rank reads only its rows (mmap)
+
+`materialize_model(model, cfg, device)` does the last two steps for pretrained and tiny models alike (a
+tiny model gets the same seeded random weights on every rank and at every world size).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from raytune_ft.models.attention import ATTN_NAME
+from raytune_ft.models.gated_delta import base_model, enable_packing
+from raytune_ft.models.tiny import CHATML_TEMPLATE, local_tokenizer, tiny_config
+
+log = logging.getLogger(__name__)
+
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+# ----------------------------------------------------------------- tokenizer
+
+def tokenizer_for(model_cfg):
+    """The tokenizer of a recipe's model: the project's tiny one for local_tiny runs, else AutoTokenizer
+    from model_cfg.tokenizer (or name, at revision). model_cfg.chat_template (a jinja file) replaces the
+    tokenizer's template; a tokenizer without a template gets our ChatML one; a missing pad token becomes
+    <|endoftext|> when the vocabulary has it, else the eos token."""
+    if model_cfg.local_tiny:
+        tok = local_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        source = model_cfg.tokenizer or model_cfg.name
+        revision = model_cfg.revision if model_cfg.tokenizer in (None, model_cfg.name) else None
+        tok = AutoTokenizer.from_pretrained(source, revision=revision,
+                                            trust_remote_code=model_cfg.trust_remote_code)
+    if model_cfg.chat_template:
+        tok.chat_template = Path(os.path.expanduser(model_cfg.chat_template)).read_text()
+    elif not getattr(tok, "chat_template", None):
+        tok.chat_template = CHATML_TEMPLATE
+    if tok.pad_token is None:
+        vocab = tok.get_vocab()
+        tok.pad_token = "<|endoftext|>" if "<|endoftext|>" in vocab else tok.eos_token
+    return tok
+
+
+# ----------------------------------------------------------------- configs and checkpoints
+
+def checkpoint_dir(model_cfg) -> Path:
+    """A local folder holding the checkpoint: model_cfg.name if it is a folder, else a hub snapshot at
+    model_cfg.revision (config, tokenizer and safetensors files only)."""
+    local = Path(os.path.expanduser(model_cfg.name))
+    if local.is_dir():
+        return local
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model_cfg.name, revision=model_cfg.revision,
+                                  allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
+
+
+def text_config_for(model_cfg):
+    """The text model's config for a pretrained recipe model. A vision-language Qwen3.5 checkpoint yields
+    its `text_config`, to be built as Qwen3_5ForCausalLM."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(checkpoint_dir(model_cfg)), trust_remote_code=model_cfg.trust_remote_code)
+    text = getattr(cfg, "text_config", None)
+    if text is not None and hasattr(text, "layer_types"):   # Qwen3.5 VL: train the language tower
+        if getattr(cfg, "tie_word_embeddings", None) is not None:
+            text.tie_word_embeddings = cfg.tie_word_embeddings
+        cfg = text
+    if model_cfg.max_position_embeddings is not None:
+        cfg.max_position_embeddings = model_cfg.max_position_embeddings
+    cfg.use_cache = False
+    return cfg
+
+
+def _checkpoint_keys(folder: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from the index when there is one."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {k: folder / v for k, v in weight_map.items()}
+    from safetensors import safe_open
+
+    keys: dict[str, Path] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                keys[k] = f
+    if not keys:
+        raise FileNotFoundError(f"no safetensors weights in {folder}")
+    return keys
+
+
+def _clean_name(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def checkpoint_name(param_name: str, available: Iterable[str] | dict) -> str | None:
+    """The checkpoint tensor for one of our CausalLM's parameters: the same name, or the VL layout
+    (`model.language_model.*`, `language_model.model.*`)."""
+    name = _clean_name(param_name)
+    candidates = [name]
+    if name.startswith("model."):
+        rest = name[len("model."):]
+        candidates += [f"model.language_model.{rest}", f"language_model.model.{rest}"]
+    elif name.startswith("lm_head."):
+        candidates += [f"language_model.{name}"]
+    for c in candidates:
+        if c in available:
+            return c
+    return None
+
+
+# ----------------------------------------------------------------- build
+
+def load_causal_lm(model_cfg, *, tokenizer_vocab_size: int | None = None, device: str | torch.device = "cpu",
+                   dtype: torch.dtype = torch.float32, attn_implementation: str | None = ATTN_NAME,
+                   seed: int = 0) -> torch.nn.Module:
+    """Build the recipe's causal LM (packing enabled: varlen full attention, boundary-correct
+    gated-delta-net layers).
+
+    local_tiny: tiny_config(family) with the tokenizer's vocabulary, seeded random weights.
+    Otherwise the checkpoint at model_cfg.name/revision (a Qwen3.5 VL checkpoint loads as its text
+    CausalLM). device="meta": the skeleton only, for FSDP2; fill it with `materialize_model`."""
+    device = torch.device(device)
+    if model_cfg.local_tiny:
+        vocab = tokenizer_vocab_size or len(local_tokenizer())
+        over = {}
+        if model_cfg.max_position_embeddings is not None:
+            over["max_position_embeddings"] = model_cfg.max_position_embeddings
+        config = tiny_config(model_cfg.family, vocab, **over)
+    else:
+        config = text_config_for(model_cfg)
+        if tokenizer_vocab_size and tokenizer_vocab_size > config.vocab_size:
+            raise ValueError(f"tokenizer has {tokenizer_vocab_size} tokens but {model_cfg.name} has an "
+                             f"embedding of {config.vocab_size}")
+    model = _from_config(config, device if device.type == "meta" else torch.device("meta"), dtype,
+                         model_cfg.trust_remote_code)
+    enable_packing(model, attn_implementation)
+    if device.type != "meta":
+        materialize_model(model, model_cfg, device, seed=seed)
+    return model
+
+
+def _from_config(config, device: torch.device, dtype: torch.dtype, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM
+
+    config.use_cache = False
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                 attn_implementation="sdpa")
+    return model
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers, in order: the units to wrap with fully_shard / activation checkpointing."""
+    return list(base_model(model).layers)
+
+
+def _reset_rotary_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Recompute non-persistent rotary buffers (inv_freq), which to_empty() leaves uninitialised."""
+    for mod in model.modules():
+        if hasattr(mod, "inv_freq") and hasattr(mod, "config"):
+            with torch.device("cpu"):
+                fresh = type(mod)(config=mod.config)
+            for name, buf in fresh.named_buffers(recurse=False):
+                if hasattr(mod, name):
+                    setattr(mod, name, buf.to(device))
+
+
+def _local_view(param: torch.Tensor):
+    """(tensor to write into, global offsets per dim, local shape) for a plain tensor or a DTensor shard."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # pragma: no cover
+        DTensor = ()
+    if isinstance(param, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        return param.to_local(), tuple(offset), tuple(shape)
+    return param, (0,) * param.dim(), tuple(param.shape)
+
+
+def _fill(model: torch.nn.Module, get_slice: Callable[[str, tuple[slice, ...]], torch.Tensor],
+          available, strict: bool = True) -> dict[str, list[str]]:
+    """Copy every parameter / persistent buffer (or this rank's shard of it) from a source."""
+    seen: set[int] = set()
+    missing, loaded = [], []
+    tensors = list(model.named_parameters(remove_duplicate=False))
+    non_persistent = {f"{n}.{b}" if n else b for n, m in model.named_modules()
+                      for b in getattr(m, "_non_persistent_buffers_set", ())}
+    tensors += [(n, b) for n, b in model.named_buffers(remove_duplicate=False) if n not in non_persistent]
+    with torch.no_grad():
+        for name, tensor in tensors:
+            if id(tensor) in seen:           # tied weights: one tensor, filled once
+                continue
+            key = checkpoint_name(name, available)
+            if key is None:
+                missing.append(name)
+                continue
+            local, offset, shape = _local_view(tensor)
+            if local.numel() == 0:
+                seen.add(id(tensor))
+                continue
+            index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+            local.copy_(get_slice(key, index).to(dtype=local.dtype))
+            seen.add(id(tensor))
+            loaded.append(name)
+    # A tied lm_head is the embedding; a checkpoint need not store it.
+    tied_ok = {n for n in missing if n.endswith("lm_head.weight")
+               and getattr(model.config, "tie_word_embeddings", False)}
+    missing = [n for n in missing if n not in tied_ok]
+    if missing and strict:
+        raise KeyError(f"checkpoint lacks {len(missing)} tensors of the model, e.g. {missing[:5]}")
+    return {"loaded": loaded, "missing": missing}
+
+
+def load_pretrained_weights_sharded(model: torch.nn.Module, model_cfg, *, strict: bool = True) -> dict:
+    """Fill a materialised (to_empty'd) model — plain or FSDP2-sharded — from the recipe's safetensors.
+
+    Each rank reads only the rows of each tensor it owns (safetensors get_slice over a memory map), so no
+    rank holds the whole model. Vision tower and MTP weights of a VL checkpoint are never read."""
+    from safetensors import safe_open
+
+    folder = checkpoint_dir(model_cfg)
+    key_files = _checkpoint_keys(folder)
+    handles: dict[Path, Any] = {}
+
+    def get_slice(key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        f = key_files[key]
+        if f not in handles:
+            handles[f] = safe_open(str(f), framework="pt", device="cpu")
+        sl = handles[f].get_slice(key)
+        return sl[index] if index else sl[:]
+
+    report = _fill(model, get_slice, key_files, strict=strict)
+    device = next(model.parameters()).device
+    _reset_rotary_buffers(model, device)
+    if hasattr(model, "tie_weights") and not _is_sharded(model):
+        model.tie_weights()
+    log.info("raytune_ft: loaded %d tensors from %s", len(report["loaded"]), folder)
+    return report
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # pragma: no cover
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _seeded_reference_state(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """The full state of a freshly initialised copy of `model`'s architecture on CPU, with `seed`."""
+    from transformers import AutoModelForCausalLM
+
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        with torch.device("cpu"):
+            # a copy: from_config writes the attention implementation into the config it is given
+            ref = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), dtype=torch.float32,
+                                                   attn_implementation="sdpa")
+    finally:
+        torch.random.set_rng_state(state)
+    return ref.state_dict()
+
+
+def materialize_model(model: torch.nn.Module, model_cfg, device: str | torch.device, *, seed: int = 0) -> torch.nn.Module:
+    """Allocate a meta (possibly FSDP2-sharded) model on `device` and fill it: pretrained weights, or for
+    local_tiny the seeded random init (identical on every rank and at every world size)."""
+    device = torch.device(device)
+    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+        model.to_empty(device=device)
+    if model_cfg.local_tiny:
+        ref = _seeded_reference_state(model, seed)
+
+        def get_slice(key, index):
+            return ref[key][index] if index else ref[key]
+
+        _fill(model, get_slice, ref)
+        _reset_rotary_buffers(model, device)
+        if hasattr(model, "tie_weights") and not _is_sharded(model):
+            model.tie_weights()
+    else:
+        load_pretrained_weights_sharded(model, model_cfg)
+    return model

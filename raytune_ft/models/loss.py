@@ -1,0 +1,152 @@
+"""Causal LM cross-entropy without materialising the full logits.
+
+At 32,768 tokens x 248,320 vocab the fp32 logits alone are 30 GiB (the seed loop ran out of memory on an
+H200 there). `chunked_cross_entropy` walks the tokens in chunks of `chunk_size`: per chunk it computes the
+logits, the loss, and, when a backward will follow, the gradients for the hidden states and the lm_head
+weight right away (so backward only scales them and no chunk's logits are ever recomputed or kept).
+Peak extra memory: one chunk of fp32 logits (4096 x 248,320 x 4 B = 4 GiB) plus an fp32 accumulator
+for the lm_head gradient (V x D).
+
+Under FSDP2 the lm_head weight is only gathered while the root module runs its forward, so the loss must
+be computed inside that forward: `enable_chunked_loss(model)` makes `model(..., labels=labels)` return
+`loss_sum`/`n_tokens` computed this way (and no logits). Without FSDP, `hidden_states(model, **kw)` plus
+`chunked_cross_entropy(h, model.lm_head.weight, labels)` does the same by hand.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+IGNORE_INDEX = -100
+
+
+class _ChunkedCE(torch.autograd.Function):
+    """Sum of token cross-entropies over rows of (hidden (N, D), weight (V, D), targets (N,))."""
+
+    @staticmethod
+    def forward(ctx, hidden_ND, weight_VD, targets_N, chunk_size: int, need_grad: bool):
+        n = hidden_ND.shape[0]
+        valid_N = targets_N != IGNORE_INDEX
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden_ND.device)
+        grad_h = torch.zeros_like(hidden_ND) if need_grad and hidden_ND.requires_grad else None
+        grad_w = (torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
+                  if need_grad and weight_VD.requires_grad else None)
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            h = hidden_ND[s:e]
+            tgt = targets_N[s:e]
+            ok = valid_N[s:e]
+            logits = (h @ weight_VD.t()).float()                  # (c, V) fp32, one chunk only
+            lse = torch.logsumexp(logits, dim=-1)
+            safe_tgt = tgt.clamp(min=0)
+            picked = logits.gather(1, safe_tgt[:, None]).squeeze(1)
+            loss_sum += ((lse - picked) * ok).sum()
+            if grad_h is None and grad_w is None:
+                continue
+            # d(lse - logit_t)/dlogits = softmax - onehot(t), zero on unsupervised rows; reuse `logits`.
+            grad_logits = logits.sub_(lse[:, None]).exp_()
+            grad_logits[torch.arange(e - s, device=h.device), safe_tgt] -= 1.0
+            grad_logits.mul_(ok[:, None].to(grad_logits.dtype))
+            g = grad_logits.to(h.dtype)
+            if grad_h is not None:
+                grad_h[s:e] = g @ weight_VD
+            if grad_w is not None:
+                grad_w.add_(g.t() @ h)        # matmul in the compute dtype, accumulated in fp32
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight_VD.dtype
+        n_tokens = valid_N.sum()
+        ctx.mark_non_differentiable(n_tokens)
+        return loss_sum, n_tokens
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_count):
+        grad_h, grad_w = ctx.saved_tensors
+        if grad_h is None and grad_w is None and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            raise RuntimeError("chunked_cross_entropy: backward through a loss computed without gradients "
+                               "(it ran under no_grad or inference_mode)")
+        gh = grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None
+        gw = (grad_w * grad_loss).to(ctx.weight_dtype) if grad_w is not None else None
+        return gh, gw, None, None, None
+
+
+def chunked_cross_entropy(hidden_BTD: torch.Tensor, lm_head_weight: torch.Tensor, labels_BT: torch.Tensor,
+                          *, chunk_size: int = 4096, reduction: str = "sum", shift: bool = True
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shifted causal-LM cross-entropy from final hidden states, in chunks of tokens.
+
+    hidden_BTD: the decoder's normed output (B, T, D); lm_head_weight: (V, D); labels_BT: (B, T) with
+    -100 where no loss is taken. Position t predicts labels[t + 1] within each row (shift=False: labels
+    are already aligned with hidden). Returns (loss_sum fp32, n_tokens): the sum of per-token losses (or
+    their mean with reduction="mean") and the number of supervised tokens after shifting."""
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction: {reduction!r} is not 'sum' or 'mean'")
+    if shift:
+        hidden_BTD, labels_BT = hidden_BTD[:, :-1], labels_BT[:, 1:]
+    d = hidden_BTD.shape[-1]
+    hidden_ND = hidden_BTD.reshape(-1, d)
+    targets_N = labels_BT.reshape(-1).to(hidden_ND.device)
+    need_grad = torch.is_grad_enabled() and (hidden_ND.requires_grad or lm_head_weight.requires_grad)
+    loss_sum, n_tokens = _ChunkedCE.apply(hidden_ND, lm_head_weight, targets_N, int(chunk_size), need_grad)
+    if reduction == "mean":
+        return loss_sum / n_tokens.clamp(min=1), n_tokens
+    return loss_sum, n_tokens
+
+
+def hidden_states(model: torch.nn.Module, **forward_kwargs) -> torch.Tensor:
+    """The final normed hidden states (B, T, D) of a CausalLM, without running its lm_head.
+
+    Not for FSDP-wrapped models (the root's parameters are gathered only inside the root's forward):
+    use `enable_chunked_loss` there."""
+    from raytune_ft.models.gated_delta import base_model
+
+    forward_kwargs.pop("labels", None)
+    return base_model(model)(**forward_kwargs).last_hidden_state
+
+
+@dataclass
+class ChunkedLossOutput(CausalLMOutputWithPast):
+    """`loss` is the mean over supervised tokens; `loss_sum` and `n_tokens` let a loop normalise by the
+    global token count across micro-batches and ranks."""
+    loss_sum: torch.Tensor | None = None
+    n_tokens: torch.Tensor | None = None
+
+
+def _chunked_loss_forward(self, input_ids=None, labels=None, **kwargs):
+    if labels is None:
+        return self._raytune_forward_with_logits(input_ids=input_ids, **kwargs)
+    kwargs.pop("logits_to_keep", None)
+    kwargs.pop("num_items_in_batch", None)
+    out = self.model(input_ids=input_ids, **kwargs)
+    loss_sum, n_tokens = chunked_cross_entropy(out.last_hidden_state, self.lm_head.weight, labels,
+                                               chunk_size=self._raytune_loss_chunk)
+    return ChunkedLossOutput(loss=loss_sum / n_tokens.clamp(min=1), loss_sum=loss_sum, n_tokens=n_tokens)
+
+
+@functools.lru_cache(maxsize=None)
+def _chunked_loss_class(cls: type) -> type:
+    return type(f"ChunkedLoss{cls.__name__}", (cls,), {
+        "forward": _chunked_loss_forward,
+        "_raytune_forward_with_logits": cls.forward,
+        "_raytune_chunked_loss": True,
+    })
+
+
+def enable_chunked_loss(model: torch.nn.Module, chunk_size: int = 4096) -> torch.nn.Module:
+    """Make `model(..., labels=labels)` compute the shifted loss in chunks inside the model's forward
+    (safe under FSDP2) and return ChunkedLossOutput(loss, loss_sum, n_tokens) with no logits.
+    Without labels the model behaves as before. Idempotent; call before FSDP wrapping."""
+    if not getattr(model, "_raytune_chunked_loss", False):
+        model.__class__ = _chunked_loss_class(type(model))
+    model._raytune_loss_chunk = int(chunk_size)
+    return model
+
+
+def reference_cross_entropy(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain shifted F.cross_entropy on full logits (sum, count): the definition chunked_cross_entropy matches."""
+    lg = logits_BTV[:, :-1].reshape(-1, logits_BTV.shape[-1]).float()
+    tg = labels_BT[:, 1:].reshape(-1)
+    return F.cross_entropy(lg, tg, ignore_index=IGNORE_INDEX, reduction="sum"), (tg != IGNORE_INDEX).sum()
