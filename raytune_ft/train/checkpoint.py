@@ -63,7 +63,7 @@ def load_train_checkpoint(directory: str, model, optimizer, rank: int) -> dict:
 
 
 def export_hf_folder(out_dir: str, model: torch.nn.Module, hf_config, tokenizer, rank: int,
-                     dtype: torch.dtype = torch.bfloat16, prefix_strip: str = "") -> None:
+                     dtype: torch.dtype = torch.bfloat16, prefix_strip: str = "", arch: str | None = None) -> None:
     """Write a Hugging Face folder from an FSDP2-sharded model, one parameter gathered at a time.
 
     All ranks take part in each gather (a collective); only rank 0 keeps the gathered tensor, on
@@ -116,8 +116,9 @@ def export_hf_folder(out_dir: str, model: torch.nn.Module, hf_config, tokenizer,
             with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
         cfg = hf_config.__class__.from_dict(hf_config.to_dict())
-        cfg.torch_dtype = dtype
+        cfg.dtype = dtype
         cfg.use_cache = True
+        cfg.architectures = [arch or type(model).__name__]
         cfg.save_pretrained(out_dir)
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)

@@ -265,7 +265,7 @@ def _save_and_report(recipe, model, opt, rank, state, metrics, log, *, final: bo
         if final:
             ckpt_io.export_hf_folder(os.path.join(d, "hf"), model, lm.config, tokenizer, rank,
                                      dtype=torch.bfloat16 if recipe.model.dtype == "bfloat16" else torch.float32,
-                                     prefix_strip="lm.")
+                                     prefix_strip="lm.", arch=type(lm).__name__)
         if rank == 0:
             ckpt_io.write_meta(d, {
                 "job": recipe.job, "model_name": recipe.model.name, "revision": recipe.model.revision,
