@@ -123,8 +123,10 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
                                    metadata={**meta, "job": recipe.job}, run_id=run_id)
         if outcome.ok:
             summary.status = "registered"
-            summary.registered_name, summary.registered_version = outcome.name, str(outcome.version)
-            status_tags.update({"raytune.status": "registered", "raytune.registered_version": str(outcome.version)})
+            if outcome.result is not None:  # None when registry.enabled is false (skipped)
+                summary.registered_name, summary.registered_version = outcome.result.name, str(outcome.result.version)
+            status_tags.update({"raytune.status": "registered",
+                                "raytune.registered_version": str(summary.registered_version)})
         else:
             summary.status = "trained_not_registered"
             summary.registration_error = outcome.error
