@@ -578,15 +578,15 @@ def _clear_failure_record(ckpt: Path) -> None:
         pass
 
 
-def _register_remote():
-    import ray
-    return ray.remote(max_retries=0)(register_checkpoint)
-
-
-try:  # the Ray task form of register_checkpoint; .options(num_cpus=..., memory=...) before .remote
-    register_task = _register_remote()
-except ImportError:  # ray missing: register_checkpoint and the CLI still work
-    register_task = None
+def __getattr__(attr: str):
+    """`register_task`: register_checkpoint as a Ray remote function, made on first use so that the
+    command line does not pay for importing Ray. Use `.options(num_cpus=..., memory=...).remote(...)`."""
+    if attr == "register_task":
+        import ray
+        task = ray.remote(max_retries=0)(register_checkpoint)
+        globals()["register_task"] = task
+        return task
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
 def run_registration(checkpoint_path: str, registry_cfg: RegistryConfig, tracking_uri: str, *,
@@ -608,7 +608,8 @@ def run_registration(checkpoint_path: str, registry_cfg: RegistryConfig, trackin
     failed_run_id = run_id
     ref = None
     try:
-        ref = register_task.options(**options).remote(
+        task = globals().get("register_task") or __getattr__("register_task")
+        ref = task.options(**options).remote(
             checkpoint_path, registry_cfg.name, tracking_uri=tracking_uri,
             registry_uri=registry_cfg.registry_uri, timeout_s=registry_cfg.timeout_s,
             run_id=run_id, metadata=metadata)

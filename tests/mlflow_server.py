@@ -10,6 +10,9 @@ Usage from a test module:
 
 The server can be stopped and started again on the same port and store (`stop()` / `start()`),
 which is how the registration-failure tests take the registry down and bring it back.
+
+`make_tiny_qwen2_checkpoint` builds what the training loops leave behind (hf/ + raytune_meta.json)
+for a random tiny Qwen2 with the real Qwen2 tokenizer and chat template, in about a second.
 """
 from __future__ import annotations
 
@@ -99,3 +102,33 @@ class MlflowServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def make_tiny_qwen2_checkpoint(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike, *,
+                               seed: int = 0, hidden: int = 32, layers: int = 2,
+                               hf_subdir: str | None = "hf", meta: dict | None = None) -> Path:
+    """A Ray Train style checkpoint: `hf/` (sharded bf16 safetensors, tokenizer with chat template)
+    and `raytune_meta.json`. `hf_subdir=None` writes a plain HF folder at `out_dir` instead."""
+    import json
+
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    hf = out / hf_subdir if hf_subdir else out
+    hf.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    assert tokenizer.chat_template, "the fixture tokenizer must carry a chat template"
+    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      tie_word_embeddings=True, max_position_embeddings=512,
+                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(str(hf), max_shard_size="4MB")   # several shards + index, like a real one
+    tokenizer.save_pretrained(str(hf))
+    if hf_subdir:
+        meta = {"job": "test_job", "model_name": "Qwen/Qwen2-0.5B", "family": "qwen2", "step": 7,
+                "final_loss": 2.5, "run_name": "tiny-run", **(meta or {})}
+        (out / "raytune_meta.json").write_text(json.dumps(meta))
+    return out

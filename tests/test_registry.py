@@ -1,0 +1,406 @@
+"""Registration against a real `mlflow server` on loopback, through the post-fit Ray task.
+
+What a user relies on: a finished run's checkpoint becomes a new version of `main.default.<name>`
+that loads back and answers a chat request; a registry that is down or refuses leaves the checkpoint
+untouched, says so on the run and prints a retry command that works once the registry is back;
+credentials from the environment end up nowhere.
+"""
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from tests.mlflow_server import MlflowServer, free_port, make_tiny_qwen2_checkpoint
+from raytune_ft import registry
+from raytune_ft.recipe import RegistryConfig
+
+REPO = Path(__file__).resolve().parents[1]
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
+
+
+# ---------------------------------------------------------------- fixtures and helpers
+
+
+@pytest.fixture(scope="module")
+def quick_http():
+    """No HTTP retries with back-off (7 by default, minutes against a dead port). Set before Ray
+    starts, so the registration task's worker processes inherit it too."""
+    keys = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(keys)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, quick_http):
+    with MlflowServer(tmp_path_factory.mktemp("mlflow_server")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def ray_registry(quick_http):
+    import ray
+    ray.init(address="local", num_cpus=4, include_dashboard=False, ignore_reinit_error=True)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_checkpoint(tmp_path_factory, fixtures):
+    return make_tiny_qwen2_checkpoint(tmp_path_factory.mktemp("ckpt") / "checkpoint_000001",
+                                      fixtures / "tokenizers" / "qwen2-0.5b")
+
+
+@pytest.fixture
+def checkpoint(base_checkpoint, tmp_path):
+    """A private copy inside its own run folder (failure records land beside the checkpoint)."""
+    dst = tmp_path / "run" / base_checkpoint.name
+    shutil.copytree(base_checkpoint, dst)
+    return dst
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def training_run(tracking_uri: str, name: str = "train") -> str:
+    """A finished MLflow run standing in for the training run the registration attaches to."""
+    from mlflow import MlflowClient
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name("raytune_ft")
+    exp_id = exp.experiment_id if exp else client.create_experiment("raytune_ft")
+    run = client.create_run(exp_id, run_name=name)
+    client.set_terminated(run.info.run_id)
+    return run.info.run_id
+
+
+def run_cli(cmd: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """Run a printed retry command; `raytune-ft register` maps to `python -m raytune_ft.registry`
+    while the project's console script is not installed."""
+    import shlex
+    argv = shlex.split(cmd)
+    assert argv[:2] == ["raytune-ft", "register"], cmd
+    return subprocess.run([sys.executable, "-m", "raytune_ft.registry", *argv[1:]], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240, env=dict(os.environ))
+
+
+class RegistryProxy:
+    """A loopback HTTP proxy to the MLflow server that can refuse model-registry calls with 403,
+    as a registry whose service principal lacks the grant on the catalog would."""
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.port = free_port()
+        self.refuse = True
+        self.refused: list[str] = []
+        self._httpd: ThreadingHTTPServer | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _handle(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if proxy.refuse and ("/registered-models/" in self.path or "/model-versions/" in self.path):
+                    proxy.refused.append(self.path)
+                    payload = json.dumps({"error_code": "PERMISSION_DENIED",
+                                          "message": "no CREATE_MODEL grant on main.default"}).encode()
+                    self.send_response(403)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.target_port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                conn.request(self.command, self.path, body=body or None, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = _handle
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+# ---------------------------------------------------------------- the success path
+
+
+@pytest.mark.timeout(240)
+def test_post_fit_task_registers_versions_that_answer_chat(server, ray_registry, checkpoint):
+    import mlflow
+    from mlflow import MlflowClient
+
+    name = f"main.default.tiny_chat_{uuid.uuid4().hex[:6]}"
+    cfg = RegistryConfig(name=name, timeout_s=180, num_cpus=1, memory_gb=2)
+    run_id = training_run(server.uri)
+    before = tree_hashes(checkpoint)
+
+    first = registry.run_registration(str(checkpoint), cfg, server.uri, run_id=run_id,
+                                      metadata={"dataset": "fixture-chat"})
+    assert first.ok, first.error
+    assert (first.result.name, first.result.version) == (name, "1")
+    assert first.result.run_id == run_id
+    second = registry.run_registration(str(checkpoint), cfg, server.uri, run_id=run_id)
+    assert second.ok, second.error
+    assert second.result.version == "2"
+    assert tree_hashes(checkpoint) == before  # registration only reads the checkpoint
+
+    client = MlflowClient(server.uri)
+    versions = sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'"))
+    assert versions == [1, 2]
+    run = client.get_run(run_id)
+    assert run.data.tags["raytune.status"] == "registered"
+    assert run.data.tags["raytune.registered_model_version"] == "2"
+
+    mlflow.set_tracking_uri(server.uri)  # the registry defaults to the tracking server
+    try:
+        info = mlflow.models.get_model_info(f"models:/{name}/1")
+        md = info.metadata
+        assert md["task"] == "llm/v1/chat"
+        assert md["pretrained_model_name"] == "Qwen/Qwen2-0.5B"
+        assert md["model_family"] == "qwen2"
+        assert md["parameter_count"] == registry.count_parameters(checkpoint / "hf") > 4_000_000
+        assert md["dataset"] == "fixture-chat"
+        assert info.signature.inputs.to_dict()[0]["name"] == "messages"
+        assert info.flavors["transformers"]["inference_task"] == "llm/v1/chat"
+
+        pipe = mlflow.transformers.load_model(f"models:/{name}/1")
+        answer = pipe(CHAT, max_new_tokens=5)
+        turns = answer[0]["generated_text"]
+        assert [t["role"] for t in turns] == ["system", "user", "assistant"]
+        assert isinstance(turns[-1]["content"], str)
+
+        chat_model = mlflow.pyfunc.load_model(f"models:/{name}/2")
+        (completion,) = chat_model.predict({"messages": CHAT, "max_tokens": 5})
+        assert completion["object"] == "chat.completion"
+        assert completion["choices"][0]["message"]["role"] == "assistant"
+        assert 0 < completion["usage"]["completion_tokens"] <= 5
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
+@pytest.mark.timeout(180)
+def test_lora_checkpoint_is_merged_beside_it_and_registered(tmp_path, fixtures):
+    """A LoRA checkpoint (adapter/ only): merged into its base with peft, the merged folder written
+    next to the checkpoint, the registered model computing what base+adapter computes."""
+    import mlflow
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base_dir = make_tiny_qwen2_checkpoint(tmp_path / "base", fixtures / "tokenizers" / "qwen2-0.5b",
+                                          hf_subdir=None, seed=3)
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    torch.manual_seed(1)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                 target_modules=["q_proj", "v_proj", "down_proj"]))
+    ckpt = tmp_path / "run" / "checkpoint_000002"
+    peft_model.save_pretrained(str(ckpt / "adapter"))
+    AutoTokenizer.from_pretrained(str(base_dir)).save_pretrained(str(ckpt / "adapter"))
+    (ckpt / "raytune_meta.json").write_text(json.dumps(
+        {"job": "qwen2_05b_lora", "model_name": "Qwen/Qwen2-0.5B", "family": "qwen2", "step": 1,
+         "final_loss": 3.0, "run_name": "lora-run", "lora": True}))
+    assert json.loads((ckpt / "adapter" / "adapter_config.json").read_text())[
+        "base_model_name_or_path"] == str(base_dir)
+    before = tree_hashes(ckpt)
+
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    result = registry.register_checkpoint(str(ckpt), "main.default.tiny_lora", tracking_uri=tracking)
+    assert result.version == "1"
+    assert tree_hashes(ckpt) == before
+    merged = registry.merged_folder_for(ckpt)
+    assert merged.parent == ckpt.parent and (merged / "config.json").is_file()
+
+    ids = torch.tensor([[9707, 11, 1879, 0]])
+    with torch.no_grad():
+        expected = peft_model(input_ids=ids).logits
+    mlflow.set_tracking_uri(tracking)
+    try:
+        pipe = mlflow.transformers.load_model("models:/main.default.tiny_lora/1")
+        with torch.no_grad():
+            got = pipe.model.float()(input_ids=ids).logits
+        info = mlflow.models.get_model_info("models:/main.default.tiny_lora/1")
+    finally:
+        mlflow.set_tracking_uri(None)
+    # the merged weights are stored in the base's bf16, so compare at bf16 precision
+    assert torch.allclose(got, expected, atol=5e-2, rtol=5e-2)
+    with torch.no_grad():
+        base_only = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)(input_ids=ids).logits
+    assert not torch.allclose(got, base_only, atol=1e-3)  # the adapter really was merged
+    assert info.metadata["raytune_lora"] is True
+
+
+# ---------------------------------------------------------------- failures
+
+
+@pytest.mark.timeout(240)
+def test_registry_refusing_keeps_checkpoint_tags_run_and_retry_works(server, ray_registry, checkpoint,
+                                                                      tmp_path):
+    from mlflow import MlflowClient
+
+    name = f"main.default.refused_{uuid.uuid4().hex[:6]}"
+    run_id = training_run(server.uri)
+    before = tree_hashes(checkpoint)
+    with RegistryProxy(server.port) as proxy:
+        cfg = RegistryConfig(name=name, registry_uri=proxy.uri, timeout_s=180, num_cpus=1)
+        outcome = registry.run_registration(str(checkpoint), cfg, server.uri, run_id=run_id)
+
+        assert not outcome.ok and outcome.result is None
+        assert proxy.refused, "the registry was never asked"
+        assert "PERMISSION_DENIED" in outcome.error
+        assert tree_hashes(checkpoint) == before
+        run = MlflowClient(server.uri).get_run(run_id)
+        assert run.data.tags["raytune.status"] == "trained_not_registered"
+        assert "PERMISSION_DENIED" in run.data.tags["raytune.registration_error"]
+        record = json.loads(Path(outcome.failure_file).read_text())
+        assert Path(outcome.failure_file).parent == checkpoint.parent  # beside, not inside
+        assert record["retry_command"] == outcome.retry_command
+        assert outcome.retry_command.startswith(f"raytune-ft register {checkpoint} --name {name} ")
+        assert f"--registry-uri {proxy.uri}" in outcome.retry_command
+        assert f"--run-id {run_id}" in outcome.retry_command
+
+        proxy.refuse = False  # the grant was given
+        done = run_cli(outcome.retry_command, tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"registered {name} version 1" in done.stdout
+
+    client = MlflowClient(server.uri)
+    assert [v.version for v in client.search_model_versions(f"name = '{name}'")] == ["1"]
+    assert client.get_run(run_id).data.tags["raytune.status"] == "registered"
+    assert not Path(outcome.failure_file).exists()  # the stale failure record went with success
+    assert tree_hashes(checkpoint) == before
+
+
+@pytest.mark.timeout(240)
+def test_registry_down_keeps_checkpoint_and_retry_works_when_back(server, ray_registry, checkpoint,
+                                                                   tmp_path):
+    from mlflow import MlflowClient
+
+    name = f"main.default.down_{uuid.uuid4().hex[:6]}"
+    run_id = training_run(server.uri)
+    before = tree_hashes(checkpoint)
+    server.stop()
+    try:
+        cfg = RegistryConfig(name=name, timeout_s=120, num_cpus=1)
+        outcome = registry.run_registration(str(checkpoint), cfg, server.uri, run_id=run_id)
+        assert not outcome.ok
+        assert "Connection refused" in outcome.error or "ConnectionError" in outcome.error, outcome.error
+        assert tree_hashes(checkpoint) == before
+        record = json.loads((checkpoint.parent / "registration_failed.json").read_text())
+        assert record["run_tagged"] is False  # the tracking server was down too: nothing to tag
+        assert record["checkpoint"] == str(checkpoint) and record["name"] == name
+        assert outcome.retry_command == record["retry_command"]
+    finally:
+        server.start()  # same port, same store: the registry is back
+
+    done = run_cli(outcome.retry_command, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = MlflowClient(server.uri)
+    assert [v.version for v in client.search_model_versions(f"name = '{name}'")] == ["1"]
+    assert client.get_run(run_id).data.tags["raytune.status"] == "registered"
+    assert tree_hashes(checkpoint) == before
+
+
+@pytest.mark.timeout(120)
+def test_timeout_ends_the_task_and_reports(server, ray_registry, checkpoint):
+    cfg = RegistryConfig(name="main.default.too_slow", timeout_s=0.5, num_cpus=1)
+    before = tree_hashes(checkpoint)
+    outcome = registry.run_registration(str(checkpoint), cfg, server.uri)
+    assert not outcome.ok
+    assert "within registry.timeout_s=0.5s" in outcome.error
+    assert "raytune-ft register" in outcome.retry_command
+    assert tree_hashes(checkpoint) == before
+
+
+# ---------------------------------------------------------------- secrets
+
+
+@pytest.mark.timeout(180)
+def test_databricks_token_is_written_nowhere(server, checkpoint, tmp_path, monkeypatch):
+    import mlflow
+    from mlflow import MlflowClient
+
+    secret = f"dapi-{uuid.uuid4().hex}"
+    monkeypatch.setenv("DATABRICKS_TOKEN", secret)
+    monkeypatch.setenv("DATABRICKS_HOST", "https://example.invalid")
+    name = f"main.default.secret_{uuid.uuid4().hex[:6]}"
+    result = registry.register_checkpoint(
+        str(checkpoint), name, tracking_uri=server.uri,
+        # a careless caller passing it along: dropped by key, redacted by value
+        metadata={"databricks_token": secret, "note": f"auth {secret}", "nested": {"api_key": secret}})
+
+    client = MlflowClient(server.uri)
+    run = client.get_run(result.run_id)
+    blob = json.dumps([run.data.params, run.data.tags, dict(client.get_model_version(name, "1"))],
+                      default=str)
+    mlflow.set_tracking_uri(server.uri)
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(result.model_uri, dst_path=str(tmp_path / "dl")))
+        info = mlflow.models.get_model_info(result.model_uri)
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert (local / "MLmodel").is_file()
+    assert info.metadata["note"] == "auth ***" and "databricks_token" not in info.metadata
+    assert secret not in blob
+    places = [local, checkpoint.parent, server.root]  # downloaded model, run folder, server store + db
+    for root in places:
+        for f in root.rglob("*"):
+            if f.is_file():
+                assert secret.encode() not in f.read_bytes(), f"secret found in {f}"
+
+
+def test_redaction_and_retry_command_quote_paths():
+    os.environ["HF_TOKEN"] = "hf_verysecretvalue"
+    try:
+        assert registry.redact("got hf_verysecretvalue back") == "got *** back"
+        cmd = registry.retry_command("/runs/my run/ckpt", "main.default.m",
+                                     "https://bob:pw123@mlflow.example:5000/?token=abc", "uc:http://h:8080")
+        assert "pw123" not in cmd and "token=abc" not in cmd
+        assert "'/runs/my run/ckpt'" in cmd and "--registry-uri uc:http://h:8080" in cmd
+    finally:
+        del os.environ["HF_TOKEN"]
+
+
+def test_cli_rejects_bad_name_and_missing_checkpoint(tmp_path, capsys):
+    assert registry.cli_register([str(tmp_path), "--name", "just_a_name", "--tracking-uri", "sqlite:///x.db"]) == 2
+    assert "catalog.schema.model" in capsys.readouterr().err
+    assert registry.cli_register([str(tmp_path / "nope"), "--name", "a.b.c", "--tracking-uri", "sqlite:///x.db"]) == 2
+    assert registry.main(["something-else"]) == 2
