@@ -155,8 +155,12 @@ def train_fsdp(config: dict) -> None:
                  f"on rank {rank})")
 
     total_steps = int(config.get("total_steps") or t_cfg.max_steps or 0)
+    # `blocks_by_rank` (tests, benchmarks): fixed blocks per rank instead of the Ray Data shard
+    fixed = (config.get("blocks_by_rank") or {}).get(rank)
+    if fixed is not None:
+        fixed = fixed[state["blocks_consumed"]:]
     feed = StepFeed(recipe, rank=rank, world=world, device=device, skip_blocks=state["blocks_consumed"],
-                    counters_state=state.get("counters"))
+                    counters_state=state.get("counters"), blocks=fixed)
     from raytune_ft.models.flops import flops_per_block, gpu_peak_tflops
 
     peak_flops = gpu_peak_tflops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu") * 1e12

@@ -21,7 +21,8 @@ def storage_path(recipe: Recipe) -> str:
     return path
 
 
-def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, total_steps: int | None):
+def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, total_steps: int | None,
+                  blocks_by_rank: dict | None = None):
     """The TorchTrainer for `recipe`; re-running with the same run name resumes from its last checkpoint."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -45,7 +46,11 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, total_steps: int
         worker_runtime_env={"env_vars": _worker_env()},
     )
     config = {"recipe": recipe.to_dict(), "mlflow_run_id": mlflow_run_id, "total_steps": total_steps}
-    datasets, dataset_config = build_datasets(recipe)
+    if blocks_by_rank is not None:
+        config["blocks_by_rank"] = blocks_by_rank
+        datasets, dataset_config = None, None
+    else:
+        datasets, dataset_config = build_datasets(recipe)
     return TorchTrainer(loop, train_loop_config=config, scaling_config=scaling, run_config=run_config,
                         torch_config=TorchConfig(backend=backend), datasets=datasets,
                         dataset_config=dataset_config)
