@@ -202,10 +202,10 @@ def _local_view(param: torch.Tensor):
 
 
 def _fill(model: torch.nn.Module, get_slice: Callable[[str, tuple[slice, ...]], torch.Tensor],
-          available, strict: bool = True) -> dict[str, list[str]]:
+          shape_of: Callable[[str], tuple[int, ...]], available, strict: bool = True) -> dict[str, list[str]]:
     """Copy every parameter / persistent buffer (or this rank's shard of it) from a source."""
     seen: set[int] = set()
-    missing, loaded = [], []
+    missing, loaded, mismatched = [], [], []
     tensors = list(model.named_parameters(remove_duplicate=False))
     non_persistent = {f"{n}.{b}" if n else b for n, m in model.named_modules()
                       for b in getattr(m, "_non_persistent_buffers_set", ())}
@@ -217,6 +217,9 @@ def _fill(model: torch.nn.Module, get_slice: Callable[[str, tuple[slice, ...]], 
             key = checkpoint_name(name, available)
             if key is None:
                 missing.append(name)
+                continue
+            if tuple(shape_of(key)) != tuple(tensor.shape):
+                mismatched.append(f"{name} {tuple(tensor.shape)} vs checkpoint {key} {tuple(shape_of(key))}")
                 continue
             local, offset, shape = _local_view(tensor)
             if local.numel() == 0:
@@ -230,6 +233,9 @@ def _fill(model: torch.nn.Module, get_slice: Callable[[str, tuple[slice, ...]], 
     tied_ok = {n for n in missing if n.endswith("lm_head.weight")
                and getattr(model.config, "tie_word_embeddings", False)}
     missing = [n for n in missing if n not in tied_ok]
+    if mismatched:
+        raise ValueError(f"checkpoint does not fit the model: {len(mismatched)} tensors differ in shape, "
+                         f"e.g. {mismatched[:3]}")
     if missing and strict:
         raise KeyError(f"checkpoint lacks {len(missing)} tensors of the model, e.g. {missing[:5]}")
     return {"loaded": loaded, "missing": missing}
@@ -253,7 +259,13 @@ def load_pretrained_weights_sharded(model: torch.nn.Module, model_cfg, *, strict
         sl = handles[f].get_slice(key)
         return sl[index] if index else sl[:]
 
-    report = _fill(model, get_slice, key_files, strict=strict)
+    def shape_of(key: str) -> tuple[int, ...]:
+        f = key_files[key]
+        if f not in handles:
+            handles[f] = safe_open(str(f), framework="pt", device="cpu")
+        return tuple(handles[f].get_slice(key).get_shape())
+
+    report = _fill(model, get_slice, shape_of, key_files, strict=strict)
     device = next(model.parameters()).device
     _reset_rotary_buffers(model, device)
     if hasattr(model, "tie_weights") and not _is_sharded(model):
@@ -298,7 +310,7 @@ def materialize_model(model: torch.nn.Module, model_cfg, device: str | torch.dev
         def get_slice(key, index):
             return ref[key][index] if index else ref[key]
 
-        _fill(model, get_slice, ref)
+        _fill(model, get_slice, lambda key: tuple(ref[key].shape), ref)
         _reset_rotary_buffers(model, device)
         if hasattr(model, "tie_weights") and not _is_sharded(model):
             model.tie_weights()
