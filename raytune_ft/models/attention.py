@@ -63,6 +63,10 @@ def cu_seqlens_from_seq_idx(seq_idx: torch.Tensor) -> torch.Tensor:
 def normalise_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """Check boundaries against the number of tokens; a trailing remainder (padding) becomes its own segment."""
     cu = cu_seqlens.reshape(-1).to(torch.int32)
+    if cu.is_cuda:
+        # Reading the ends back would stall the GPU queue in every layer; on the device we trust
+        # the producers (packed_forward_kwargs and the base-model pre-hook), which checked on the host.
+        return cu
     last = int(cu[-1])
     if int(cu[0]) != 0 or last > total:
         raise ValueError(f"cu_seqlens must start at 0 and end at most at the {total} tokens of the "
@@ -141,7 +145,8 @@ def _sdpa_blockdiag(q, k, v, cu, scaling):
     total = q.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if total <= _DENSE_MASK_MAX_TOKENS:
-        seg = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=q.device), (cu[1:] - cu[:-1]).long())
+        seg = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=q.device), (cu[1:] - cu[:-1]).long(),
+                                      output_size=total)
         pos = torch.arange(total, device=q.device)
         mask = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)

@@ -90,7 +90,7 @@ def segment_causal_conv1d(x_BCT: torch.Tensor, weight_CK: torch.Tensor, bias: to
     ksize = weight_CK.shape[-1]
     cu = cu_seqlens.to(device=x_BCT.device, dtype=torch.long)
     lens = cu[1:] - cu[:-1]
-    seg = torch.repeat_interleave(torch.arange(lens.numel(), device=x_BCT.device), lens)
+    seg = torch.repeat_interleave(torch.arange(lens.numel(), device=x_BCT.device), lens, output_size=total)
     fn = _causal_conv1d_fn()
     if fn is not None and x_BCT.is_cuda:
         # causal-conv1d resets at seq_idx changes; it wants channel-last x (x.stride(1) == 1),
@@ -151,7 +151,8 @@ def _packed_gdn_forward(self, hidden_states: torch.Tensor, cache=None, attention
     cu = _packed_cu_seqlens(kwargs, bsz * seq_len, hidden_states.device)
     if cu is None:
         return self._raytune_original_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    if cache is not None:
+    # transformers < 5.2x names the cache `cache_params` (and older code `past_key_values`).
+    if cache is not None or kwargs.get("cache_params") is not None or kwargs.get("past_key_values") is not None:
         raise ValueError("packed inputs (cu_seq_lens_q / seq_idx) cannot be combined with a cache: "
                          "pass use_cache=False (packed_forward_kwargs does)")
     if attention_mask is not None and attention_mask.dim() == 2:
