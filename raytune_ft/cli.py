@@ -1,8 +1,15 @@
-"""Command line: `raytune-ft run|plan|register|runs`, and the `main()` of each jobs/*.py script."""
+"""Command line: `raytune-ft run|plan|register|runs`, and the `main()` of each jobs/*.py script.
+
+A job is a Python file in jobs/ that defines `recipe() -> Recipe`, `local(recipe) -> Recipe` (the
+--local variant) and `main(argv=None)` (which calls `job_main`). `raytune-ft run JOB` and
+`python jobs/JOB.py` do the same thing.
+"""
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import importlib.util
+import json
 import os
 import sys
 from typing import Callable
@@ -12,27 +19,58 @@ from raytune_ft.recipe import Recipe, RecipeError, apply_overrides, validate
 RecipeFn = Callable[[], Recipe]
 LocalFn = Callable[[Recipe], Recipe]
 
+EPILOG = """examples:
+  raytune-ft run qwen27b_b300 --local                 tiny model, local Ray on CPU
+  raytune-ft run qwen27b_b300 --set scaling.num_workers=16
+  raytune-ft plan qwen3_4b_full --set train.master_weights=bf16
+  raytune-ft runs --storage ./runs
+  raytune-ft register ./runs/qwen27b-local/checkpoint_000001 --name main.default.qwen27b \\
+      --tracking-uri sqlite:///runs/qwen27b-local/mlflow.db
+  ray job submit --working-dir . -- raytune-ft run qwen27b_b300
+"""
 
-def job_parser(prog: str, description: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description)
+
+def add_job_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags every job takes: --local, --set (repeatable), --dry-run, --no-register."""
     p.add_argument("--local", action="store_true",
                    help="run on local Ray on CPU with a tiny model of the same family and bundled data")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a recipe field (repeatable), e.g. --set scaling.num_workers=16")
-    p.add_argument("--dry-run", action="store_true", help="print the resolved recipe and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the resolved recipe and its memory/time plan, then exit (Ray is not started)")
     p.add_argument("--no-register", action="store_true", help="train only; skip the registration task")
     return p
 
 
+def job_parser(prog: str, description: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser of a jobs/*.py script."""
+    return add_job_flags(argparse.ArgumentParser(prog=prog, description=description))
+
+
 def resolve(recipe_fn: RecipeFn, local_fn: LocalFn, *, local: bool, overrides: list[str]) -> Recipe:
+    """Build the job's recipe, apply --local and the --set overrides in that order, and validate it."""
     recipe = recipe_fn()
     if local:
         recipe = local_fn(recipe)
     return validate(apply_overrides(recipe, overrides))
 
 
+def _print_plan(recipe: Recipe, **kwargs) -> None:
+    try:
+        from raytune_ft.plan import memory_plan
+    except ImportError:
+        return
+    try:
+        print(memory_plan(recipe, **kwargs).render())
+    except ValueError as e:  # an unknown model shape or GPU: the recipe itself is fine
+        print(f"(no memory plan: {e})")
+
+
 def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = None, *, prog: str = "job") -> int:
-    """Parse a job's flags, then dry-run or run it; a bad recipe exits 2 before Ray starts."""
+    """Parse a job's flags, then dry-run or run it; a bad recipe exits 2 before Ray starts.
+
+    Exit codes: 0 trained (and registered when enabled), 2 bad recipe, 3 trained but not registered.
+    """
     args = job_parser(prog, (recipe_fn.__doc__ or "").strip() or None).parse_args(argv)
     try:
         recipe = resolve(recipe_fn, local_fn, local=args.local, overrides=args.overrides)
@@ -41,12 +79,7 @@ def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = No
         return 2
     if args.dry_run:
         print(recipe.to_json())
-        try:
-            from raytune_ft.plan import memory_plan
-
-            print(memory_plan(recipe).render())
-        except ImportError:
-            pass
+        _print_plan(recipe)
         return 0
     from raytune_ft.run import run
 
@@ -55,14 +88,27 @@ def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = No
     return 0 if summary.status != "trained_not_registered" else 3
 
 
+# ------------------------------------------------------------------ jobs by name
+
+def jobs_dir() -> str:
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs")
+
+
+def list_jobs() -> list[str]:
+    d = jobs_dir()
+    if not os.path.isdir(d):
+        return []
+    return sorted(f[:-3] for f in os.listdir(d) if f.endswith(".py") and not f.startswith("_"))
+
+
 def _load_job(job: str):
     """A job by name (qwen27b_b300) or path (jobs/qwen27b_b300.py)."""
     path = job
-    if not os.path.exists(path):
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        cand = os.path.join(here, "jobs", job if job.endswith(".py") else f"{job}.py")
-        if not os.path.exists(cand):
-            raise SystemExit(f"error: no job {job!r} (looked for {path} and {cand})")
+    if not os.path.isfile(path):
+        cand = os.path.join(jobs_dir(), job if job.endswith(".py") else f"{job}.py")
+        if not os.path.isfile(cand):
+            known = ", ".join(list_jobs()) or "none found"
+            raise SystemExit(f"error: no job {job!r} (looked for {path} and {cand}; jobs: {known})")
         path = cand
     spec = importlib.util.spec_from_file_location(f"raytune_job_{os.path.basename(path)[:-3]}", path)
     mod = importlib.util.module_from_spec(spec)
@@ -70,23 +116,180 @@ def _load_job(job: str):
     return mod
 
 
+def _job_recipe(job: str, local: bool, overrides: list[str]) -> Recipe:
+    mod = _load_job(job)
+    if not (callable(getattr(mod, "recipe", None)) and callable(getattr(mod, "local", None))):
+        raise SystemExit(f"error: job {job!r} does not define recipe() and local(recipe)")
+    return resolve(mod.recipe, mod.local, local=local, overrides=overrides)
+
+
+# ------------------------------------------------------------------ raytune-ft runs
+
+DEFAULT_STORAGE = ("~/raytune_runs", "./runs")   # TrackingConfig's default, the --local jobs' default
+
+
+def find_runs(storages: list[str]) -> list[dict]:
+    """One dict per run folder under each storage path: from its summary.json, else from its MLflow store."""
+    rows: list[dict] = []
+    for storage in storages:
+        root = os.path.expanduser(storage)
+        if not os.path.isdir(root):
+            continue
+        for name in os.listdir(root):
+            run_dir = os.path.join(root, name)
+            summary = os.path.join(run_dir, "summary.json")
+            if os.path.isfile(summary):
+                try:
+                    with open(summary) as f:
+                        s = json.load(f)
+                except (OSError, ValueError) as e:
+                    rows.append({"run_name": name, "status": f"unreadable summary.json ({type(e).__name__})",
+                                 "path": run_dir, "time": os.path.getmtime(summary)})
+                    continue
+                s.update(path=run_dir, time=os.path.getmtime(summary))
+                rows.append(s)
+            elif os.path.isfile(os.path.join(run_dir, "mlflow.db")):
+                rows.append(_run_from_mlflow(run_dir, name))
+    rows.sort(key=lambda r: r.get("time", 0), reverse=True)
+    return rows
+
+
+def _run_from_mlflow(run_dir: str, name: str) -> dict:
+    """A run without summary.json (still running, failed, or killed): what its MLflow store says."""
+    row = {"run_name": name, "path": run_dir, "time": os.path.getmtime(os.path.join(run_dir, "mlflow.db")),
+           "status": "no summary"}
+    try:
+        import mlflow
+
+        client = mlflow.MlflowClient("sqlite:///" + os.path.abspath(os.path.join(run_dir, "mlflow.db")))
+        found = []
+        for exp in client.search_experiments():
+            found += client.search_runs([exp.experiment_id], filter_string=f"tags.`raytune.run_name` = '{name}'",
+                                        max_results=1, order_by=["attributes.start_time DESC"])
+        if found:
+            r = found[0]
+            status = r.data.tags.get("raytune.status") or r.info.status.lower()
+            row.update(status="running" if r.info.status == "RUNNING" else status,
+                       job=r.data.tags.get("raytune.job"), final_loss=r.data.metrics.get("loss"),
+                       steps=int(r.data.metrics.get("step", 0)) or None, mlflow_run_id=r.info.run_id)
+            hist = client.get_metric_history(r.info.run_id, "loss")
+            if hist:
+                last = max(hist, key=lambda m: m.step)
+                row.update(final_loss=last.value, steps=last.step)
+    except Exception as e:  # a broken store still lists the folder
+        row["status"] = f"no summary; MLflow store unreadable ({type(e).__name__})"
+    return row
+
+
+def format_runs(rows: list[dict]) -> str:
+    """A table of runs, newest first."""
+    if not rows:
+        return "no runs found"
+    table = [("FINISHED", "RUN", "JOB", "STATUS", "STEPS", "FINAL LOSS", "REGISTERED")]
+    for r in rows:
+        when = _dt.datetime.fromtimestamp(r["time"]).strftime("%Y-%m-%d %H:%M") if r.get("time") else ""
+        loss = r.get("final_loss")
+        reg = ""
+        if r.get("registered_version"):
+            reg = f"{r.get('registered_name')} v{r['registered_version']}"
+        elif r.get("registration_error"):
+            reg = "failed (see summary.json for the retry command)"
+        table.append((when, str(r.get("run_name", "")), str(r.get("job") or ""), str(r.get("status", "")),
+                      "" if r.get("steps") is None else str(r["steps"]),
+                      f"{loss:.4f}" if isinstance(loss, (int, float)) else "", reg))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table)
+
+
+# ------------------------------------------------------------------ the entry point
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="raytune-ft", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="Fine-tune Qwen LLMs on Ray Train: run a job, plan its memory, register a checkpoint, "
+                    "list runs.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    job_help = f"a job name ({', '.join(list_jobs()) or 'see jobs/'}) or a path to a job file"
+
+    run = sub.add_parser("run", help="train a job (then register it), or --dry-run it",
+                         description="Train a job on Ray: validate the recipe, fit, register the final checkpoint. "
+                                     "Joins the cluster named by RAY_ADDRESS (as under `ray job submit`), else "
+                                     "starts a local Ray.")
+    run.add_argument("job", help=job_help)
+    add_job_flags(run)
+
+    plan = sub.add_parser("plan", help="per-GPU memory and time estimate of a job (no Ray, no GPU needed)",
+                          description="Estimate per-GPU memory (params, grads, AdamW states, FSDP buffers, "
+                                      "activations, loss) and the time of one pass, and say whether it fits.")
+    plan.add_argument("job", help=job_help)
+    plan.add_argument("--local", action="store_true", help="plan the --local variant (tiny model)")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                      help="override a recipe field (repeatable)")
+    plan.add_argument("--gpu", default=None,
+                      help="plan for this GPU (B300, B200, H200, H100, A100) instead of scaling.accelerator_type "
+                           "or the job's default")
+    plan.add_argument("--tokens-per-s-per-gpu", type=float, default=None,
+                      help="assumed throughput (default: 40%% MFU of the GPU's bf16 peak)")
+    plan.add_argument("--mfu", type=float, default=0.40, help="assumed MFU for the time estimate (default 0.40)")
+
+    sub.add_parser("register", add_help=False, help="register a checkpoint as catalog.schema.model "
+                                                    "(raytune-ft register --help for its flags)")
+
+    runs = sub.add_parser("runs", help="list recent runs: status, steps, final loss, registered version",
+                          description="List runs found under the storage folders (their summary.json, or their "
+                                      "MLflow store for runs that have not finished).")
+    runs.add_argument("--storage", action="append", default=None, metavar="PATH",
+                      help=f"a tracking.storage_path to look in (repeatable; default: {', '.join(DEFAULT_STORAGE)}"
+                           " and $RAYTUNE_LOCAL_STORAGE)")
+    runs.add_argument("--limit", type=int, default=20, help="show at most this many runs (default 20)")
+    runs.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`raytune-ft COMMAND ...`; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: raytune-ft {run JOB [--local] [--set k=v ...] [--dry-run] | register CHECKPOINT --name c.s.m}"
-    if not argv or argv[0] in ("-h", "--help"):
-        print(usage)
-        return 0
-    cmd, rest = argv[0], argv[1:]
-    if cmd == "run":
-        if not rest:
-            print(usage, file=sys.stderr)
-            return 2
-        return _load_job(rest[0]).main(rest[1:])
-    if cmd == "register":
+    if argv and argv[0] == "register":  # the registry owns its flags (and its --help)
         from raytune_ft.registry import cli_register
 
-        return cli_register(rest)
-    print(f"error: unknown command {cmd!r}\n{usage}", file=sys.stderr)
+        return cli_register(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if args.command == "run":
+        mod = _load_job(args.job)
+        job_argv = [f"--set={o}" for o in args.overrides]
+        job_argv += [flag for flag, on in (("--local", args.local), ("--dry-run", args.dry_run),
+                                           ("--no-register", args.no_register)) if on]
+        return mod.main(job_argv)
+    if args.command == "plan":
+        try:
+            recipe = _job_recipe(args.job, args.local, args.overrides)
+        except RecipeError as e:
+            print(f"error: bad recipe: {e}", file=sys.stderr)
+            return 2
+        from raytune_ft.plan import memory_plan
+
+        try:
+            plan = memory_plan(recipe, gpu=args.gpu, tokens_per_s_per_gpu=args.tokens_per_s_per_gpu, mfu=args.mfu)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(plan.render())
+        return 0 if plan.fits else 1
+    if args.command == "runs":
+        storages = args.storage or [*DEFAULT_STORAGE, *filter(None, [os.environ.get("RAYTUNE_LOCAL_STORAGE")])]
+        rows = find_runs(list(dict.fromkeys(storages)))[: args.limit]
+        if args.json:
+            print(json.dumps(rows, indent=2, default=str))
+        else:
+            print(format_runs(rows))
+            if not rows:
+                print(f"(looked in {', '.join(dict.fromkeys(storages))}; pass --storage PATH)")
+        return 0
+    parser.error(f"unknown command {args.command!r}")
     return 2
 
 

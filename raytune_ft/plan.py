@@ -1,0 +1,579 @@
+"""Will the recipe fit, and how long will one pass take? A per-GPU memory and time plan, before Ray starts.
+
+`memory_plan(recipe)` reads the model's shape (the real config for the recipe models, the tiny config
+with `model.local_tiny`), the loop (FSDP2 or TRL), the scaling and the activation checkpointing, and
+returns a `Plan` whose `render()` is what `raytune-ft plan JOB` and `--dry-run` print.
+
+The memory model (bytes per GPU; every line is a stated estimate, not a measurement):
+  params / grads      FSDP2 shards them over `scaling.num_workers`; the TRL loop (DDP) keeps a full copy.
+                      Grads have the dtype of the parameters they belong to.
+  optimizer           AdamW, two states per trainable parameter. `torch.optim.AdamW` allocates them with
+                      `zeros_like(param)`: fp32 with `train.master_weights=fp32`, bf16 with `bf16`.
+  FSDP2 gathered      the root unit (embeddings, final norm, lm_head) stays unsharded during the step
+                      (the root is not resharded after forward); two decoder layers are gathered at a
+                      time (current + prefetch) in the compute dtype; one layer's unsharded fp32
+                      gradients wait for their reduce-scatter (reduce dtype fp32).
+  activations         per token, the tensors a decoder layer saves for backward (listed in
+                      `_layer_activation_elems`); `full` checkpointing keeps each layer's input and
+                      recomputes one layer at a time, `selective` (as the FSDP2 loop does it) checkpoints
+                      every other layer, `none` keeps every layer's tensors. Attention is a varlen /
+                      SDPA kernel: no (T x T) score matrix is stored.
+  loss                the FSDP2 loop's chunked cross-entropy (models/loss.py): one chunk of fp32 logits
+                      plus its compute-dtype gradient, an fp32 (V x D) lm_head-gradient accumulator and
+                      the hidden-state gradient; never the full fp32 logits. The TRL loop without Liger
+                      materialises full logits (bf16) and their fp32 upcast and gradient.
+The components are summed: phases that do not overlap in time (the loss chunk and the recompute of a
+layer, say) are counted together, so the total is an upper estimate. Checked against the peaks measured
+on an H200 in ../shared/GPU.md (tests/test_plan.py): TRL on the Qwen3-4B shape at 1,024 tokens 32.7 GiB
+measured / 31.7 planned; the seed loop (unfused loss) on the 4B shape at 16,384 tokens 59.1 / 57.9, on
+the 27B shape cut to 16 layers 109.6 / 109.8. A plan "fits" when the total is within the GPU's memory
+less a margin (default 10%) for the CUDA context, NCCL buffers and allocator fragmentation.
+
+The time model: tokens of one pass / (tokens/s per GPU x GPUs), tokens/s per GPU = MFU x bf16 peak /
+training FLOPs per token, the FLOPs as `raytune_ft.models.flops` counts them for MFU.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from raytune_ft.recipe import Recipe
+
+GiB = 1024**3
+
+
+# ------------------------------------------------------------------ model shapes
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a Qwen-family decoder that memory and FLOPs depend on."""
+
+    family: str                      # qwen3_5 | qwen3 | qwen2
+    vocab: int
+    hidden: int
+    intermediate: int
+    layer_types: tuple[str, ...]     # "full_attention" | "linear_attention" (gated-delta-net) per layer
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    attention_bias: bool = False     # bias on q/k/v/o (qwen3, qwen3_5 when set); qwen2 always has q/k/v bias
+    lin_k_heads: int = 0             # gated-delta-net (qwen3_5 only)
+    lin_v_heads: int = 0
+    lin_k_dim: int = 0
+    lin_v_dim: int = 0
+    conv_kernel: int = 0
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def n_full_attention(self) -> int:
+        return self.layer_types.count("full_attention")
+
+    @property
+    def n_linear_attention(self) -> int:
+        return self.layer_types.count("linear_attention")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "ModelShape":
+        """From a transformers config of Qwen2, Qwen3 or Qwen3.5 (text)."""
+        mt = str(getattr(cfg, "model_type", ""))
+        family = "qwen3_5" if mt.startswith("qwen3_5") else ("qwen3" if mt.startswith("qwen3") else "qwen2")
+        n = cfg.num_hidden_layers
+        types = tuple(getattr(cfg, "layer_types", None) or ["full_attention"] * n)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kw: dict[str, Any] = {}
+        if family == "qwen3_5":
+            kw = dict(lin_k_heads=cfg.linear_num_key_heads, lin_v_heads=cfg.linear_num_value_heads,
+                      lin_k_dim=cfg.linear_key_head_dim, lin_v_dim=cfg.linear_value_head_dim,
+                      conv_kernel=cfg.linear_conv_kernel_dim)
+        return cls(family=family, vocab=cfg.vocab_size, hidden=cfg.hidden_size,
+                   intermediate=cfg.intermediate_size, layer_types=types, heads=cfg.num_attention_heads,
+                   kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
+                   tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+                   attention_bias=bool(getattr(cfg, "attention_bias", False)), **kw)
+
+    # ---- parameters, from the module definitions of transformers' Qwen2/Qwen3/Qwen3.5 layers
+
+    def linears(self, kind: str) -> dict[str, tuple[int, int]]:
+        """The matmul weights of one decoder layer of `kind`: name -> (in_features, out_features)."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        mlp = {"gate_proj": (h, self.intermediate), "up_proj": (h, self.intermediate),
+               "down_proj": (self.intermediate, h)}
+        if kind == "full_attention":
+            # Qwen3.5's attention gates its output: q_proj emits the query and the gate
+            q_out = 2 * q if self.family == "qwen3_5" else q
+            return {"q_proj": (h, q_out), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), **mlp}
+        kd, vd = self.lin_k_heads * self.lin_k_dim, self.lin_v_heads * self.lin_v_dim
+        return {"in_proj_qkv": (h, 2 * kd + vd), "in_proj_z": (h, vd), "in_proj_b": (h, self.lin_v_heads),
+                "in_proj_a": (h, self.lin_v_heads), "out_proj": (vd, h), **mlp}
+
+    def layer_params(self, kind: str) -> int:
+        """All parameters of one decoder layer of `kind` (matmuls, biases, norms, conv, gates)."""
+        n = sum(i * o for i, o in self.linears(kind).values())
+        n += 2 * self.hidden                                   # input and post-attention RMSNorm
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        if kind == "full_attention":
+            if self.family == "qwen2":
+                n += q + 2 * kv                                # q/k/v biases
+            else:
+                n += 2 * self.head_dim                         # q_norm, k_norm
+                if self.attention_bias:
+                    q_out = 2 * q if self.family == "qwen3_5" else q
+                    n += q_out + 2 * kv + self.hidden
+        else:
+            conv_dim = 2 * self.lin_k_heads * self.lin_k_dim + self.lin_v_heads * self.lin_v_dim
+            n += conv_dim * self.conv_kernel                   # depthwise causal conv, no bias
+            n += 2 * self.lin_v_heads                          # dt_bias, A_log
+            n += self.lin_v_dim                                # gated RMSNorm over a value head
+        return n
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def root_params(self) -> int:
+        """Embeddings, final norm and (untied) lm_head: the FSDP2 root unit."""
+        return self.embedding_params * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def total_params(self) -> int:
+        return self.root_params + sum(self.layer_params(k) for k in self.layer_types)
+
+    @property
+    def max_layer_params(self) -> int:
+        return max(self.layer_params(k) for k in set(self.layer_types))
+
+    def lora_params(self, r: int, targets: list[str]) -> int:
+        """Trainable LoRA parameters: r x (in + out) for each targeted linear of each layer."""
+        if r <= 0:
+            return 0
+        total = 0
+        for kind in self.layer_types:
+            for name, (i, o) in self.linears(kind).items():
+                if not targets or name in targets or "all-linear" in targets:
+                    total += r * (i + o)
+        return total
+
+    def describe(self) -> str:
+        if self.family == "qwen3_5":
+            layers = (f"{self.n_layers} layers = {self.n_linear_attention} gated-delta-net + "
+                      f"{self.n_full_attention} full attention")
+        else:
+            layers = f"{self.n_layers} layers"
+        return (f"{self.family}: {layers}, hidden {self.hidden}, MLP {self.intermediate}, "
+                f"{self.heads}/{self.kv_heads} heads of {self.head_dim}, vocab {self.vocab:,}"
+                f"{', tied embeddings' if self.tied else ''}")
+
+
+# Known real shapes, used when raytune_ft.models.tiny.real_config is not importable (it is the source of
+# truth; tests/test_plan.py checks this table against it). Keys: the last part of the hub id, lower case.
+KNOWN_SHAPES: dict[str, ModelShape] = {
+    "qwen3.8-27b": ModelShape(
+        family="qwen3_5", vocab=248320, hidden=5120, intermediate=17408,
+        layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)),
+        heads=24, kv_heads=4, head_dim=256, tied=False, lin_k_heads=16, lin_v_heads=48, lin_k_dim=128,
+        lin_v_dim=128, conv_kernel=4),
+    "qwen3-4b": ModelShape(family="qwen3", vocab=151936, hidden=2560, intermediate=9728,
+                           layer_types=("full_attention",) * 36, heads=32, kv_heads=8, head_dim=128, tied=True),
+    "qwen2-0.5b": ModelShape(family="qwen2", vocab=151936, hidden=896, intermediate=4864,
+                             layer_types=("full_attention",) * 24, heads=14, kv_heads=2, head_dim=64, tied=True),
+}
+
+
+def _model_key(name: str) -> str:
+    return name.lower().replace("_", "-").rstrip("/").split("/")[-1]
+
+
+def model_config(recipe: Recipe) -> tuple[Any, str]:
+    """The transformers config of the recipe's model (None when only the table knows it) and its source."""
+    m = recipe.model
+    if m.local_tiny:
+        from raytune_ft.models.tiny import local_tokenizer, tiny_config
+
+        return tiny_config(m.family, vocab_size=len(local_tokenizer())), "tiny config (models/tiny.py)"
+    path = os.path.expanduser(m.name)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(path)
+        return getattr(cfg, "text_config", None) or cfg, f"{path}/config.json"
+    try:
+        from raytune_ft.models.tiny import real_config
+
+        return real_config(m.name), "real config (models/tiny.py real_config)"
+    except (ImportError, ValueError):
+        return None, ""
+
+
+def model_shape(recipe: Recipe) -> tuple[ModelShape, str]:
+    """The recipe's model shape and where it came from; raises ValueError for an unknown model."""
+    cfg, source = model_config(recipe)
+    if cfg is not None:
+        return ModelShape.from_config(cfg), source
+    key = _model_key(recipe.model.name)
+    if key in KNOWN_SHAPES:
+        return KNOWN_SHAPES[key], "table of known shapes (plan.py)"
+    raise ValueError(f"model.name: no shape known for {recipe.model.name!r} (known: {', '.join(KNOWN_SHAPES)}, "
+                     "or a local folder with config.json)")
+
+
+# ------------------------------------------------------------------ GPUs
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_bytes: float              # what torch can allocate at most (total_memory)
+    peak_bf16_tflops: float          # dense; 0 when unknown
+    source: str
+
+
+def _peak(name: str) -> float:
+    try:
+        from raytune_ft.models.flops import gpu_peak_tflops
+
+        return gpu_peak_tflops(name)
+    except ImportError:
+        return {"b300": 2250.0, "b200": 2250.0, "h200": 790.0, "h100": 790.0, "a100": 312.0}.get(name.lower(), 0.0)
+
+
+# Memory: B300 288 GB HBM3e per GPU (NVIDIA HGX B300 datasheet), taken as 288e9 bytes = 268 GiB;
+# H200: torch reports ~139 GiB on the lent H200 (141 GB marketed); H100 / A100 80GB: 79.1 GiB as
+# torch.cuda.get_device_properties(0).total_memory reports (80 GB marketed).
+# bf16 dense peaks: raytune_ft.models.flops (H100/H200 790 TFLOP/s measured on the lent H200 with a
+# bf16 matmul; B300 2,250 from NVIDIA's HGX B300 sheet, 36 PF sparse for 8 GPUs / 2 / 8).
+GPUS: dict[str, tuple[float, str]] = {
+    "B300": (288e9, "NVIDIA HGX B300 datasheet: 288 GB HBM3e"),
+    "B200": (180e9, "NVIDIA DGX B200: 180 GB usable HBM3e"),
+    "H200": (139 * GiB, "measured on the lent H200: 139 GiB usable (141 GB marketed)"),
+    "H100": (79.1 * GiB, "H100 SXM 80 GB: 79.1 GiB as torch reports"),
+    "A100": (79.1 * GiB, "A100 80 GB: 79.1 GiB as torch reports"),
+}
+
+# The GPU each shipped job is written for, when scaling.accelerator_type leaves it open.
+DEFAULT_GPU_BY_JOB = {"qwen27b_b300": "B300", "qwen3_4b_full": "H100", "qwen2_05b_lora": "H100"}
+
+
+def gpu_for(recipe: Recipe, gpu: str | None = None) -> Gpu | None:
+    """The GPU the plan is for: `gpu`, else scaling.accelerator_type, else the job's default; None on CPU."""
+    if gpu is None and not recipe.scaling.use_gpu:
+        return None
+    name = gpu or recipe.scaling.accelerator_type or DEFAULT_GPU_BY_JOB.get(recipe.job, "H100")
+    key = name.upper().replace("NVIDIA", "").replace("-", "").strip()
+    for known, (mem, src) in GPUS.items():
+        if known in key:
+            return Gpu(known, mem, _peak(known), src)
+    raise ValueError(f"unknown GPU {name!r} (known: {', '.join(GPUS)})")
+
+
+# ------------------------------------------------------------------ data sizes
+
+@dataclass(frozen=True)
+class DatasetSize:
+    rows: int
+    mean_tokens: float
+    source: str
+
+
+# UltraChat 200k train_sft: 207,865 rows (the dataset card's split size); mean 1,322 tokens per
+# conversation (median 1,238) rendered with the Qwen3.8 chat template and the real Qwen tokenizer, as
+# measured by ../shared/peers/data_peer.py (peers/README.md; issue 4). The 16 rows in
+# ../shared/fixtures/data give a mean of 1,365 with the Qwen3 vocabulary, consistent with it.
+KNOWN_DATASETS: dict[tuple[str, str], DatasetSize] = {
+    ("hf://HuggingFaceH4/ultrachat_200k", "train_sft"): DatasetSize(
+        207_865, 1_322,
+        "UltraChat 200k train_sft: 207,865 rows x mean 1,322 tokens (Qwen3.8 template; data_peer.py, issue 4)"),
+}
+
+
+# ------------------------------------------------------------------ the plan
+
+@dataclass
+class MemoryLine:
+    name: str
+    bytes: float
+    how: str                         # the arithmetic, in words
+
+
+@dataclass
+class Plan:
+    """A per-GPU memory estimate and a time estimate for one recipe."""
+
+    job: str
+    model_name: str
+    shape: ModelShape
+    shape_source: str
+    loop: str
+    gpu: Gpu | None
+    n_workers: int
+    shard: int                       # how many ways params/grads/optimizer are split
+    lines: list[MemoryLine]
+    margin: float
+    trainable_params: int
+    tokens: float | None = None      # tokens of the run (one pass, or max_steps x tokens per step)
+    tokens_source: str = ""
+    steps: int | None = None
+    flops_per_token: float = 0.0
+    tokens_per_s_per_gpu: float | None = None
+    tokens_per_s_source: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(line.bytes for line in self.lines)
+
+    @property
+    def budget_bytes(self) -> float | None:
+        return None if self.gpu is None else self.gpu.memory_bytes * (1.0 - self.margin)
+
+    @property
+    def fits(self) -> bool:
+        """True when the estimate is within the GPU's memory less the margin (always True on CPU)."""
+        return self.budget_bytes is None or self.total_bytes <= self.budget_bytes
+
+    @property
+    def seconds(self) -> float | None:
+        if not self.tokens or not self.tokens_per_s_per_gpu:
+            return None
+        return self.tokens / (self.tokens_per_s_per_gpu * self.n_workers)
+
+    def component(self, name: str) -> float:
+        return sum(line.bytes for line in self.lines if line.name == name)
+
+    def render(self) -> str:
+        s = self.shape
+        out = [f"memory plan: {self.job} - {self.model_name}",
+               f"  model        {s.describe()}  [{self.shape_source}]",
+               f"  parameters   {_fmt_count(s.total_params)}, trainable {_fmt_count(self.trainable_params)}; "
+               f"loop {self.loop}, {self.n_workers} worker{'s' if self.n_workers != 1 else ''}, "
+               + (f"params/grads/optimizer sharded {self.shard} ways (FSDP2)" if self.shard > 1
+                  else "params/grads/optimizer replicated on each worker")]
+        where = (f"{self.gpu.name}, {self.gpu.memory_bytes / GiB:.1f} GiB ({self.gpu.source})"
+                 if self.gpu else "CPU worker (host memory)")
+        out.append(f"  per GPU      {where}")
+        width = max(len(line.name) for line in self.lines)
+        for line in self.lines:
+            out.append(f"    {line.name:<{width}}  {_fmt_bytes(line.bytes)}   {line.how}")
+        out.append(f"    {'total':<{width}}  {_fmt_bytes(self.total_bytes)}   (sum of the lines above; "
+                   "an upper estimate)")
+        if self.gpu:
+            verdict = "FITS" if self.fits else "DOES NOT FIT"
+            out.append(f"  verdict      {verdict}: {self.total_bytes / GiB:.1f} GiB of a "
+                       f"{self.budget_bytes / GiB:.1f} GiB budget ({self.gpu.name} less a "
+                       f"{self.margin:.0%} margin for CUDA context, NCCL buffers, fragmentation)")
+        for n in self.notes:
+            out.append(f"  note         {n}")
+        out.append("time plan:")
+        flops = _fmt_count(self.flops_per_token).replace(" B", " G")
+        out.append(f"  FLOPs/token  {flops}FLOP (6 x matmul params + causal attention term, forward + backward)")
+        if self.tokens:
+            steps = f", {self.steps:,} optimizer steps" if self.steps else ""
+            out.append(f"  tokens       {_fmt_count(self.tokens)}{steps} ({self.tokens_source})")
+        else:
+            out.append("  tokens       unknown: no token count known for this data source and no train.max_steps")
+        if self.tokens_per_s_per_gpu:
+            out.append(f"  throughput   {self.tokens_per_s_per_gpu:,.0f} tokens/s per GPU "
+                       f"({self.tokens_per_s_source})")
+        elif self.gpu is None:
+            out.append("  throughput   not estimated on CPU (pass --tokens-per-s-per-gpu, or --gpu H100 to plan "
+                       "for a GPU)")
+        else:
+            out.append(f"  throughput   unknown: no bf16 peak known for {self.gpu.name} (pass --tokens-per-s-per-gpu)")
+        gpus = f"{self.n_workers} GPU{'s' if self.n_workers != 1 else ''}"
+        if self.seconds is not None:
+            out.append(f"  time         {_fmt_duration(self.seconds)} on {gpus}, excluding start-up, "
+                       "checkpoints and evaluation")
+        elif self.tokens_per_s_per_gpu:
+            per_m = 1e6 / (self.tokens_per_s_per_gpu * self.n_workers)
+            out.append(f"  time         {_fmt_duration(per_m)} per million tokens on {gpus}")
+        return "\n".join(out)
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / GiB:8.2f} GiB" if n >= 0.1 * GiB else f"{n / 1024**2:8.2f} MiB"
+
+
+def _fmt_count(n: float) -> str:
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= div:
+            return f"{n / div:,.2f} {unit}"
+    return f"{n:,.0f}"
+
+
+def _fmt_duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    h, rem = divmod(int(round(seconds)), 3600)
+    m, s = divmod(rem, 60)
+    return f"{h} h {m:02d} min" if h else f"{m} min {s:02d} s"
+
+
+def _layer_activation_elems(s: ModelShape, kind: str) -> float:
+    """Elements (compute dtype) one decoder layer saves for backward, per token.
+
+    Shared by both kinds: the RMSNorm inputs and outputs around the mixer and the MLP (4 x hidden), and
+    the SwiGLU MLP's gate, up, silu(gate) and product (4 x intermediate).
+    Full attention: q (and Qwen3.5's output gate), k, v, their normed/rotated copies, the attention
+    output, and for Qwen3.5 the sigmoid gate and gated output.
+    Gated-delta-net: the qkv projection, its conv and silu outputs, z, the l2-normed q/k, the recurrence
+    output, the gated norm's output, and the chunked recurrence's per-chunk states (fp32, one
+    dk x dv state per value head every 64 tokens, counted as two compute-dtype elements each).
+    """
+    h, inter = s.hidden, s.intermediate
+    n = 4 * h + 4 * inter
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    if kind == "full_attention":
+        n += 6 * q + 3 * kv if s.family == "qwen3_5" else 3 * q + 3 * kv
+    else:
+        kd, vd = s.lin_k_heads * s.lin_k_dim, s.lin_v_heads * s.lin_v_dim
+        conv = 2 * kd + vd
+        n += 3 * conv + vd + 2 * kd + 2 * vd + 4 * s.lin_v_heads
+        n += 2 * s.lin_v_heads * s.lin_k_dim * s.lin_v_dim / 64
+    return n
+
+
+def _flops_per_token(s: ModelShape, mean_conv_tokens: float) -> float:
+    """Training FLOPs per token: 6 x matmul params + causal attention over conversations of the mean length."""
+    matmul = s.total_params - (0 if s.tied else s.embedding_params)   # the input embedding is a lookup
+    attn = 6.0 * s.n_full_attention * s.heads * s.head_dim * mean_conv_tokens
+    return 6.0 * matmul + attn
+
+
+def memory_plan(recipe: Recipe, *, gpu: str | None = None, tokens_per_s_per_gpu: float | None = None,
+                mfu: float = 0.40, margin: float = 0.10, shape: ModelShape | None = None) -> Plan:
+    """The per-GPU memory plan and time estimate of `recipe` (see the module docstring for the model).
+
+    gpu: plan for this GPU (B300, H200, H100, ...) instead of scaling.accelerator_type / the job's default.
+    tokens_per_s_per_gpu: throughput to assume; default `mfu` x the GPU's bf16 peak / FLOPs per token.
+    margin: the fraction of GPU memory kept free. shape: a model shape to use instead of the recipe's.
+    """
+    if shape is not None:
+        shape_src = "given"
+    else:
+        shape, shape_src = model_shape(recipe)
+    t, s_cfg, d = recipe.train, recipe.scaling, recipe.data
+    g = gpu_for(recipe, gpu)
+    on_gpu = g is not None
+    compute_b = 2 if (on_gpu and recipe.model.dtype == "bfloat16") else 4
+    workers = s_cfg.num_workers
+    lora = t.loop == "trl" and t.lora_r > 0
+    shard = workers if t.loop == "fsdp2" else 1
+    lines: list[MemoryLine] = []
+    notes: list[str] = []
+    P = shape.total_params
+
+    def add(name: str, n_bytes: float, how: str) -> None:
+        lines.append(MemoryLine(name, float(n_bytes), how))
+
+    # ---- states
+    if lora:
+        trainable = shape.lora_params(t.lora_r, t.lora_target_modules)
+        add("params", P * compute_b, f"{_fmt_count(P)} frozen base x {compute_b} B")
+        # PEFT keeps adapter weights in fp32 (autocast_adapter_dtype) so their grads and AdamW states are fp32
+        add("lora params", trainable * 4, f"{_fmt_count(trainable)} adapter params (r={t.lora_r}) x 4 B")
+        add("grads", trainable * 4, "adapter grads, fp32")
+        add("optimizer", trainable * 8, "AdamW 2 states x fp32, adapters only")
+    else:
+        trainable = P
+        param_b = 4 if (t.master_weights == "fp32" or compute_b == 4) else 2
+        pname = "fp32" if param_b == 4 else "bf16"
+        div = f" / {shard}" if shard > 1 else ""
+        add("params", P * param_b / shard, f"{_fmt_count(P)} x {param_b} B ({pname}){div}")
+        add("grads", P * param_b / shard, f"{pname}, as the params{div}")
+        add("optimizer", 2 * P * param_b / shard, f"AdamW 2 states x {param_b} B ({pname}, zeros_like param){div}")
+        if param_b == 2:
+            notes.append("master_weights=bf16: weights, grads and AdamW states are bf16; updates smaller than "
+                         "bf16's resolution (~1e-3 relative) are lost")
+        if t.loop == "trl" and param_b == 4 and compute_b == 2:
+            # autocast caches the bf16 copy of every weight for the duration of the forward
+            add("autocast copies", P * 2, "bf16 casts of the fp32 weights, cached by autocast during forward")
+
+    if t.loop == "fsdp2":
+        gathered = (shape.root_params + 2 * shape.max_layer_params) * compute_b + shape.max_layer_params * 4
+        add("fsdp gathered", gathered,
+            f"root unit {_fmt_count(shape.root_params)} + 2 layers x {_fmt_count(shape.max_layer_params)} "
+            f"unsharded in {compute_b} B, + 1 layer of fp32 grads before reduce-scatter")
+    elif workers > 1:
+        add("ddp buckets", trainable * (4 if lora else (4 if t.master_weights == "fp32" else 2)),
+            "DDP's gradient buckets (a second copy of the trainable grads)")
+
+    # ---- activations
+    if t.loop == "fsdp2":
+        tokens_mb = d.seq_len * t.micro_batch_size
+        mode = t.activation_checkpointing
+    else:
+        per_example = d.seq_len if t.packing else (t.max_length or d.seq_len)
+        tokens_mb = per_example * t.micro_batch_size
+        mode = "full" if t.gradient_checkpointing else "none"
+    per_layer = {k: _layer_activation_elems(shape, k) for k in set(shape.layer_types)}
+    layer_in = shape.hidden  # a checkpointed layer keeps only its input
+    if mode == "none":
+        kept = sum(per_layer[k] for k in shape.layer_types)
+        recompute = 0.0
+        how = "every layer's saved tensors"
+    elif mode == "full":
+        kept = layer_in * shape.n_layers
+        recompute = max(per_layer.values())
+        how = "full checkpointing: each layer's input + one layer recomputed"
+    else:  # selective: the FSDP2 loop checkpoints every other layer
+        kept = sum(per_layer[k] if i % 2 == 1 else layer_in for i, k in enumerate(shape.layer_types))
+        recompute = max(per_layer.values())
+        how = "selective: every other layer checkpointed"
+    add("activations", (kept + recompute) * tokens_mb * compute_b,
+        f"{tokens_mb:,} tokens x {_fmt_count(kept + recompute)} elements x {compute_b} B ({how})")
+
+    # ---- loss
+    V, D = shape.vocab, shape.hidden
+    if t.loop == "fsdp2":
+        chunk = min(4096, tokens_mb)
+        loss_b = chunk * V * (4 + compute_b) + V * D * 4 + 2 * tokens_mb * D * compute_b
+        add("loss", loss_b, f"chunked CE: {chunk:,} x {V:,} fp32 logits + grad, fp32 lm_head grad accumulator, "
+                            "final hidden + its grad")
+    elif t.use_liger and on_gpu:
+        chunk = min(tokens_mb, 2048)
+        add("loss", chunk * V * (4 + compute_b) + 2 * tokens_mb * D * compute_b,
+            f"Liger fused linear CE: ~{chunk:,}-token chunks of logits")
+    else:
+        add("loss", tokens_mb * V * (compute_b + 8),
+            f"full logits: {tokens_mb:,} x {V:,} x ({compute_b} B + fp32 upcast + fp32 grad)")
+
+    # ---- time
+    size = KNOWN_DATASETS.get((d.source.rstrip("/"), d.split))
+    mean_conv = size.mean_tokens if size else float(min(d.seq_len, 1024))
+    fpt = _flops_per_token(shape, mean_conv)
+    tokens_per_step = tokens_mb * t.grad_accum * workers
+    tokens: float | None = None
+    tokens_src = ""
+    if size is not None:
+        rows = min(size.rows, d.max_rows) if d.max_rows else size.rows
+        tokens = rows * size.mean_tokens * (1 - d.validation_fraction) * t.epochs
+        tokens_src = size.source + (f", first {rows:,} rows" if d.max_rows else "") + \
+            (f", x {t.epochs} epochs" if t.epochs > 1 else "")
+    if t.max_steps:
+        cap = t.max_steps * tokens_per_step
+        if tokens is None or cap < tokens:
+            tokens = float(cap)
+            tokens_src = (f"train.max_steps {t.max_steps} x {tokens_per_step:,} tokens per step "
+                          "(full blocks; an upper bound)")
+    steps = t.max_steps or (math.ceil(tokens / tokens_per_step) if tokens else None)
+    if tokens_per_s_per_gpu:
+        tps_src = "given"
+    elif g is not None and g.peak_bf16_tflops > 0:
+        tokens_per_s_per_gpu = mfu * g.peak_bf16_tflops * 1e12 / fpt
+        tps_src = (f"{mfu:.0%} MFU x {g.peak_bf16_tflops:,.0f} TFLOP/s dense bf16 peak / "
+                   f"{fpt / 1e9:.1f} GFLOP per token")
+    else:
+        tps_src = ""
+    if lora:
+        notes.append("LoRA: the frozen base still does its forward and input-gradient matmuls; the time "
+                     "estimate counts full training FLOPs (an upper bound)")
+    return Plan(job=recipe.job, model_name=recipe.model.name + (" (tiny)" if recipe.model.local_tiny else ""),
+                shape=shape, shape_source=shape_src, loop=t.loop, gpu=g, n_workers=workers, shard=shard,
+                lines=lines, margin=margin, trainable_params=trainable, tokens=tokens, tokens_source=tokens_src,
+                steps=steps, flops_per_token=fpt, tokens_per_s_per_gpu=tokens_per_s_per_gpu,
+                tokens_per_s_source=tps_src, notes=notes)

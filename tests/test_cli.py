@@ -1,0 +1,148 @@
+"""The `raytune-ft` command line: subcommands, help, exit codes, the runs table."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from raytune_ft import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_no_command_prints_help(capsys):
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    for cmd in ("run", "plan", "register", "runs"):
+        assert cmd in out
+    assert "examples:" in out
+
+
+def test_help_of_each_subcommand(capsys):
+    for cmd, expect in (("run", "--dry-run"), ("plan", "--gpu"), ("runs", "--storage")):
+        with pytest.raises(SystemExit) as e:
+            cli.main([cmd, "--help"])
+        assert e.value.code == 0
+        assert expect in capsys.readouterr().out
+
+
+def test_register_help_is_the_registry_own(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["register", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "raytune-ft register" in out and "--name" in out
+
+
+def test_register_rejects_a_bad_name(tmp_path, capsys):
+    assert cli.main(["register", str(tmp_path), "--name", "not-three-levels",
+                     "--tracking-uri", f"sqlite:///{tmp_path}/m.db"]) == 2
+    assert "catalog.schema.model" in capsys.readouterr().err
+
+
+def test_run_dry_run_local_applies_overrides_and_prints_plan(capsys):
+    assert cli.main(["run", "qwen27b_b300", "--local", "--dry-run", "--set", "train.max_steps=3",
+                     "--set=train.lr=0.01"]) == 0
+    out = capsys.readouterr().out
+    recipe = json.loads(out[: out.index("\nmemory plan:")])
+    assert recipe["train"]["max_steps"] == 3 and recipe["train"]["lr"] == 0.01
+    assert recipe["model"]["local_tiny"] is True
+    assert "memory plan: qwen27b_b300" in out and "(tiny)" in out
+
+
+def test_run_bad_recipe_exits_2_naming_the_field(capsys):
+    assert cli.main(["run", "qwen27b_b300", "--dry-run", "--set", "train.lr=-1"]) == 2
+    assert "train.lr" in capsys.readouterr().err
+
+
+def test_run_unknown_job_lists_the_jobs():
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", "no_such_job"])
+    assert "no_such_job" in str(e.value.code) and "qwen27b_b300" in str(e.value.code)
+
+
+def test_plan_27b_fits_on_b300(capsys):
+    assert cli.main(["plan", "qwen27b_b300"]) == 0
+    out = capsys.readouterr().out
+    assert "B300" in out and "FITS" in out and "time plan:" in out and "optimizer" in out
+
+
+def test_plan_exit_code_1_when_it_does_not_fit(capsys):
+    assert cli.main(["plan", "qwen27b_b300", "--set", "scaling.num_workers=1", "--gpu", "H100"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_plan_unknown_gpu_is_a_clear_error(capsys):
+    assert cli.main(["plan", "qwen27b_b300", "--gpu", "TPUv9"]) == 2
+    assert "unknown GPU 'TPUv9'" in capsys.readouterr().err
+
+
+def _summary(storage: Path, name: str, **kw) -> Path:
+    from raytune_ft.run import RunSummary
+
+    s = RunSummary(job=kw.pop("job", "qwen27b_b300"), run_name=name, status=kw.pop("status", "registered"), **kw)
+    d = storage / name
+    d.mkdir(parents=True)
+    (d / "summary.json").write_text(json.dumps(asdict(s)))
+    return d / "summary.json"
+
+
+def test_runs_table_from_summaries_newest_first(tmp_path, capsys):
+    old = _summary(tmp_path, "run-old", steps=20, final_loss=3.25, registered_name="main.default.m",
+                   registered_version="1")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    _summary(tmp_path, "run-new", status="trained_not_registered", steps=7, final_loss=4.5,
+             registration_error="timeout", retry_command="raytune-ft register ...")
+    (tmp_path / "not-a-run").mkdir()
+    assert cli.main(["runs", "--storage", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["FINISHED", "RUN", "JOB"]
+    assert "run-new" in lines[1] and "run-old" in lines[2] and len(lines) == 3
+    assert "trained_not_registered" in lines[1] and "4.5000" in lines[1] and "failed" in lines[1]
+    assert "registered" in lines[2] and " 20 " in lines[2] and "3.2500" in lines[2]
+    assert "main.default.m v1" in lines[2]
+
+
+def test_runs_json_and_empty(tmp_path, capsys):
+    _summary(tmp_path, "r1", steps=3, final_loss=1.0)
+    assert cli.main(["runs", "--storage", str(tmp_path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["run_name"] for r in rows] == ["r1"] and rows[0]["steps"] == 3
+    assert cli.main(["runs", "--storage", str(tmp_path / "nothing")]) == 0
+    assert "no runs found" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_runs_shows_an_unfinished_run_from_its_mlflow_store(tmp_path, capsys):
+    """A run still training has no summary.json: its status and last loss come from MLflow."""
+    import mlflow
+
+    from raytune_ft import tracking
+    from raytune_ft.recipe import Recipe
+
+    recipe = Recipe()
+    recipe.tracking.storage_path = str(tmp_path)
+    recipe.tracking.run_name = "in-flight"
+    os.makedirs(recipe.run_dir)
+    run_id = tracking.start_run(recipe)
+    client = mlflow.MlflowClient(recipe.tracking_uri)
+    for step, loss in ((100, 2.5), (200, 2.0)):
+        client.log_metric(run_id, "loss", loss, step=step)
+    assert cli.main(["runs", "--storage", str(tmp_path)]) == 0
+    row = capsys.readouterr().out.splitlines()[1]
+    assert "in-flight" in row and "running" in row and "200" in row and "2.0000" in row
+
+
+@pytest.mark.timeout(120)
+def test_job_script_still_runs_as_python_jobs_x():
+    """`python jobs/X.py` keeps working (the in-process tests above cover `raytune-ft run`)."""
+    p = subprocess.run([sys.executable, "jobs/qwen27b_b300.py", "--local", "--dry-run"], cwd=REPO,
+                       capture_output=True, text=True, timeout=110)
+    assert p.returncode == 0, p.stderr
+    assert '"job": "qwen27b_b300"' in p.stdout and "memory plan:" in p.stdout

@@ -1,0 +1,194 @@
+"""The memory and time plan: exact parameter counts, per-component arithmetic, verdicts, calibration."""
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytune_ft.plan import GiB, KNOWN_SHAPES, ModelShape, memory_plan
+from raytune_ft.recipe import DataConfig, ModelConfig, Recipe, ScalingConfig, TrainConfig, apply_overrides
+
+JOBS = Path(__file__).resolve().parents[1] / "jobs"
+
+
+def job(name: str):
+    spec = importlib.util.spec_from_file_location(f"_plan_job_{name}", JOBS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def meta_param_count(cfg) -> int:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------- shapes
+
+@pytest.mark.parametrize("name,layers", [("qwen3.8-27b", 8), ("qwen3-4b", 4), ("qwen2-0.5b", 4)])
+def test_param_count_matches_transformers_model(name, layers):
+    """The analytic count equals the parameters of the model transformers builds (meta device)."""
+    from raytune_ft.models.tiny import real_config
+
+    cfg = real_config(name, num_hidden_layers=layers)
+    assert ModelShape.from_config(cfg).total_params == meta_param_count(cfg)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3", "qwen2"])
+def test_param_count_matches_tiny_models(family):
+    from raytune_ft.models.tiny import tiny_config
+
+    cfg = tiny_config(family, vocab_size=300)
+    assert ModelShape.from_config(cfg).total_params == meta_param_count(cfg)
+
+
+@pytest.mark.parametrize("name", list(KNOWN_SHAPES))
+def test_fallback_table_matches_real_configs(name):
+    from raytune_ft.models.tiny import real_config
+
+    assert KNOWN_SHAPES[name] == ModelShape.from_config(real_config(name))
+
+
+def test_27b_shape_counts_gated_delta_and_attention_layers():
+    s = KNOWN_SHAPES["qwen3.8-27b"]
+    assert (s.n_linear_attention, s.n_full_attention) == (48, 16)
+    assert s.total_params == 26_895_998_464
+    # a gated-delta-net layer and an attention layer differ: both kinds are counted, not one kind x 64
+    assert s.layer_params("linear_attention") != s.layer_params("full_attention")
+
+
+# ---------------------------------------------------------------- the 27B recipe
+
+def _rendered_gib(text: str) -> dict[str, float]:
+    """name -> GiB from the rendered component lines (MiB lines converted)."""
+    out = {}
+    for m in re.finditer(r"^    (\S[\w ]*?)\s+([\d.]+) (GiB|MiB)   ", text, re.M):
+        out[m.group(1)] = float(m.group(2)) / (1024 if m.group(3) == "MiB" else 1)
+    return out
+
+
+def test_27b_on_8_b300_fits_and_components_add_up():
+    plan = memory_plan(job("qwen27b_b300").recipe())
+    P = 26_895_998_464
+    assert plan.gpu.name == "B300" and plan.shard == 8 and plan.fits
+    # fp32 master weights sharded 8 ways: 4 B params, 4 B grads, 2 x 4 B AdamW states per parameter
+    assert plan.component("params") == P * 4 / 8
+    assert plan.component("grads") == P * 4 / 8
+    assert plan.component("optimizer") == P * 8 / 8
+    assert {l.name for l in plan.lines} >= {"params", "grads", "optimizer", "fsdp gathered", "activations", "loss"}
+    assert plan.total_bytes == pytest.approx(sum(l.bytes for l in plan.lines))
+    assert plan.total_bytes < plan.budget_bytes < 288e9
+    text = plan.render()
+    assert "FITS" in text and "DOES NOT FIT" not in text
+    shown = _rendered_gib(text)
+    total = shown.pop("total")
+    assert len(shown) == len(plan.lines)
+    assert sum(shown.values()) == pytest.approx(total, abs=0.01 * len(shown))   # rounding of the printed lines
+    # the chunked loss: one 4,096-token chunk of fp32 logits, not 32,768 x 248,320 x 4 B = 30 GiB
+    assert plan.component("loss") < 32768 * 248320 * 4
+
+
+def test_27b_on_one_gpu_does_not_fit():
+    plan = memory_plan(apply_overrides(job("qwen27b_b300").recipe(), ["scaling.num_workers=1"]))
+    assert not plan.fits and "DOES NOT FIT" in plan.render()
+
+
+def test_activation_checkpointing_modes_order():
+    r = job("qwen27b_b300").recipe()
+    acts = {}
+    for mode in ("none", "selective", "full"):
+        r.train.activation_checkpointing = mode
+        acts[mode] = memory_plan(r).component("activations")
+    assert acts["full"] < acts["selective"] < acts["none"]
+
+
+def test_27b_time_estimate_uses_ultrachat_and_the_mfu_flops():
+    from raytune_ft.models.flops import flops_per_block
+    from raytune_ft.models.tiny import real_config
+
+    plan = memory_plan(job("qwen27b_b300").recipe())
+    assert plan.tokens == pytest.approx(207_865 * 1_322)
+    # FLOPs per token as models/flops.py counts them for MFU, for conversations of the mean length
+    per_token = flops_per_block(real_config("qwen3.8-27b"), [1322]) / 1322
+    assert plan.flops_per_token == pytest.approx(per_token, rel=1e-9)
+    assert plan.tokens_per_s_per_gpu == pytest.approx(0.40 * 2250e12 / per_token)
+    assert plan.seconds == pytest.approx(207_865 * 1_322 / (8 * 0.40 * 2250e12 / per_token))
+    assert plan.steps == -(-207_865 * 1_322 // (32_768 * 8))
+
+
+# ---------------------------------------------------------------- the 4B recipe on one H100
+
+def test_4b_on_one_h100_fp32_master_does_not_fit_bf16_does():
+    """fp32 weights + grads + AdamW states are 16 B x 4.02 B = 60 GiB, plus autocast's bf16 copies,
+    4,096-token logits and activations: over 80 GB less a 10% margin. bf16 halves the states: fits."""
+    mod = job("qwen3_4b_full")
+    fp32 = memory_plan(apply_overrides(mod.recipe(), ["train.master_weights=fp32"]))
+    bf16 = memory_plan(apply_overrides(mod.recipe(), ["train.master_weights=bf16"]))
+    assert fp32.gpu.name == bf16.gpu.name == "H100" and fp32.n_workers == 1
+    assert not fp32.fits
+    assert bf16.fits
+    assert fp32.component("optimizer") == 2 * bf16.component("optimizer") == 2 * 4 * 4_022_468_096
+    assert fp32.total_bytes > 71 * GiB > bf16.total_bytes
+
+
+# ---------------------------------------------------------------- hand arithmetic
+
+def test_formula_matches_hand_arithmetic():
+    """A 2-layer qwen3-like model, FSDP2 over 2 GPUs, fp32 master weights, bf16 compute, full AC."""
+    shape = ModelShape(family="qwen3", vocab=1000, hidden=64, intermediate=128,
+                       layer_types=("full_attention",) * 2, heads=4, kv_heads=2, head_dim=16, tied=False)
+    # per layer: q 64x64 + k 64x32 + v 64x32 + o 64x64 + MLP 3x64x128 + 2 norms x 64 + q/k norms 2 x 16
+    layer = 4096 + 2048 + 2048 + 4096 + 24576 + 128 + 32
+    assert shape.layer_params("full_attention") == layer == 37_024
+    P = 2 * layer + 2 * 64_000 + 64                      # + embeddings, lm_head, final norm
+    assert shape.total_params == P == 202_112
+    recipe = Recipe(job="hand", model=ModelConfig(name="hand"), data=DataConfig(source="builtin:chat", seq_len=64),
+                    train=TrainConfig(loop="fsdp2", master_weights="fp32", activation_checkpointing="full"),
+                    scaling=ScalingConfig(num_workers=2, gpus_per_node=2, accelerator_type="H100"))
+    plan = memory_plan(recipe, shape=shape)
+    assert plan.component("params") == P * 4 / 2
+    assert plan.component("grads") == P * 4 / 2
+    assert plan.component("optimizer") == P * 8 / 2
+    # root unit (128,064) + 2 layers gathered in bf16, one layer's fp32 grads
+    assert plan.component("fsdp gathered") == (128_064 + 2 * layer) * 2 + layer * 4
+    # full AC: 2 layer inputs of 64 + one layer recomputed: 4h + 4I + 3q + 3kv = 256 + 512 + 192 + 96
+    assert plan.component("activations") == (2 * 64 + 1056) * 64 * 2
+    # chunk of 64 tokens x 1000 vocab x (fp32 + bf16) + fp32 lm_head grad + hidden and its grad in bf16
+    assert plan.component("loss") == 64 * 1000 * 6 + 1000 * 64 * 4 + 2 * 64 * 64 * 2
+    assert plan.total_bytes == 404_224 * 4 + 552_320 + 151_552 + 656_384
+    # FLOPs/token: 6 x (P - input embedding) + 6 x layers x heads x head_dim x mean length (seq_len 64 here)
+    assert plan.flops_per_token == 6 * (P - 64_000) + 6 * 2 * 4 * 16 * 64
+
+
+# ---------------------------------------------------------------- calibration against measured peaks
+
+@pytest.mark.parametrize("name,layers,seq,measured_gib", [
+    ("qwen3-4b", None, 1024, 32.7),       # TRL SFTTrainer, batch 1, max_length 1024 (../shared/GPU.md)
+    ("qwen3-4b", None, 16384, 59.1),      # the seed loop: bf16 params, grad ckpt, unfused loss
+    ("qwen3.8-27b", 16, 16384, 109.6),    # the seed loop on the 27B shape cut to 16 layers
+])
+def test_plan_within_10_percent_of_measured_h200_peaks(name, layers, seq, measured_gib):
+    """Peaks measured on the lent H200 (torch.cuda.max_memory_allocated), all bf16 weights, one GPU, an
+    unfused loss: the TRL-loop model of the plan (full logits) describes these runs."""
+    from raytune_ft.models.tiny import real_config
+
+    cfg = real_config(name, num_hidden_layers=layers) if layers else real_config(name)
+    recipe = Recipe(job="calib", model=ModelConfig(name=name), data=DataConfig(source="builtin:chat", seq_len=seq),
+                    train=TrainConfig(loop="trl", master_weights="bf16", gradient_checkpointing=True),
+                    scaling=ScalingConfig(num_workers=1, gpus_per_node=1))
+    plan = memory_plan(recipe, gpu="H200", shape=ModelShape.from_config(cfg))
+    assert plan.total_bytes / GiB == pytest.approx(measured_gib, rel=0.10)
+
+
+def test_local_tiny_plan_on_cpu():
+    mod = job("qwen27b_b300")
+    plan = memory_plan(mod.local(mod.recipe()))
+    assert plan.gpu is None and plan.shape.hidden == 64 and plan.shape.n_layers == 4
+    text = plan.render()
+    assert "CPU worker" in text and "not estimated on CPU" in text
