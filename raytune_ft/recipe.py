@@ -380,7 +380,17 @@ def validate(recipe: Recipe) -> Recipe:
     for k, v in s.resources_per_worker.items():
         if not isinstance(v, (int, float)) or v < 0:
             raise RecipeError(f"scaling.resources_per_worker.{k}: {v!r} must be a number >= 0")
+    # CPU/GPU here would silently override cpus_per_worker / the loops' one-GPU-per-worker layout
+    if "CPU" in s.resources_per_worker:
+        raise RecipeError("scaling.resources_per_worker.CPU: set scaling.cpus_per_worker instead")
+    if "GPU" in s.resources_per_worker:
+        raise RecipeError("scaling.resources_per_worker.GPU: each worker drives one GPU; "
+                          "set scaling.use_gpu=true and scaling.num_workers instead")
+    if s.accelerator_type is not None and not s.use_gpu:
+        raise RecipeError(f"scaling.accelerator_type: {s.accelerator_type!r} needs scaling.use_gpu=true")
 
+    if not tr.experiment.strip():
+        raise RecipeError("tracking.experiment: must not be empty")
     if not tr.storage_path.strip():
         raise RecipeError("tracking.storage_path: must not be empty")
     if not _RUN_NAME.match(tr.run_name):
