@@ -90,11 +90,8 @@ def _device() -> torch.device:
 
 def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
     """Build (or load) the model, install the packed-sequence paths, and shard it with FSDP2."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     from raytune_ft.models.attention import select_attention_backend
-    from raytune_ft.models.build import decoder_layers, load_causal_lm, tokenizer_for
-    from raytune_ft.models.gated_delta import enable_packing
+    from raytune_ft.models.build import load_causal_lm, tokenizer_for
 
     tok = tokenizer_for(recipe.model)
     on_gpu = device.type == "cuda"
@@ -103,18 +100,57 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
     torch.manual_seed(recipe.train.seed)
     lm = load_causal_lm(recipe.model, tokenizer_vocab_size=len(tok), device="cpu", dtype=param_dtype)
     backend = select_attention_backend(device)
-    enable_packing(lm)
     log.info(f"attention backend: {backend}; params {param_dtype}, compute {compute_dtype}, "
              f"reduce fp32; activation checkpointing {recipe.train.activation_checkpointing}")
+    model = shard_packed_model(lm, device, compute_dtype=compute_dtype,
+                               activation_checkpointing=recipe.train.activation_checkpointing)
+    return model, lm, tok
+
+
+def shard_packed_model(lm: nn.Module, device: torch.device, *, compute_dtype: torch.dtype,
+                       activation_checkpointing: str = "full", loss_chunk: int = 4096) -> PackedCausalLM:
+    """Turn a built causal LM into the loop's training module: packing paths on, activation
+    checkpointing per `activation_checkpointing` ("none" | "full" | "selective"), the chunked-loss
+    wrapper, then FSDP2 (each decoder layer, then the root; compute in `compute_dtype`, gradients
+    reduced in fp32). The parameters keep the dtype they were built in (the master weights).
+
+    Split from build_fsdp_model so benchmarks can hand in a model built directly on the GPU at a real
+    shape with random weights and still train exactly what the loop trains."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from raytune_ft.models.build import decoder_layers
+    from raytune_ft.models.gated_delta import enable_packing
+
+    enable_packing(lm)
     layers = decoder_layers(lm)
-    _set_activation_checkpointing(lm, layers, recipe.train.activation_checkpointing)
-    model = PackedCausalLM(lm)
+    _set_activation_checkpointing(lm, layers, activation_checkpointing)
+    model = PackedCausalLM(lm, loss_chunk)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     model.to(device)
-    return model, lm, tok
+    return model
+
+
+def forward_backward(model: nn.Module, micro_batches: list[StepBatch], world: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step's forward and backward passes over this rank's micro-batches.
+
+    Returns (sum of this rank's token losses, fp32; global supervised-token count, clamped to >= 1).
+    Each micro-batch's loss is divided by the global count before its backward, and multiplied by the
+    world size to undo FSDP2's average over ranks, so a token weighs the same wherever it lands.
+    Gradients are reduced across ranks only in the last micro-batch's backward."""
+    n_sup = torch.tensor(float(sum(mb.n_supervised for mb in micro_batches)), device=device)
+    dist.all_reduce(n_sup)
+    denom = n_sup.clamp(min=1.0)
+    loss_sum = torch.zeros((), device=device)
+    for i, mb in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        ls, _ = model(mb.labels, **mb.kwargs)
+        (ls * world / denom).backward()
+        loss_sum += ls.detach().float()
+    return loss_sum, denom
 
 
 def _set_activation_checkpointing(lm, layers, mode: str) -> None:
@@ -151,6 +187,8 @@ def train_fsdp(config: dict) -> None:
     if resume is not None:
         with resume.as_directory() as d:
             state = ckpt_io.load_train_checkpoint(d, model, opt, rank)
+        # where each restart (Ray's, after a worker died, or a re-submit) picked the run up
+        state.setdefault("resumed_from", []).append(state["step"])
         log.info(f"resumed from checkpoint at step {state['step']} ({state['blocks_consumed']} blocks consumed "
                  f"on rank {rank})")
 
@@ -177,15 +215,8 @@ def train_fsdp(config: dict) -> None:
         micro_batches = feed.next_step()
         if micro_batches is None:  # every rank's data is spent
             break
-        n_sup = torch.tensor(float(sum(mb.n_supervised for mb in micro_batches)), device=device)
-        dist.all_reduce(n_sup)
-        denom = n_sup.clamp(min=1.0)
-        loss_sum = torch.zeros((), device=device)
-        for i, mb in enumerate(micro_batches):
-            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            ls, _ = model(mb.labels, **mb.kwargs)
-            (ls * world / denom).backward()
-            loss_sum += ls.detach().float()
+        loss_sum, denom = forward_backward(model, micro_batches, world, device)
+        for mb in micro_batches:
             window_tokens += mb.n_real
             window_flops += flops_per_block(n_layers_cfg, mb.seq_lens)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, t_cfg.max_grad_norm)

@@ -1,0 +1,107 @@
+"""Throughput of the project's FSDP2 training step on one GPU (world size 1), real shapes, random weights.
+
+Runs exactly the step train_fsdp runs (raytune_ft.train.fsdp_loop): shard_packed_model (packing paths,
+activation checkpointing, chunked loss, FSDP2 with bf16 compute and fp32 reduction), StepBatch from
+blocks in the pipeline's format, forward_backward, clip_grad_norm_, fused AdamW. Blocks have the seed
+loop's conversation lengths (same generator, same seed), so tokens/s and MFU compare run for run with
+../shared/peers/seed000_loop.py.
+
+    python bench/gpu_compare.py --model qwen3.8-27b --layers 16 --seq 16384 --ac full --master bf16
+    SHAPE=tiny DEVICE=cpu python bench/gpu_compare.py --model qwen3.8-27b --seq 512 --steps 3 --warm 1
+
+Prints one `RESULT {json}` line: tok_per_s, mfu (6 x matmul params x tokens + attention term, over
+790 TFLOP/s on an H200, raytune_ft.models.flops), peak_gib, s_per_step, backends; or {"oom": true}.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench import gpu_common as gc  # noqa: E402
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3.8-27b")
+    p.add_argument("--layers", type=int, default=None, help="cut the model to this many decoder layers")
+    p.add_argument("--seq", type=int, default=16384, help="tokens per packed block (one block per step)")
+    p.add_argument("--ac", default="full", choices=["none", "full", "selective"])
+    p.add_argument("--master", default="bf16", choices=["bf16", "fp32"], help="parameter (master weight) dtype")
+    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--warm", type=int, default=3)
+    p.add_argument("--loss-chunk", type=int, default=4096)
+    p.add_argument("--compile-mlp", action="store_true", help="torch.compile each decoder layer's MLP")
+    a = p.parse_args(argv)
+
+    from raytune_ft.models.attention import select_attention_backend
+    from raytune_ft.models.flops import flops_per_block, gpu_peak_tflops, matmul_params
+    from raytune_ft.models.gated_delta import gated_delta_backends
+    from raytune_ft.train.fsdp_loop import StepBatch, forward_backward, shard_packed_model
+
+    dev = gc.device()
+    gc.init_single_process_group(dev)
+    compute = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    master = torch.float32 if a.master == "fp32" else compute
+    cfg = gc.model_config(a.model, a.layers)
+    rec = {"bench": "fsdp_step", "model": a.model, "layers": cfg.num_hidden_layers, "seq": a.seq, "ac": a.ac,
+           "master": a.master, "loss_chunk": a.loss_chunk, "compile_mlp": a.compile_mlp, "shape": gc.SHAPE}
+    t_build = time.perf_counter()
+    lm = gc.build_random_lm(cfg, dev, master)
+    if a.compile_mlp:
+        from raytune_ft.models.build import decoder_layers
+        for layer in decoder_layers(lm):
+            layer.mlp.compile()
+    model = shard_packed_model(lm, dev, compute_dtype=compute, activation_checkpointing=a.ac,
+                               loss_chunk=a.loss_chunk)
+    params = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0, fused=dev.type == "cuda")
+    rec["build_s"] = round(time.perf_counter() - t_build, 1)
+    rec["matmul_params_b"] = round(matmul_params(lm) / 1e9, 3)
+    rec["backends"] = {"attention": select_attention_backend(dev), **gated_delta_backends(dev)}
+
+    rng = np.random.default_rng(0)
+    model.train()
+    flops, tokens, t0 = 0.0, 0, None
+    losses = []
+    try:
+        for step in range(a.steps):
+            if step == a.warm:
+                gc.sync(dev)
+                if dev.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(dev)
+                t0 = time.perf_counter()
+                flops, tokens = 0.0, 0
+            lens = gc.seed_lengths(a.seq, rng)
+            mb = StepBatch.from_blocks([gc.packed_block(lens, cfg.vocab_size, rng)], dev)
+            loss_sum, denom = forward_backward(model, [mb], 1, dev)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            tokens += mb.n_real
+            flops += flops_per_block(cfg, mb.seq_lens)
+            if step < a.warm or step == a.steps - 1:   # a host sync only outside the timed window's inside
+                losses.append(round(float(loss_sum / denom), 4))
+        gc.sync(dev)
+    except torch.OutOfMemoryError as e:
+        rec.update(oom=True, error=str(e).split("\n")[0][:300], peak_gib=round(gc.peak_gib(dev), 1))
+        gc.emit(rec)
+        return rec
+    dt = time.perf_counter() - t0
+    n_steps = a.steps - a.warm
+    peak = gpu_peak_tflops(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else 0.0
+    rec.update(tok_per_s=round(tokens / dt), s_per_step=round(dt / n_steps, 3),
+               mfu=round(flops / dt / (peak * 1e12), 4) if peak else None,
+               peak_gib=round(gc.peak_gib(dev), 1), losses=losses, timed_steps=n_steps)
+    gc.emit(rec)
+    return rec
+
+
+if __name__ == "__main__":
+    main()
