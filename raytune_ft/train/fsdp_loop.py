@@ -187,8 +187,6 @@ def train_fsdp(config: dict) -> None:
     if resume is not None:
         with resume.as_directory() as d:
             state = ckpt_io.load_train_checkpoint(d, model, opt, rank)
-        # where each restart (Ray's, after a worker died, or a re-submit) picked the run up
-        state.setdefault("resumed_from", []).append(state["step"])
         log.info(f"resumed from checkpoint at step {state['step']} ({state['blocks_consumed']} blocks consumed "
                  f"on rank {rank})")
 
