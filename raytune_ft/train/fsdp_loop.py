@@ -97,13 +97,15 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
     on_gpu = device.type == "cuda"
     compute_dtype = torch.bfloat16 if (on_gpu and recipe.model.dtype == "bfloat16") else torch.float32
     param_dtype = torch.float32 if recipe.train.master_weights == "fp32" else compute_dtype
-    torch.manual_seed(recipe.train.seed)
-    lm = load_causal_lm(recipe.model, tokenizer_vocab_size=len(tok), device="cpu", dtype=param_dtype)
+    # Built on the meta device, sharded, then filled: each rank allocates and reads only its own
+    # shard of the weights, so no rank ever holds the whole model in host or GPU memory.
+    lm = load_causal_lm(recipe.model, tokenizer_vocab_size=len(tok), device="meta", dtype=param_dtype)
     backend = select_attention_backend(device)
     log.info(f"attention backend: {backend}; params {param_dtype}, compute {compute_dtype}, "
              f"reduce fp32; activation checkpointing {recipe.train.activation_checkpointing}")
     model = shard_packed_model(lm, device, compute_dtype=compute_dtype,
                                activation_checkpointing=recipe.train.activation_checkpointing)
+    materialize_model(lm, recipe.model, device, seed=recipe.train.seed)
     return model, lm, tok
 
 
@@ -129,7 +131,8 @@ def shard_packed_model(lm: nn.Module, device: torch.device, *, compute_dtype: to
     for layer in layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    model.to(device)
+    if not any(p.is_meta for p in model.parameters()):  # a meta model is filled by materialize_model
+        model.to(device)
     return model
 
 
