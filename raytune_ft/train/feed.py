@@ -8,6 +8,8 @@ tiny all-reduce on a CPU (gloo) group decides, so the GPU never waits for it.
 
 Resume: the order of a rank's blocks is deterministic, so a resumed run skips the blocks it had
 consumed at the checkpoint (counted in the checkpoint) and continues with the next unseen one.
+The skipped blocks are re-read and re-packed (not trained on), and their rows counted afresh, so
+the data counters at the end equal those of an uninterrupted run.
 """
 from __future__ import annotations
 
@@ -30,6 +32,11 @@ class StepFeed:
         self.counters = DataCounters.from_dict(counters_state) if counters_state else DataCounters()
         self._pad = padding_block(recipe.data.seq_len)
         self.blocks_consumed = skip_blocks
+        if blocks is None and skip_blocks:
+            # The shard is replayed from the start of the pass and counted again as it is re-read;
+            # keep from the checkpoint only what this feed counted itself (equalisation padding),
+            # or every resume would count the replayed rows twice.
+            self.counters = _feed_owned_counts(self.counters, recipe.data.seq_len)
         if blocks is None:
             blocks = worker_blocks(recipe, rank=rank, world=world, counters=self.counters,
                                    skip_blocks=skip_blocks, split=split)
@@ -77,6 +84,14 @@ class StepFeed:
 
     def data_metrics(self) -> dict:
         return self.counters.as_metrics()
+
+
+def _feed_owned_counts(saved, seq_len: int):
+    """Fresh counters holding only the all-padding blocks `next_step` added to `saved`."""
+    from raytune_ft.data.packing import DataCounters
+
+    n = saved.equalisation_padding_blocks
+    return DataCounters(equalisation_padding_blocks=n, blocks=n, padding_tokens=n * seq_len)
 
 
 def worker_blocks(recipe: Recipe, *, rank: int, world: int, counters, skip_blocks: int = 0,
