@@ -190,6 +190,8 @@ def train_fsdp(config: dict) -> None:
     if resume is not None:
         with resume.as_directory() as d:
             state = ckpt_io.load_train_checkpoint(d, model, opt, rank)
+        # where each restart (Ray's, after a worker died, or a re-submit) picked the run up
+        state.setdefault("resumed_from", []).append(state["step"])
         log.info(f"resumed from checkpoint at step {state['step']} ({state['blocks_consumed']} blocks consumed "
                  f"on rank {rank})")
 
@@ -310,5 +312,27 @@ def _save_and_report(recipe, model, opt, rank, state, metrics, log, *, final: bo
                 "run_name": recipe.tracking.run_name, "loop": "fsdp2",
             })
         log.info(f"checkpoint at step {state['step']}{' (final, with hf/ export)' if final else ''}")
+        extra = {}
+        if _dies_after_upload(state["step"], rank):
+            extra["checkpoint_upload_fn"] = _upload_then_die
         ray.train.report({k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))},
-                         checkpoint=ray.train.Checkpoint.from_directory(d))
+                         checkpoint=ray.train.Checkpoint.from_directory(d), **extra)
+
+
+# Fault injection for the fault-tolerance tests: "STEP:RANK" makes that rank's process exit right
+# after its part of the step-STEP checkpoint is on storage, before its report reaches Ray, i.e. a
+# worker dying in the checkpoint window. Ray must keep the previous checkpoint as the latest.
+FAULT_AFTER_UPLOAD_ENV = "RAYTUNE_FAULT_AFTER_UPLOAD"
+
+
+def _dies_after_upload(step: int, rank: int) -> bool:
+    spec = os.environ.get(FAULT_AFTER_UPLOAD_ENV, "")
+    return bool(spec) and spec.strip() == f"{step}:{rank}"
+
+
+def _upload_then_die(checkpoint, checkpoint_dir_name: str):
+    import ray.train
+
+    ray.train.get_context().get_storage().persist_current_checkpoint(checkpoint, checkpoint_dir_name)
+    print(f"[raytune_ft] {FAULT_AFTER_UPLOAD_ENV}: exiting after uploading {checkpoint_dir_name}", flush=True)
+    os._exit(1)
