@@ -91,7 +91,7 @@ def _device() -> torch.device:
 def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
     """Build (or load) the model, install the packed-sequence paths, and shard it with FSDP2."""
     from raytune_ft.models.attention import select_attention_backend
-    from raytune_ft.models.build import load_causal_lm, tokenizer_for
+    from raytune_ft.models.build import load_causal_lm, materialize_model, tokenizer_for
 
     tok = tokenizer_for(recipe.model)
     on_gpu = device.type == "cuda"
