@@ -24,7 +24,7 @@ def _rows(ds):
     return ds.take_all()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_hub_layout_parquet(ray_local, fixtures, tok_path, tmp_path, monkeypatch):
     """hf://org/name reads the split's parquet files from a folder laid out as the hub repo."""
     import pyarrow as pa
@@ -42,13 +42,11 @@ def test_hub_layout_parquet(ray_local, fixtures, tok_path, tmp_path, monkeypatch
     out = _rows(build_dataset(data, tok_path))
     assert len(out) == 16 and all(r["skip_reason"] == "" for r in out)
     assert all(len(r["input_ids"]) == len(r["mask"]) > 0 for r in out)
-    data.max_rows = 5
-    assert len(_rows(build_dataset(data, tok_path))) == 5
-    data.max_rows, data.validation_split = None, "test_sft"
-    assert len(_rows(build_dataset(data, tok_path, split="validation"))) == 3
+    data.max_rows, data.validation_split = 2, "test_sft"                # 3 rows in that split, 2 kept
+    assert len(_rows(build_dataset(data, tok_path, split="validation"))) == 2
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_validation_fraction_and_resume(ray_local, tok_path):
     data = DataConfig(source="builtin:chat:400", seq_len=256, validation_fraction=0.2, seed=7, pack_window=16)
     train = _rows(build_dataset(data, tok_path, split="train"))
@@ -93,7 +91,7 @@ def _worker_loop(config):
     ray.train.report(total.as_metrics())
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_two_workers_disjoint_equal_steps(ray_local, tok_path, tmp_path):
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
