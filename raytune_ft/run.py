@@ -29,6 +29,7 @@ class RunSummary:
     tracking_uri: str | None = None
     data: dict = field(default_factory=dict)
     seconds: float = 0.0
+    plots: list = field(default_factory=list)
 
     def lines(self) -> list[str]:
         out = [f"job {self.job} (run {self.run_name}): {self.status}",
@@ -49,6 +50,8 @@ class RunSummary:
                        f"{sum(skipped.values())} skipped {dict(skipped) if skipped else ''}, "
                        f"{self.data.get('blocks', 0)} blocks")
         out.append(f"  mlflow           {self.tracking_uri} run {self.mlflow_run_id}")
+        if self.plots:
+            out.append(f"  plots            {', '.join(self.plots)} (also MLflow artifacts under plots/)")
         out.append(f"  wall time        {self.seconds:.0f} s")
         return out
 
@@ -82,6 +85,36 @@ def merged_data_counters(checkpoint_dir: str) -> dict:
     return total.to_dict()
 
 
+def _write_plots(recipe: Recipe, ckpt_dir: str, run_id: str, last_step: int) -> list[str]:
+    """Loss and throughput PNGs in <run folder>/plots, logged to the MLflow run; never fails the run."""
+    import tempfile
+
+    from raytune_ft.plots import plot_finished_run
+
+    out = os.path.join(recipe.run_dir, "plots") if "://" not in recipe.run_dir else tempfile.mkdtemp()
+    try:
+        every = recipe.train.checkpoint_every
+        return plot_finished_run(ckpt_dir, out, tracking_uri=recipe.tracking_uri, run_id=run_id,
+                                 title=recipe.tracking.run_name, checkpoint_steps=range(every, last_step, every)
+                                 if recipe.train.loop == "fsdp2" else ())
+    except Exception as e:
+        print(f"[raytune_ft] plots skipped: {type(e).__name__}: {e}")
+        return []
+
+
+def _data_metrics(data: dict) -> dict:
+    """The merged data counters as MLflow metrics: data/rows_read, data/rows_skipped/<reason>, ..."""
+    from raytune_ft.data.packing import DataCounters
+
+    if not data:
+        return {}
+    c = DataCounters.from_dict(data)
+    m = c.as_metrics()
+    total = c.real_tokens + c.padding_tokens
+    m["data/padding_fraction"] = c.padding_tokens / total if total else 0.0
+    return m
+
+
 def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) -> RunSummary:
     """Validate, train on Ray Train, then register the final checkpoint from a separate Ray task."""
     from raytune_ft import tracking
@@ -105,12 +138,13 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
     with ckpt.as_directory() as ckpt_dir:
         meta = read_meta(ckpt_dir)
         data = merged_data_counters(ckpt_dir)
+        plots = _write_plots(recipe, ckpt_dir, run_id, int(meta.get("step") or 0))
     metrics = result.metrics or {}
     summary = RunSummary(
         job=recipe.job, run_name=recipe.tracking.run_name, status="trained", steps=int(metrics.get("step", 0)),
         tokens=int(metrics.get("tokens", 0)), final_loss=meta.get("final_loss", metrics.get("loss")),
         best_loss=meta.get("best_eval_loss"), checkpoint=ckpt.path, mlflow_run_id=run_id,
-        tracking_uri=recipe.tracking_uri, data=data)
+        tracking_uri=recipe.tracking_uri, data=data, plots=plots)
     secs = metrics.get("train_seconds") or 0
     summary.tokens_per_s = summary.tokens / secs if secs else 0.0
 
@@ -135,7 +169,8 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
     summary.seconds = time.time() - t0
     try:
         tracking.end_run(recipe, run_id, tags=status_tags,
-                         metrics={"final_loss": summary.final_loss or float("nan"), "total_tokens": summary.tokens})
+                         metrics={"final_loss": summary.final_loss or float("nan"), "total_tokens": summary.tokens,
+                                  **_data_metrics(data)})
     except Exception as e:  # the run is trained and (maybe) registered: tracking must not lose it
         print(f"[raytune_ft] could not close the MLflow run: {type(e).__name__}")
     summary_path = os.path.join(recipe.run_dir, "summary.json") if "://" not in recipe.run_dir else None

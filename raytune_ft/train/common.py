@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import time
 
@@ -37,19 +38,49 @@ def report(metrics: dict, checkpoint=None) -> None:
 
 
 def _fmt_eta(seconds: float) -> str:
+    """h:mm:ss for an ETA or an elapsed time."""
     seconds = int(max(0, seconds))
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}"
 
 
-class WorkerLog:
-    """Rank 0 prints progress lines and logs metrics to MLflow; other ranks stay quiet."""
+# ANSI escapes and C0/C1 control characters except the newline: never in a log file
+_CONTROL = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|[\x00-\x09\x0b-\x1f\x7f-\x9f]")
 
-    def __init__(self, rank: int, recipe: Recipe, run_id: str | None = None):
+
+def plain(text: str) -> str:
+    """`text` without control characters or ANSI escapes (a tab becomes a space)."""
+    return _CONTROL.sub("", text.replace("\t", " "))
+
+
+def _gpu_description(n_workers: int) -> str:
+    """What the run trains on, for the MLflow tag raytune.gpu: e.g. '8 x NVIDIA B300', '2 x CPU (no GPU)'."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{n_workers} x {torch.cuda.get_device_name(torch.cuda.current_device())}"
+    except Exception:
+        pass
+    return f"{n_workers} x CPU (no GPU)"
+
+
+class WorkerLog:
+    """Rank 0 prints progress and logs metrics to MLflow; other ranks stay quiet.
+
+    Progress is one line per logged step: step/total (percent), loss, lr, gradient norm, tokens/s,
+    MFU, elapsed time and ETA. When the stream is a terminal the line is redrawn in place; otherwise
+    (Ray worker logs, `ray job submit`, a file, a pipe) each update is a plain line with no control
+    characters, so logs stay greppable and readable in any viewer.
+    """
+
+    def __init__(self, rank: int, recipe: Recipe, run_id: str | None = None, stream=None):
         self.rank = rank
         self.recipe = recipe
         self.mlflow = None
+        self._stream = stream
+        self._live = False           # a redrawn progress line is on screen (terminal only)
         run_id = run_id or os.environ.get("RAYTUNE_MLFLOW_RUN_ID")
         if rank == 0 and run_id:
             try:
@@ -59,26 +90,68 @@ class WorkerLog:
                 self.client = mlflow.MlflowClient(recipe.tracking_uri)
                 self.run_id = run_id
                 self.mlflow = mlflow
+                self.client.set_tag(run_id, "raytune.gpu", _gpu_description(recipe.scaling.num_workers))
             except Exception as e:  # tracking must never kill training
                 self.info(f"MLflow logging off: {type(e).__name__}: {e}")
 
+    @property
+    def stream(self):
+        return self._stream if self._stream is not None else sys.stdout
+
+    def _is_terminal(self) -> bool:
+        try:
+            return bool(self.stream.isatty())
+        except (AttributeError, ValueError):
+            return False
+
+    def _write_line(self, text: str) -> None:
+        if self._live:                # finish the redrawn progress line before a normal line
+            self.stream.write("\n")
+            self._live = False
+        self.stream.write(plain(text) + "\n")
+        self.stream.flush()
+
     def info(self, msg: str) -> None:
         if self.rank == 0:
-            print(f"[raytune_ft] {msg}", flush=True)
+            self._write_line(f"[raytune_ft] {msg}")
+
+    @staticmethod
+    def progress_line(m: dict, total_steps: int, elapsed: float) -> str:
+        """The progress text of metrics `m` (step, loss, lr, grad_norm, tokens_per_s, mfu, ...)."""
+        step = m["step"]
+        parts = [f"step {step}/{total_steps} ({100 * step / total_steps:.0f}%)" if total_steps else f"step {step}",
+                 f"loss {m['loss']:.4f}"]
+        if "lr" in m:
+            parts.append(f"lr {m['lr']:.2e}")
+        if "grad_norm" in m:
+            parts.append(f"grad norm {m['grad_norm']:.3f}")
+        if "tokens_per_s" in m:
+            parts.append(f"{m['tokens_per_s']:,.0f} tok/s")
+        if m.get("mfu"):
+            parts.append(f"MFU {100 * m['mfu']:.1f}%")
+        elif "mfu" in m:
+            parts.append("MFU n/a (no GPU peak)")   # on CPU, or a GPU without a known peak
+        if "peak_mem_gib" in m:
+            parts.append(f"mem {m['peak_mem_gib']:.1f} GiB")
+        timing = f"elapsed {_fmt_eta(elapsed)}"
+        if total_steps and step < total_steps:
+            timing += f", ETA {_fmt_eta(elapsed / max(step, 1) * (total_steps - step))}"
+        parts.append(timing)
+        return " | ".join(parts)
 
     def progress(self, m: dict, total_steps: int, elapsed: float) -> None:
+        """Print (rank 0) and log to MLflow the metrics of a logged step."""
         if self.rank != 0:
             return
-        step = m["step"]
-        eta = ""
-        if total_steps:
-            eta = f" | ETA {_fmt_eta(elapsed / max(step, 1) * (total_steps - step))}"
-        of = f"/{total_steps}" if total_steps else ""
-        mem = f" | mem {m['peak_mem_gib']:.1f} GiB" if "peak_mem_gib" in m else ""
-        line = (f"step {step}{of} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | grad {m['grad_norm']:.3f} | "
-                f"{m['tokens_per_s']:,.0f} tok/s | MFU {100 * m['mfu']:.1f}%{mem}{eta}")
-        print(f"[raytune_ft] {line}", flush=True, file=sys.stdout)
-        self.log_metrics(m, step)
+        line = f"[raytune_ft] {self.progress_line(m, total_steps, elapsed)}"
+        if self._is_terminal():
+            # redraw in place: carriage return, the line, clear to the end of the line
+            self.stream.write("\r" + plain(line) + "\x1b[K")
+            self.stream.flush()
+            self._live = True
+        else:
+            self._write_line(line)
+        self.log_metrics(m, m["step"])
 
     def log_metrics(self, m: dict, step: int) -> None:
         if self.mlflow is None:
@@ -94,4 +167,7 @@ class WorkerLog:
             self.info(f"MLflow metric logging failed ({type(e).__name__}); training goes on")
 
     def close(self) -> None:
-        pass
+        if self._live:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._live = False
