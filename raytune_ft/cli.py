@@ -55,6 +55,13 @@ def resolve(recipe_fn: RecipeFn, local_fn: LocalFn, *, local: bool, overrides: l
     return validate(apply_overrides(recipe, overrides))
 
 
+def _is_terminal(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
 def _print_plan(recipe: Recipe, **kwargs) -> None:
     try:
         from raytune_ft.plan import memory_plan
@@ -81,6 +88,10 @@ def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = No
         print(recipe.to_json())
         _print_plan(recipe)
         return 0
+    if not _is_terminal(sys.stdout):
+        # Ray colours the "(RayTrainWorker pid=...)" prefix of every worker line it forwards to the
+        # driver; in a log file (ray job submit, CI, a pipe) those ANSI escapes are noise
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     from raytune_ft.run import run
 
     summary = run(recipe, local=args.local, register=False if args.no_register else None)

@@ -355,7 +355,7 @@ class Plan:
                   else "params/grads/optimizer replicated on each worker")]
         where = (f"{self.gpu.name}, {self.gpu.memory_bytes / GiB:.1f} GiB ({self.gpu.source})"
                  if self.gpu else "CPU worker (host memory)")
-        out.append(f"  per GPU      {where}")
+        out.append(f"  {'per GPU' if self.gpu else 'per worker':<12} {where}")
         width = max(len(line.name) for line in self.lines)
         for line in self.lines:
             out.append(f"    {line.name:<{width}}  {_fmt_bytes(line.bytes)}   {line.how}")
