@@ -239,11 +239,12 @@ def _report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ra
             self.last.update(logs)
             self.history.append({"step": state.global_step, **logs})
             if rank == 0 and logs:
+                log.log_metrics(logs, state.global_step)
                 shown = " | ".join(f"{k} {v:.4g}" for k, v in logs.items()
                                    if k in ("loss", "eval_loss", "learning_rate", "grad_norm",
                                             "mean_token_accuracy", "eval_mean_token_accuracy"))
-                log.info(f"step {state.global_step}/{state.max_steps} | {shown}")
-                log.log_metrics(logs, state.global_step)
+                if shown:
+                    log.info(f"step {state.global_step}/{state.max_steps} | {shown}")
 
         def on_save(self, args, state, control, **kwargs):
             src = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
