@@ -135,3 +135,20 @@ def test_exported_folder_matches_trained_weights(ray_local, tmp_path):
     init = load_causal_lm(r.model, device="cpu", dtype=torch.float32)
     with torch.no_grad():
         assert not torch.allclose(init(ids).logits, a, atol=1e-3)
+
+
+@pytest.mark.timeout(300)
+def test_schedule_length_estimate_matches_packed_blocks(ray_local, tmp_path):
+    """A one-pass run with a cosine schedule needs its step count before the data is read."""
+    from raytune_ft.data.packing import pack_blocks
+    from raytune_ft.data.pipeline import build_dataset
+    from raytune_ft.models.tiny import local_tokenizer
+    from raytune_ft.train.launch import estimate_total_steps
+
+    r = tiny_recipe(tmp_path, "estimate", max_steps=None, schedule="cosine")
+    r.scaling.num_workers = 1
+    ds = build_dataset(r.data, local_tokenizer(), split="train")
+    est = estimate_total_steps(r, ds)
+    rows = [(row["input_ids"], row["mask"]) for row in ds.take_all() if not row["skip_reason"]]
+    actual = len(list(pack_blocks(rows, r.data.seq_len, window=r.data.pack_window)))
+    assert abs(est - actual) <= max(1, actual // 50), (est, actual)
