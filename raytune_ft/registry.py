@@ -50,6 +50,7 @@ CHAT_TASK = "llm/v1/chat"
 META_FILE = "raytune_meta.json"
 FAILURE_FILE = "registration_failed.json"
 STATUS_TAG = "raytune.status"
+_KILL_GRACE_S = 30.0  # run_registration kills the task this long after its own deadline
 # Environment variables whose values are credentials: never logged, never written anywhere.
 SECRET_ENV_VARS = ("DATABRICKS_TOKEN", "DATABRICKS_CLIENT_SECRET", "DATABRICKS_PASSWORD",
                    "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_UC_OSS_TOKEN",
@@ -320,23 +321,31 @@ def _mlflow_target(tracking_uri: str, registry_uri: str | None) -> Iterator[None
                 os.environ[k] = v
 
 
+class _Deadline:
+    fired = False
+
+
 @contextlib.contextmanager
-def _deadline(timeout_s: float | None) -> Iterator[None]:
+def _deadline(timeout_s: float | None) -> Iterator[_Deadline]:
     """Raise TimeoutError after `timeout_s` (SIGALRM: only in a process's main thread; elsewhere the
-    caller, e.g. run_registration through ray.get, enforces the limit)."""
+    caller, e.g. run_registration through ray.get, enforces the limit). The yielded object's `fired`
+    says whether it went off, because an exception raised from a signal handler inside C code can
+    surface as an unrelated-looking SystemError."""
+    state = _Deadline()
     usable = (timeout_s and timeout_s > 0 and hasattr(signal, "SIGALRM")
               and threading.current_thread() is threading.main_thread())
     if not usable:
-        yield
+        yield state
         return
 
     def on_alarm(signum, frame):
+        state.fired = True
         raise TimeoutError(f"registration did not finish within {timeout_s:g}s")
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        yield
+        yield state
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -429,8 +438,9 @@ def register_checkpoint(checkpoint_path: str, name: str, *, tracking_uri: str,
 
     ckpt = Path(checkpoint_path)
     active_run_id = run_id
+    deadline = _Deadline()
     try:
-        with _deadline(timeout_s), _mlflow_target(tracking_uri, registry_uri):
+        with _deadline(timeout_s) as deadline, _mlflow_target(tracking_uri, registry_uri):
             meta = read_meta(ckpt) if ckpt.is_dir() else {}
             hf_dir = resolve_hf_folder(ckpt)
             md = build_metadata(hf_dir, meta, metadata)
@@ -474,6 +484,10 @@ def register_checkpoint(checkpoint_path: str, name: str, *, tracking_uri: str,
         raise
     except BaseException as e:  # MlflowException, OSError, TimeoutError, connection errors...
         logger.warning("registration of %s as %s failed", ckpt, name, exc_info=True)
+        if deadline.fired:
+            raise RegistrationError(f"registration did not finish within {timeout_s:g}s "
+                                    f"(timeout_s); stopped during {type(e).__name__}",
+                                    run_id=active_run_id) from None
         raise RegistrationError(redact(f"{type(e).__name__}: {e}"), run_id=active_run_id) from None
 
     _clear_failure_record(ckpt)
@@ -613,13 +627,16 @@ def run_registration(checkpoint_path: str, registry_cfg: RegistryConfig, trackin
             checkpoint_path, registry_cfg.name, tracking_uri=tracking_uri,
             registry_uri=registry_cfg.registry_uri, timeout_s=registry_cfg.timeout_s,
             run_id=run_id, metadata=metadata)
-        result: RegistrationResult = ray.get(ref, timeout=registry_cfg.timeout_s)
+        # the task stops itself at timeout_s (and says so); the grace covers a task that cannot
+        # (stuck in C code, its node lost) before it is killed
+        result: RegistrationResult = ray.get(ref, timeout=registry_cfg.timeout_s + _KILL_GRACE_S)
         logger.info("registered %s version %s (%s)", result.name, result.version, result.model_uri)
         return RegistrationOutcome(ok=True, result=result)
     except GetTimeoutError:
         if ref is not None:
             ray.cancel(ref, force=True)
-        error = f"registration did not finish within registry.timeout_s={registry_cfg.timeout_s:g}s"
+        error = (f"registration did not finish within registry.timeout_s={registry_cfg.timeout_s:g}s "
+                 f"(task killed after a further {_KILL_GRACE_S:g}s)")
     except RayTaskError as e:
         cause = e.cause if getattr(e, "cause", None) is not None else e
         if isinstance(cause, RegistrationError) and cause.run_id:

@@ -98,7 +98,7 @@ def run_cli(cmd: str, tmp_path: Path) -> subprocess.CompletedProcess:
     argv = shlex.split(cmd)
     assert argv[:2] == ["raytune-ft", "register"], cmd
     return subprocess.run([sys.executable, "-m", "raytune_ft.registry", *argv[1:]], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=240, env=dict(os.environ))
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
 
 
 class RegistryProxy:
@@ -163,13 +163,13 @@ class RegistryProxy:
 # ---------------------------------------------------------------- the success path
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)
 def test_post_fit_task_registers_versions_that_answer_chat(server, ray_registry, checkpoint):
     import mlflow
     from mlflow import MlflowClient
 
     name = f"main.default.tiny_chat_{uuid.uuid4().hex[:6]}"
-    cfg = RegistryConfig(name=name, timeout_s=180, num_cpus=1, memory_gb=2)
+    cfg = RegistryConfig(name=name, timeout_s=400, num_cpus=1, memory_gb=2)
     run_id = training_run(server.uri)
     before = tree_hashes(checkpoint)
 
@@ -217,7 +217,7 @@ def test_post_fit_task_registers_versions_that_answer_chat(server, ray_registry,
         mlflow.set_tracking_uri(None)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)
 def test_lora_checkpoint_is_merged_beside_it_and_registered(tmp_path, fixtures):
     """A LoRA checkpoint (adapter/ only): merged into its base with peft, the merged folder written
     next to the checkpoint, the registered model computing what base+adapter computes."""
@@ -271,7 +271,7 @@ def test_lora_checkpoint_is_merged_beside_it_and_registered(tmp_path, fixtures):
 # ---------------------------------------------------------------- failures
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)
 def test_registry_refusing_keeps_checkpoint_tags_run_and_retry_works(server, ray_registry, checkpoint,
                                                                       tmp_path):
     from mlflow import MlflowClient
@@ -280,7 +280,7 @@ def test_registry_refusing_keeps_checkpoint_tags_run_and_retry_works(server, ray
     run_id = training_run(server.uri)
     before = tree_hashes(checkpoint)
     with RegistryProxy(server.port) as proxy:
-        cfg = RegistryConfig(name=name, registry_uri=proxy.uri, timeout_s=180, num_cpus=1)
+        cfg = RegistryConfig(name=name, registry_uri=proxy.uri, timeout_s=400, num_cpus=1)
         outcome = registry.run_registration(str(checkpoint), cfg, server.uri, run_id=run_id)
 
         assert not outcome.ok and outcome.result is None
@@ -309,7 +309,7 @@ def test_registry_refusing_keeps_checkpoint_tags_run_and_retry_works(server, ray
     assert tree_hashes(checkpoint) == before
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)
 def test_registry_down_keeps_checkpoint_and_retry_works_when_back(server, ray_registry, checkpoint,
                                                                    tmp_path):
     from mlflow import MlflowClient
@@ -319,7 +319,7 @@ def test_registry_down_keeps_checkpoint_and_retry_works_when_back(server, ray_re
     before = tree_hashes(checkpoint)
     server.stop()
     try:
-        cfg = RegistryConfig(name=name, timeout_s=120, num_cpus=1)
+        cfg = RegistryConfig(name=name, timeout_s=400, num_cpus=1)
         outcome = registry.run_registration(str(checkpoint), cfg, server.uri, run_id=run_id)
         assert not outcome.ok
         assert "Connection refused" in outcome.error or "ConnectionError" in outcome.error, outcome.error
@@ -340,20 +340,29 @@ def test_registry_down_keeps_checkpoint_and_retry_works_when_back(server, ray_re
 
 
 @pytest.mark.timeout(120)
-def test_timeout_ends_the_task_and_reports(server, ray_registry, checkpoint):
+def test_timeout_kills_the_task_and_reports(server, ray_registry, checkpoint, monkeypatch):
+    """A task that does not stop by itself is killed once timeout_s (+ grace, 0 here) has passed."""
+    monkeypatch.setattr(registry, "_KILL_GRACE_S", 0.0)
     cfg = RegistryConfig(name="main.default.too_slow", timeout_s=0.5, num_cpus=1)
     before = tree_hashes(checkpoint)
     outcome = registry.run_registration(str(checkpoint), cfg, server.uri)
     assert not outcome.ok
-    assert "within registry.timeout_s=0.5s" in outcome.error
+    assert "within registry.timeout_s=0.5s (task killed" in outcome.error
     assert "raytune-ft register" in outcome.retry_command
     assert tree_hashes(checkpoint) == before
+
+
+@pytest.mark.timeout(120)
+def test_registration_stops_itself_at_its_deadline(server, checkpoint):
+    with pytest.raises(registry.RegistrationError, match=r"did not finish within 0.05s"):
+        registry.register_checkpoint(str(checkpoint), "main.default.too_slow_2", tracking_uri=server.uri,
+                                     timeout_s=0.05)
 
 
 # ---------------------------------------------------------------- secrets
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)
 def test_databricks_token_is_written_nowhere(server, checkpoint, tmp_path, monkeypatch):
     import mlflow
     from mlflow import MlflowClient

@@ -112,7 +112,7 @@ class FakeUnityCatalog:
         self._httpd.server_close()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)
 def test_uc_oss_registration_calls_and_three_level_name(tmp_path, fixtures, monkeypatch):
     import mlflow
 
@@ -174,7 +174,7 @@ def test_uc_oss_registration_calls_and_three_level_name(tmp_path, fixtures, monk
         assert ("GET", f"{PREFIX}/models/main.default.tiny_uc/versions/2") in [(m, p) for m, p, _, _ in uc.calls]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_uc_refusal_is_reported_with_retry_command(tmp_path, fixtures, monkeypatch):
     """A UC server that answers 403 to model creation: RegistrationError through the CLI path,
     the record beside the checkpoint, the retry command naming the uc: registry."""
