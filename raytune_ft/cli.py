@@ -89,9 +89,12 @@ def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = No
         _print_plan(recipe)
         return 0
     if not _is_terminal(sys.stdout):
-        # Ray colours the "(RayTrainWorker pid=...)" prefix of every worker line it forwards to the
-        # driver; in a log file (ray job submit, CI, a pipe) those ANSI escapes are noise
+        # In a log file (ray job submit, CI, a pipe) Ray's coloured "(RayTrainWorker pid=...)" prefixes
+        # and Ray Data's tqdm bars (carriage returns, cursor moves) are noise: plain lines instead.
+        # Set before Ray and Ray Data are imported and started, so the driver, the workers it spawns and
+        # the DataContext shipped with the datasets all see them.
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+        os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
     from raytune_ft.run import run
 
     summary = run(recipe, local=args.local, register=False if args.no_register else None)

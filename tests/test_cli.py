@@ -148,20 +148,22 @@ def test_job_script_still_runs_as_python_jobs_x():
     assert '"job": "qwen27b_b300"' in p.stdout and "memory plan:" in p.stdout
 
 
-def test_run_off_a_terminal_turns_off_ray_colour_prefixes(monkeypatch, capsys):
-    """Under `ray job submit` or a pipe the driver's stdout is a file: Ray must not colour worker lines."""
+def test_run_off_a_terminal_turns_off_ray_colours_and_progress_bars(monkeypatch, capsys):
+    """Under `ray job submit` or a pipe the driver's stdout is a file: no ANSI colours, no tqdm bars."""
     import raytune_ft.run as run_mod
 
     seen = {}
 
     def fake_run(recipe, *, local=False, register=None):
         seen["color"] = os.environ.get("RAY_COLOR_PREFIX")
+        seen["bars"] = os.environ.get("RAY_DATA_DISABLE_PROGRESS_BARS")
         return run_mod.RunSummary(job=recipe.job, run_name=recipe.tracking.run_name, status="trained")
 
-    monkeypatch.setenv("RAY_COLOR_PREFIX", "unset")     # so that monkeypatch restores the original afterwards
-    monkeypatch.delenv("RAY_COLOR_PREFIX")
+    for var in ("RAY_COLOR_PREFIX", "RAY_DATA_DISABLE_PROGRESS_BARS"):
+        monkeypatch.setenv(var, "unset")     # so that monkeypatch restores the original afterwards
+        monkeypatch.delenv(var)
     monkeypatch.setattr(run_mod, "run", fake_run)
     assert cli.main(["run", "qwen27b_b300", "--local", "--no-register"]) == 0   # capsys: not a terminal
-    assert seen["color"] == "0"
+    assert seen == {"color": "0", "bars": "1"}
     out = capsys.readouterr().out
     assert "job qwen27b_b300 (run qwen27b-local): trained" in out
