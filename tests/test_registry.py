@@ -92,13 +92,15 @@ def training_run(tracking_uri: str, name: str = "train") -> str:
 
 
 def run_cli(cmd: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    """Run a printed retry command; `raytune-ft register` maps to `python -m raytune_ft.registry`
-    while the project's console script is not installed."""
+    """Run a printed retry command as printed, with the venv's `raytune-ft` console script (or
+    `python -m raytune_ft.registry register ...` where the package is not installed as a script)."""
     import shlex
     argv = shlex.split(cmd)
     assert argv[:2] == ["raytune-ft", "register"], cmd
-    return subprocess.run([sys.executable, "-m", "raytune_ft.registry", *argv[1:]], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    script = Path(sys.executable).with_name("raytune-ft")
+    prefix = [str(script)] if script.exists() else [sys.executable, "-m", "raytune_ft.registry"]
+    return subprocess.run([*prefix, *argv[1:]], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ))
 
 
 class RegistryProxy:
@@ -413,3 +415,6 @@ def test_cli_rejects_bad_name_and_missing_checkpoint(tmp_path, capsys):
     assert "catalog.schema.model" in capsys.readouterr().err
     assert registry.cli_register([str(tmp_path / "nope"), "--name", "a.b.c", "--tracking-uri", "sqlite:///x.db"]) == 2
     assert registry.main(["something-else"]) == 2
+    helped = subprocess.run([sys.executable, "-m", "raytune_ft.registry", "register", "--help"],
+                            capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and "--registry-uri" in helped.stdout
