@@ -1,0 +1,160 @@
+"""Credentials come from the environment only and are written nowhere; remote code stays off.
+
+The 27B recipe's --local job runs as a user runs it (a subprocess: `python jobs/qwen27b_b300.py
+--local`, registration included) with DATABRICKS_TOKEN, HF_TOKEN, MLFLOW_TRACKING_TOKEN (and a
+few more) set to unique random strings. Ray, started by the job, inherits them in every process
+it spawns, as it would on a cluster whose nodes carry them. Afterwards none of the values may
+appear, as bytes, in the job's stdout/stderr, in Ray's session logs (its own RAY_TMPDIR), in the
+MLflow store (the sqlite file, the registered model's artifacts), in the checkpoints or in
+summary.json.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+SECRET_VARS = ("DATABRICKS_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MLFLOW_TRACKING_TOKEN",
+               "MLFLOW_TRACKING_PASSWORD", "DATABRICKS_CLIENT_SECRET")
+
+
+def _files(*roots: Path):
+    for root in roots:
+        for dirpath, _, names in os.walk(root):
+            for n in names:
+                p = Path(dirpath) / n
+                if p.is_file() and not p.is_symlink():
+                    yield p
+
+
+def _grep(values: dict[str, bytes], *roots: Path) -> tuple[list[str], int]:
+    """(where each value was found, number of files read)."""
+    hits, n = [], 0
+    for p in _files(*roots):
+        try:
+            data = p.read_bytes()
+        except OSError:      # a socket or a file removed while Ray shut down
+            continue
+        n += 1
+        hits += [f"{name} in {p}" for name, v in values.items() if v in data]
+    return hits, n
+
+
+@pytest.fixture(scope="module")
+def job_with_secrets(tmp_path_factory):
+    work = tmp_path_factory.mktemp("secrets")
+    # Ray's sockets live under RAY_TMPDIR: keep the path short (AF_UNIX paths are <= 107 bytes)
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rtsec", dir="/tmp"))
+    planted = {k: f"sk-{k.lower()}-{secrets.token_hex(16)}" for k in SECRET_VARS}
+    env = {**os.environ, **planted, "RAY_TMPDIR": str(ray_tmp), "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, str(REPO / "jobs" / "qwen27b_b300.py"), "--local",
+           f"--set=tracking.storage_path={work / 'runs'}", "--set=train.max_steps=4",
+           "--set=train.checkpoint_every=2", "--set=train.log_every=1"]
+    try:
+        proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, timeout=540)
+        yield {"proc": proc, "planted": planted, "work": work, "ray_tmp": ray_tmp}
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.mark.timeout(600)
+def test_tokens_appear_in_no_log_param_artifact_or_checkpoint(job_with_secrets):
+    proc, planted = job_with_secrets["proc"], job_with_secrets["planted"]
+    work, ray_tmp = job_with_secrets["work"], job_with_secrets["ray_tmp"]
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:].decode(errors="replace")
+    assert b": registered" in proc.stdout, proc.stdout[-2000:]      # the registration ran too
+    values = {k: v.encode() for k, v in planted.items()}
+
+    # the job's own output
+    assert [k for k, v in values.items() if v in out] == []
+    # Ray's session logs (driver, controller, workers, raylet, GCS, export events)
+    sessions = [p for p in ray_tmp.rglob("session_*") if p.is_dir() and not p.is_symlink()]
+    assert sessions and any((s / "logs").is_dir() for s in sessions), list(ray_tmp.iterdir())
+    hits, n_ray = _grep(values, ray_tmp)
+    assert hits == []
+    # the MLflow store (params, tags, metrics in sqlite; the registered model's artifacts),
+    # the checkpoints and summary.json: everything the run wrote under its working folder
+    hits, n_run = _grep(values, work)
+    assert hits == []
+    # the scan read what it had to: the store, a checkpoint, the registered model's files
+    run_dir = work / "runs" / "qwen27b-local"
+    assert (run_dir / "mlflow.db").is_file() and list(run_dir.glob("checkpoint_*/dcp"))
+    assert list(work.rglob("MLmodel")), "no registered model artifacts found to scan"
+    assert n_ray > 20 and n_run > 20
+    # ...and it does find a value that was written: the run name, in the store and the logs
+    canary = {"run_name": b"qwen27b-local"}
+    assert _grep(canary, run_dir)[0] and _grep(canary, ray_tmp)[0]
+
+
+def test_worker_environment_forwards_no_credentials(monkeypatch):
+    """Tokens reach workers through the nodes' own environment, never through Ray's runtime_env
+    (which Ray records in its job and train-run state and shows on the dashboard)."""
+    from raytune_ft.train.launch import _worker_env
+
+    for k in SECRET_VARS:
+        monkeypatch.setenv(k, "sk-should-not-be-forwarded")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    env = _worker_env()
+    assert env.get("HF_HUB_OFFLINE") == "1"        # the forwarding works...
+    assert not set(SECRET_VARS) & set(env)          # ...and leaves credentials out
+
+
+def test_recipes_leave_trust_remote_code_off():
+    import importlib.util
+
+    for job in ("qwen27b_b300", "qwen3_4b_full", "qwen2_05b_lora"):
+        spec = importlib.util.spec_from_file_location(f"job_{job}", REPO / "jobs" / f"{job}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        assert mod.recipe().model.trust_remote_code is False, job
+        assert mod.local(mod.recipe()).model.trust_remote_code is False, job
+
+
+@pytest.mark.timeout(180)
+def test_remote_code_in_a_model_folder_runs_only_when_the_recipe_allows_it(tmp_path):
+    """A model folder whose config points at its own Python (auto_map) is refused by default and
+    its code never runs; with model.trust_remote_code=true transformers runs it."""
+    model = tmp_path / "remote_model"
+    model.mkdir()
+    marker = tmp_path / "remote_code_ran"
+    (model / "config.json").write_text(
+        '{"model_type": "raytune_remote", "auto_map": {"AutoConfig": "remote_config.RemoteConfig"}}')
+    (model / "remote_config.py").write_text(textwrap.dedent(f"""
+        import pathlib
+        pathlib.Path({str(marker)!r}).write_text("ran")
+        from transformers import PretrainedConfig
+
+        class RemoteConfig(PretrainedConfig):
+            model_type = "raytune_remote"
+    """))
+    script = textwrap.dedent(f"""
+        import sys
+        from raytune_ft.recipe import ModelConfig
+        from raytune_ft.models.build import text_config_for
+        trust = sys.argv[1] == "1"
+        try:
+            text_config_for(ModelConfig(name={str(model)!r}, trust_remote_code=trust))
+            print("loaded")
+        except Exception as e:
+            print("refused", type(e).__name__, e)
+    """)
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    off = subprocess.run([sys.executable, "-c", script, "0"], env=env, capture_output=True, text=True,
+                         timeout=150, cwd=REPO)
+    assert off.stdout.startswith("refused"), off.stdout + off.stderr[-2000:]
+    assert "trust_remote_code" in off.stdout
+    assert not marker.exists()
+    on = subprocess.run([sys.executable, "-c", script, "1"], env=env, capture_output=True, text=True,
+                        timeout=150, cwd=REPO)
+    assert marker.exists(), on.stdout + on.stderr[-2000:]
