@@ -264,7 +264,6 @@ def train_fsdp(config: dict) -> None:
             last_metrics["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         log.progress(last_metrics, total_steps, time.perf_counter() - run_t0)
         pending.clear()
-        window_tokens, window_flops, window_t0 = 0, 0.0, time.perf_counter()
         state["step"] = step
         state["blocks_consumed"] = feed.blocks_consumed
         state["counters"] = feed.counters_state()
@@ -272,6 +271,8 @@ def train_fsdp(config: dict) -> None:
             _save_and_report(recipe, model, opt, rank, state, last_metrics, log, final=False)
         else:
             report(last_metrics | feed.data_metrics())
+        # the next throughput window starts after the report/checkpoint, so saving is not counted as training
+        window_tokens, window_flops, window_t0 = 0, 0.0, time.perf_counter()
 
     # end of the run: the step count, counters and history go into the final checkpoint
     rest = torch.tensor(float(window_tokens), device=device)
