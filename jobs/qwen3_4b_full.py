@@ -32,7 +32,9 @@ def recipe() -> Recipe:
         train=TrainConfig(loop="trl", lr=2e-5, betas=(0.9, 0.999), weight_decay=0.01, warmup_steps=10,
                           schedule="linear", max_steps=50, micro_batch_size=1, grad_accum=8,
                           gradient_checkpointing=True, log_every=10, eval_every=25, checkpoint_every=25,
-                          keep_checkpoints=2, load_best_at_end=True),
+                          keep_checkpoints=2, load_best_at_end=True,
+                          # as the notebook: bf16 weights (fp32 master weights do not fit 80 GB: raytune-ft plan)
+                          master_weights="bf16"),
         scaling=ScalingConfig(num_workers=NUM_GPUS, use_gpu=True, gpus_per_node=1, cpus_per_worker=8),
         tracking=TrackingConfig(run_name="qwen3-4b-capybara-full", experiment="raytune_ft"),
         registry=RegistryConfig(name="main.default.qwen3_4b_capybara"),

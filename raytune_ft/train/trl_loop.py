@@ -411,7 +411,10 @@ def train_trl(config: dict) -> None:
         dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
 
     tok = _tokenizer(recipe, log)
-    dtype = torch.bfloat16 if (on_gpu and recipe.model.dtype == "bfloat16") else torch.float32
+    # weights in bf16 only when the recipe asks for bf16 master weights; fp32 weights train under
+    # bf16 autocast (TrainingArguments(bf16=True)), so AdamW updates are not lost to bf16 rounding
+    compute_bf16 = on_gpu and recipe.model.dtype == "bfloat16"
+    dtype = torch.bfloat16 if (compute_bf16 and t.master_weights == "bf16") else torch.float32
     torch.manual_seed(t.seed)
     lm = load_causal_lm(recipe.model, tokenizer_vocab_size=len(tok), device="cpu", dtype=dtype, seed=t.seed)
     enable_packing(lm)                             # idempotent: varlen attention + packed gated-delta-net
@@ -469,7 +472,7 @@ def train_trl(config: dict) -> None:
         save_strategy="steps", save_steps=t.checkpoint_every, save_total_limit=t.keep_checkpoints,
         load_best_model_at_end=t.load_best_at_end, metric_for_best_model="eval_loss" if eval_steps else None,
         greater_is_better=False if eval_steps else None,
-        bf16=dtype == torch.bfloat16, use_cpu=not on_gpu,
+        bf16=compute_bf16, use_cpu=not on_gpu,
         gradient_checkpointing=t.gradient_checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False},
         use_liger_kernel=liger, seed=t.seed, report_to="none", disable_tqdm=True,
         remove_unused_columns=False, dataset_kwargs={"skip_prepare_dataset": True}, packing=False,
