@@ -122,6 +122,12 @@ def segment_gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor) -> torc
                      use_qk_l2norm_in_kernel=True)
         return out
     ref = _torch_reference_gated_delta_rule()
+    rep = v.shape[2] // q.shape[2]
+    if rep > 1:
+        # Qwen3.5 has more value heads than key heads (48 / 16). transformers 5.17's reference (the GPU
+        # image's) wants q/k per value head and fails otherwise (seen on the H200, 2026-11-29); 5.2x
+        # repeat_interleaves inside, so doing it here gives the same result on both.
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
     bounds = cu_seqlens.tolist()
     outs = []
     for s, e in zip(bounds[:-1], bounds[1:]):
