@@ -58,7 +58,7 @@ call1() {
 call2() {
   install_tilelang_2 || { echo "install failed"; return 1; }
   $PY -c "import tilelang, fla; print('tilelang', tilelang.__version__, 'fla', fla.__version__)"
-  run 240 equality $PY bench/packed_equality_gpu.py
+  run 420 equality $PY bench/packed_equality_gpu.py
   NL=16 SEQ=16384 STEPS=7 run 150 seed_16l_16k $PY .peers/seed000_loop.py sdpa
   local C="$PY bench/gpu_compare.py --model qwen3.8-27b --layers 16 --steps 7 --warm 3"
   run 130 27b16_full_16k $C --seq 16384 --ac full
