@@ -1,0 +1,254 @@
+"""Fault tolerance of the 27B recipe's --local job on a real local Ray: workers that die mid-run.
+
+Three runs of the same recipe (10 steps, checkpoints at 4 and 8, final at 10), sharing one Ray:
+
+- "window": rank 1 exits right after uploading its part of the final (step-10) checkpoint, before
+  its report reaches Ray (RAYTUNE_FAULT_AFTER_UPLOAD). With max_failures=0 the run fails. Ray must
+  not have registered that folder: the latest checkpoint stays step 8's. Rank 1's files in the
+  unregistered folder are the reference: its history holds the per-step losses of steps 1..10 of
+  an uninterrupted run (every rank keeps the all-reduced loss history).
+- "window" re-submitted under the same name: resumes from step 8 and ends at step 10.
+- "killed": a watcher thread in this test SIGKILLs rank 1's RayTrainWorker process (found by PID
+  through Ray Train's state actor) once the first checkpoint is registered; max_failures=1 lets Ray
+  restart the worker group, which resumes from the last registered checkpoint.
+
+Both resumed runs must reproduce the uninterrupted per-step losses after their resume point, and
+their data counters, i.e. the same blocks in the same order on each rank, nothing trained twice.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from tests.conftest import REPO
+
+STEPS, EVERY = 10, 4
+FAULT_ENV = "RAYTUNE_FAULT_AFTER_UPLOAD"
+SNAPSHOT = "checkpoint_manager_snapshot.json"
+REL_TOL = 1e-5
+STATE_TRACKING_ENV = "RAY_TRAIN_ENABLE_STATE_TRACKING"
+
+
+def _job():
+    spec = importlib.util.spec_from_file_location("job27b_ft", REPO / "jobs" / "qwen27b_b300.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    return job
+
+
+def _recipe(storage, run_name: str, max_failures: int):
+    from raytune_ft.cli import resolve
+
+    job = _job()
+    return resolve(job.recipe, job.local, local=True, overrides=[
+        f"tracking.storage_path={storage}", f"tracking.run_name={run_name}",
+        f"train.max_steps={STEPS}", f"train.checkpoint_every={EVERY}",
+        f"scaling.max_failures={max_failures}", "registry.enabled=false"])
+
+
+def _state(ckpt_dir: str, rank: int) -> dict:
+    with open(os.path.join(ckpt_dir, "train_state", f"rank{rank}.json")) as f:
+        return json.load(f)
+
+
+def worker_pids(run_name: str) -> dict[int, int]:
+    """{world rank: pid} of the running attempt of the Ray Train run `run_name` (Ray's state actor,
+    on when RAY_TRAIN_ENABLE_STATE_TRACKING=1)."""
+    import ray
+    from ray.train.v2._internal.state.state_actor import get_state_actor
+
+    actor = get_state_actor()
+    if actor is None:
+        return {}
+    run_ids = [r.id for r in ray.get(actor.get_train_runs.remote()).values() if r.name == run_name]
+    attempts = ray.get(actor.get_train_run_attempts.remote())
+    latest = None
+    for rid in run_ids:
+        for a in attempts.get(rid, {}).values():
+            if a.end_time_ns is None and a.workers and (latest is None or a.start_time_ns > latest.start_time_ns):
+                latest = a
+    return {w.world_rank: w.pid for w in latest.workers} if latest else {}
+
+
+class RankKiller(threading.Thread):
+    """SIGKILLs the training worker of `rank` once `run_dir` has a registered checkpoint.
+
+    `pick_rank`, when given, is called to choose the rank at kill time (e.g. the one on a node).
+    """
+
+    def __init__(self, run_dir: str, run_name: str, rank: int = 1, timeout_s: float = 600, pick_rank=None):
+        super().__init__(daemon=True)
+        self.run_dir, self.run_name, self.rank, self.timeout_s = run_dir, run_name, rank, timeout_s
+        self.pick_rank = pick_rank
+        self.killed_pid: int | None = None
+        self.cmdline: str = ""
+        self.error: str | None = None
+        self.stop = threading.Event()
+
+    def run(self):
+        import psutil
+
+        deadline = time.time() + self.timeout_s
+        try:
+            # Find the worker while the run starts (the state actor can be slow on a busy host),
+            # then kill it the moment Ray registers the first checkpoint: Ray writes the snapshot
+            # only then, once every rank has reported.
+            pid = None
+            while not (pid and os.path.exists(os.path.join(self.run_dir, SNAPSHOT))):
+                if self.stop.is_set() or time.time() > deadline:
+                    self.error = f"no checkpoint registered or no worker of rank {self.rank} found"
+                    return
+                if not pid:
+                    if self.pick_rank is not None:
+                        self.rank = self.pick_rank()
+                    pid = worker_pids(self.run_name).get(self.rank)
+                time.sleep(0.02 if pid else 0.2)
+            proc = psutil.Process(pid)
+            self.cmdline = " ".join(proc.cmdline())
+            if "RayTrainWorker" not in self.cmdline:
+                self.error = f"pid {pid} is not a RayTrainWorker: {self.cmdline!r}"
+                return
+            proc.send_signal(signal.SIGKILL)
+            self.killed_pid = pid
+        except Exception as e:  # reported by the test
+            self.error = f"{type(e).__name__}: {e}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    import ray
+
+    from raytune_ft.run import run
+
+    storage = tmp_path_factory.mktemp("ft_runs")
+    out: dict = {"storage": storage}
+    # Ray Train's state actor (ranks, PIDs and nodes of each attempt's workers) is opt-in
+    os.environ[STATE_TRACKING_ENV] = "1"
+    ray.init(address="local", num_cpus=8, include_dashboard=False)
+    try:
+        # 1. rank 1 dies in the window between uploading the final checkpoint and reporting it
+        window = _recipe(storage, "window", max_failures=0)
+        os.environ[FAULT_ENV] = f"{STEPS}:1"     # forwarded to the workers by launch._worker_env
+        try:
+            run(window, local=True)
+            out["window_error"] = None
+        except Exception as e:  # noqa: BLE001 - the run is meant to fail
+            out["window_error"] = e
+        finally:
+            os.environ.pop(FAULT_ENV, None)
+        out["window_dirs"] = sorted(glob.glob(os.path.join(window.run_dir, "checkpoint_*")))
+        with open(os.path.join(window.run_dir, SNAPSHOT)) as f:
+            out["window_snapshot"] = f.read()
+        # read now: the re-submit's checkpoints push the oldest out (keep_checkpoints=2)
+        from raytune_ft.train.checkpoint import read_meta
+
+        out["window_steps"] = {os.path.basename(d): read_meta(d).get("step") for d in out["window_dirs"]}
+
+        # 2. the same job re-submitted under the same name
+        out["window_recipe"] = window
+        out["resubmitted"] = run(window, local=True)
+
+        # 3. a worker SIGKILLed from outside mid-run; Ray restarts the group (max_failures=1)
+        killed = _recipe(storage, "killed", max_failures=1)
+        killer = RankKiller(killed.run_dir, "killed")
+        killer.start()
+        try:
+            out["killed"] = run(killed, local=True)
+        finally:
+            killer.stop.set()
+            killer.join(timeout=30)
+        out["killer"] = killer
+        out["killed_recipe"] = killed
+    finally:
+        os.environ.pop(FAULT_ENV, None)
+        os.environ.pop(STATE_TRACKING_ENV, None)
+        ray.shutdown()
+    return out
+
+
+def _orphan(runs) -> str:
+    """The step-10 folder written by the failed attempt (rank 1's files are complete in it)."""
+    found = [d for d in runs["window_dirs"]
+             if os.path.exists(os.path.join(d, "train_state", "rank1.json")) and _state(d, 1)["step"] == STEPS]
+    assert len(found) == 1, runs["window_dirs"]
+    return found[0]
+
+
+def _reference(runs) -> dict:
+    return _state(_orphan(runs), 1)
+
+
+def _assert_history_matches(history: list[dict], reference: list[dict]) -> None:
+    assert [h["step"] for h in history] == list(range(1, STEPS + 1))
+    assert [h["step"] for h in reference] == list(range(1, STEPS + 1))
+    for h, r in zip(history, reference):
+        assert h["loss"] == pytest.approx(r["loss"], rel=REL_TOL), (h, r)
+        assert h["lr"] == pytest.approx(r["lr"], rel=1e-12), (h, r)
+
+
+@pytest.mark.timeout(900)
+def test_death_in_checkpoint_window_keeps_previous_checkpoint(runs):
+    err = runs["window_error"]
+    assert err is not None, "the run was meant to fail: rank 1 exited in the checkpoint window"
+    assert "Training" in type(err).__name__ or "Worker" in type(err).__name__, repr(err)
+    orphan = _orphan(runs)
+    # the folder is on storage, with rank 1's complete shard and train state...
+    assert os.path.isdir(os.path.join(orphan, "dcp")) and _state(orphan, 1)["step"] == STEPS
+    # ...but Ray never registered it: the latest checkpoint is step 8's
+    snapshot = runs["window_snapshot"]
+    assert os.path.basename(orphan) not in snapshot
+    registered = [name for name in runs["window_steps"] if name in snapshot]
+    assert sorted(runs["window_steps"][name] for name in registered) == [4, 8], (registered, snapshot)
+
+
+@pytest.mark.timeout(900)
+def test_resubmit_same_name_resumes_from_last_registered_checkpoint(runs):
+    import mlflow
+
+    summary, recipe = runs["resubmitted"], runs["window_recipe"]
+    ref = _reference(runs)
+    assert summary.steps == STEPS
+    assert os.path.basename(summary.checkpoint) not in {os.path.basename(d) for d in runs["window_dirs"]}
+    for rank in (0, 1):
+        st = _state(summary.checkpoint, rank)
+        assert st["resumed_from"] == [8], st.get("resumed_from")
+        assert st["step"] == STEPS
+        _assert_history_matches(st["history"], ref["history"])
+    # rank 1 consumed exactly the blocks, and counted exactly the rows, of the uninterrupted run
+    st1 = _state(summary.checkpoint, 1)
+    assert st1["blocks_consumed"] == ref["blocks_consumed"]
+    assert st1["counters"] == ref["counters"]
+    # the re-submit reopened the job's MLflow run instead of starting another one
+    client = mlflow.MlflowClient(recipe.tracking_uri)
+    exp = client.get_experiment_by_name(recipe.tracking.experiment)
+    found = client.search_runs([exp.experiment_id], filter_string="tags.`raytune.run_name` = 'window'")
+    assert len(found) == 1 and found[0].info.run_id == summary.mlflow_run_id
+    assert found[0].data.tags.get("raytune.resubmitted") == "true"
+    assert found[0].info.status == "FINISHED"
+
+
+@pytest.mark.timeout(900)
+def test_killed_worker_is_restarted_and_resumes_exactly(runs):
+    import psutil
+
+    killer, summary = runs["killer"], runs["killed"]
+    assert killer.error is None, killer.error
+    assert killer.killed_pid is not None and "RayTrainWorker" in killer.cmdline
+    assert not psutil.pid_exists(killer.killed_pid) or psutil.Process(killer.killed_pid).status() == "zombie"
+    assert summary.steps == STEPS
+    ref = _reference(runs)
+    for rank in (0, 1):
+        st = _state(summary.checkpoint, rank)
+        # one restart, from a registered checkpoint (step 4, or 8 if the kill came late)
+        assert len(st["resumed_from"]) == 1 and st["resumed_from"][0] in (4, 8), st.get("resumed_from")
+        _assert_history_matches(st["history"], ref["history"])
+    st1 = _state(summary.checkpoint, 1)
+    assert st1["blocks_consumed"] == ref["blocks_consumed"]
+    assert st1["counters"] == ref["counters"]

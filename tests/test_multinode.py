@@ -1,0 +1,116 @@
+"""The 27B recipe's --local job across a real two-node Ray cluster on one machine.
+
+`ray.cluster_utils.Cluster` starts two Ray nodes (separate raylets and object stores) with 4 CPUs
+each and one unit of a custom resource `raytune_node` each. The job is changed by `--set` only:
+scaling.placement_strategy=STRICT_SPREAD and resources_per_worker={"raytune_node": 1}, so the two
+workers can only land on different nodes. storage_path is a folder both nodes see (as a shared
+filesystem would be on a real cluster). Once the first checkpoint is registered, the worker on
+the second node is SIGKILLed; Ray restarts the group on both nodes, and it resumes from that
+checkpoint to the end.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.test_fault_tolerance import EVERY, STATE_TRACKING_ENV, STEPS, RankKiller, _job, _state
+
+RUN = "multinode"
+
+
+def worker_nodes(run_name: str) -> list[dict[int, str]]:
+    """For each attempt of `run_name` (oldest first): {world rank: node id}."""
+    import ray
+    from ray.train.v2._internal.state.state_actor import get_state_actor
+
+    actor = get_state_actor()
+    if actor is None:       # created with the first Train run of the cluster
+        return []
+    run_ids = [r.id for r in ray.get(actor.get_train_runs.remote()).values() if r.name == run_name]
+    attempts = ray.get(actor.get_train_run_attempts.remote())
+    found = sorted((a for rid in run_ids for a in attempts.get(rid, {}).values() if a.workers),
+                   key=lambda a: a.start_time_ns)
+    return [{w.world_rank: w.node_id for w in a.workers} for a in found]
+
+
+@pytest.fixture(scope="module")
+def two_node_run(tmp_path_factory):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from raytune_ft.cli import resolve
+    from raytune_ft.run import run
+
+    storage = tmp_path_factory.mktemp("mn_runs")
+    os.environ[STATE_TRACKING_ENV] = "1"     # Ray Train's state actor: where each rank runs
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 4, "resources": {"raytune_node": 1}, "include_dashboard": False})
+    out: dict = {}
+    try:
+        second = cluster.add_node(num_cpus=4, resources={"raytune_node": 1})
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address)
+        out["nodes"] = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        out["second"] = second.node_id
+        job = _job()
+        recipe = resolve(job.recipe, job.local, local=True, overrides=[
+            f"tracking.storage_path={storage}", f"tracking.run_name={RUN}",
+            "scaling.num_workers=2", "scaling.placement_strategy=STRICT_SPREAD",
+            'scaling.resources_per_worker={"raytune_node": 1}', "scaling.max_failures=1",
+            f"train.max_steps={STEPS}", f"train.checkpoint_every={EVERY}", "registry.enabled=false"])
+        # kill whichever rank runs on the second node
+        killer = RankKiller(recipe.run_dir, RUN, pick_rank=lambda: next(
+            (r for r, n in (worker_nodes(RUN) or [{}])[-1].items() if n == second.node_id), None))
+        killer.start()
+        try:
+            out["summary"] = run(recipe, local=False)
+        finally:
+            killer.stop.set()
+            killer.join(timeout=30)
+        out["killer"] = killer
+        out["attempts"] = worker_nodes(RUN)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        os.environ.pop(STATE_TRACKING_ENV, None)
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_two_workers_on_two_nodes_train_checkpoint_and_resume(two_node_run):
+    out = two_node_run
+    assert len(out["nodes"]) == 2
+    killer, summary = out["killer"], out["summary"]
+    assert killer.error is None, killer.error
+    assert killer.killed_pid is not None
+    # each attempt (the first, and the restart after the kill) spread its two ranks over both nodes
+    assert len(out["attempts"]) == 2, out["attempts"]
+    for placement in out["attempts"]:
+        assert set(placement) == {0, 1}
+        assert set(placement.values()) == out["nodes"], placement
+    # trained to the end; both ranks resumed from the checkpoint registered before the kill
+    assert summary.steps == STEPS
+    for rank in (0, 1):
+        st = _state(summary.checkpoint, rank)
+        assert len(st["resumed_from"]) == 1 and st["resumed_from"][0] in (4, 8)
+        assert [h["step"] for h in st["history"]] == list(range(1, STEPS + 1))
+    # the final checkpoint holds both nodes' shards in one folder on the shared storage
+    files = os.listdir(os.path.join(summary.checkpoint, "dcp"))
+    assert sum(f.endswith(".distcp") for f in files) == 2, files
+    assert os.path.isfile(os.path.join(summary.checkpoint, "hf", "config.json"))
+
+
+@pytest.mark.parametrize("override, field", [
+    ('scaling.resources_per_worker={"GPU": 2}', "scaling.resources_per_worker.GPU"),
+    ('scaling.resources_per_worker={"CPU": 4}', "scaling.resources_per_worker.CPU"),
+    ("scaling.accelerator_type=B300", "scaling.accelerator_type"),   # the --local job has no GPU
+    ("tracking.experiment= ", "tracking.experiment"),
+])
+def test_bad_scaling_fails_before_ray_naming_the_field(override, field):
+    from raytune_ft.cli import resolve
+    from raytune_ft.recipe import RecipeError
+
+    job = _job()
+    with pytest.raises(RecipeError, match=field.replace(".", r"\.")):
+        resolve(job.recipe, job.local, local=True, overrides=[override])
