@@ -1,0 +1,80 @@
+"""The way users start work: `ray start --head`, then `ray job submit -- python jobs/qwen27b_b300.py --local`.
+
+A real Ray head (with its dashboard and job server, token authentication on) on loopback, a real
+job submission; the job must join that cluster rather than start its own Ray, train, and register.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    temp = tmp_path_factory.mktemp("rayhead")
+    gcs, dash = _free_port(), _free_port()
+    # the cluster's processes (and so the job's `python`) use this virtualenv, as on a user's node
+    env = dict(os.environ, RAY_AUTH_MODE="token", PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    env.pop("RAY_ADDRESS", None)
+    start = subprocess.run(
+        [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=8", "--disable-usage-stats",
+         f"--temp-dir={temp}"],
+        env=env, capture_output=True, text=True, timeout=180)
+    assert start.returncode == 0, start.stdout + start.stderr
+    try:
+        yield f"http://127.0.0.1:{dash}", env
+    finally:
+        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.mark.timeout(600)
+def test_ray_job_submit_runs_the_local_job_on_the_cluster(ray_head, tmp_path):
+    address, env = ray_head
+    storage = tmp_path / "runs"
+    cmd = [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(REPO),
+           "--", "python", "jobs/qwen27b_b300.py", "--local", f"--set=tracking.storage_path={storage}",
+           "--set=train.max_steps=6", "--set=train.checkpoint_every=3"]
+    for _ in range(12):  # the head's job agent can take a while to come up on a loaded host
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=580)
+        log = out.stdout + out.stderr
+        if "No available agent to submit job" not in log:
+            break
+        time.sleep(10)
+    assert out.returncode == 0, log[-4000:]
+    assert "succeeded" in log
+    # it joined the running cluster instead of starting a local Ray of its own
+    assert "Started a local Ray instance" not in log
+    summary = json.loads((storage / "qwen27b-local" / "summary.json").read_text())
+    assert summary["status"] == "registered"
+    assert summary["steps"] == 6
+    assert summary["registered_name"] == "main.default.qwen27b_local"
+    assert "registered       main.default.qwen27b_local version 1" in log
+
+
+def test_submit_without_token_is_refused(ray_head):
+    """Token authentication stays on: a client without the token cannot list jobs."""
+    address, env = ray_head
+    bare = {k: v for k, v in env.items() if k not in ("RAY_AUTH_MODE",)}
+    bare["HOME"] = "/nonexistent-home"  # no ~/.ray/auth_token to fall back on
+    bare["RAY_AUTH_MODE"] = "token"
+    out = subprocess.run([str(BIN / "ray"), "job", "list", "--address", address], env=bare,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
