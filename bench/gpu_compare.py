@@ -44,7 +44,7 @@ def main(argv=None) -> dict:
     from raytune_ft.models.attention import select_attention_backend
     from raytune_ft.models.flops import flops_per_block, gpu_peak_tflops, matmul_params
     from raytune_ft.models.gated_delta import gated_delta_backends
-    from raytune_ft.train.fsdp_loop import StepBatch, forward_backward, shard_packed_model
+    from raytune_ft.train.fsdp_loop import StepBatch, compile_pointwise, forward_backward, shard_packed_model
 
     dev = gc.device()
     gc.init_single_process_group(dev)
@@ -56,15 +56,7 @@ def main(argv=None) -> dict:
     t_build = time.perf_counter()
     lm = gc.build_random_lm(cfg, dev, master)
     if a.compile_mlp:
-        from raytune_ft.models.build import decoder_layers
-        # the memory-bound pieces the profile shows: SwiGLU, the fp32 RMSNorms (and the gated one of the
-        # gated-delta-net layers); static shapes (one block per step), so one graph per module kind
-        for layer in decoder_layers(lm):
-            layer.mlp.compile()
-            layer.input_layernorm.compile()
-            layer.post_attention_layernorm.compile()
-            if hasattr(layer, "linear_attn"):
-                layer.linear_attn.norm.compile()
+        compile_pointwise(lm)   # the loop's own train.compile=true path
     model = shard_packed_model(lm, dev, compute_dtype=compute, activation_checkpointing=a.ac,
                                loss_chunk=a.loss_chunk)
     params = [q for q in model.parameters() if q.requires_grad]
