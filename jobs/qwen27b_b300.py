@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from raytune_ft.cli import job_main  # noqa: E402
 from raytune_ft.recipe import (  # noqa: E402
-    DataConfig, ModelConfig, RegistryConfig, Recipe, ScalingConfig, TrackingConfig, TrainConfig)
+    on_local_cpu, DataConfig, ModelConfig, RegistryConfig, Recipe, ScalingConfig, TrackingConfig, TrainConfig)
 
 MODEL = "Qwen/Qwen3.8-27B"
 MODEL_REVISION = "1d4bf0f2ff6012fd82039f2fa52739d0dd7c60c0"
@@ -43,13 +43,8 @@ def recipe() -> Recipe:
 
 def local(r: Recipe) -> Recipe:
     """The same recipe on local Ray on CPU: tiny qwen3_5 model, generated chat data, 2 gloo workers."""
-    r.model.local_tiny = True
-    r.model.dtype = "float32"
-    r.model.max_position_embeddings = None
-    r.data.source = "builtin:chat:600"
-    r.data.revision = None
-    r.data.seq_len = 512
-    r.data.pack_window = 256
+    on_local_cpu(r, workers=2, rows=600, seq_len=512, run_name="qwen27b-local",
+                 registry_name="main.default.qwen27b_local")
     r.train.lr = 3e-3
     r.train.warmup_steps = 2
     r.train.schedule = "cosine"
@@ -57,16 +52,6 @@ def local(r: Recipe) -> Recipe:
     r.train.log_every = 5
     r.train.checkpoint_every = 10
     r.train.activation_checkpointing = "none"
-    r.train.compile = False  # compiling costs more than it saves on a 20-step CPU run
-    r.scaling.num_workers = 2
-    r.scaling.use_gpu = False
-    r.scaling.cpus_per_worker = 1
-    r.scaling.backend = "gloo"
-    r.scaling.max_failures = 1
-    r.tracking.storage_path = os.environ.get("RAYTUNE_LOCAL_STORAGE", "./runs")
-    r.tracking.run_name = "qwen27b-local"
-    r.registry.name = "main.default.qwen27b_local"
-    r.registry.timeout_s = 600
     return r
 
 

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from raytune_ft.cli import job_main  # noqa: E402
 from raytune_ft.recipe import (  # noqa: E402
-    DataConfig, ModelConfig, RegistryConfig, Recipe, ScalingConfig, TrackingConfig, TrainConfig)
+    on_local_cpu, DataConfig, ModelConfig, RegistryConfig, Recipe, ScalingConfig, TrackingConfig, TrainConfig)
 
 MODEL = "Qwen/Qwen2-0.5B"
 DATASET = "hf://trl-lib/Capybara"
@@ -45,13 +45,10 @@ def recipe() -> Recipe:
 def local(r: Recipe) -> Recipe:
     """The same recipe on local Ray on CPU: tiny qwen2 model, generated chat data, 2 gloo workers.
     Liger stays requested: the loop switches it off where there is no GPU and says so."""
-    r.model.local_tiny = True
-    r.model.dtype = "float32"
-    r.data.source = "builtin:chat:240"
+    on_local_cpu(r, workers=2, rows=240, seq_len=256, run_name="qwen2-05b-lora-local",
+                 registry_name="main.default.qwen2_05b_lora_local")
     r.data.validation_split = None
     r.data.validation_fraction = 0.1
-    r.data.seq_len = 256
-    r.data.pack_window = 64
     r.train.lr = 1e-3
     r.train.warmup_steps = 2
     r.train.max_steps = 6
@@ -60,15 +57,6 @@ def local(r: Recipe) -> Recipe:
     r.train.log_every = 2
     r.train.eval_every = 3
     r.train.checkpoint_every = 3
-    r.scaling.num_workers = 2
-    r.scaling.use_gpu = False
-    r.scaling.cpus_per_worker = 1
-    r.scaling.backend = "gloo"
-    r.scaling.max_failures = 1
-    r.tracking.storage_path = os.environ.get("RAYTUNE_LOCAL_STORAGE", "./runs")
-    r.tracking.run_name = "qwen2-05b-lora-local"
-    r.registry.name = "main.default.qwen2_05b_lora_local"
-    r.registry.timeout_s = 600
     return r
 
 

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from raytune_ft.cli import job_main  # noqa: E402
 from raytune_ft.recipe import (  # noqa: E402
-    DataConfig, ModelConfig, RegistryConfig, Recipe, ScalingConfig, TrackingConfig, TrainConfig)
+    on_local_cpu, DataConfig, ModelConfig, RegistryConfig, Recipe, ScalingConfig, TrackingConfig, TrainConfig)
 
 MODEL = "Qwen/Qwen3-4B"
 DATASET = "hf://trl-lib/Capybara"
@@ -43,11 +43,8 @@ def recipe() -> Recipe:
 
 def local(r: Recipe) -> Recipe:
     """The same recipe on local Ray on CPU: tiny qwen3 model, generated chat data, one CPU worker."""
-    r.model.local_tiny = True
-    r.model.dtype = "float32"
-    r.data.source = "builtin:chat:200"
-    r.data.seq_len = 512
-    r.data.pack_window = 64
+    on_local_cpu(r, workers=1, rows=200, seq_len=512, run_name="qwen3-4b-full-local",
+                 registry_name="main.default.qwen3_4b_full_local")
     r.train.lr = 3e-3
     r.train.warmup_steps = 2
     r.train.max_steps = 8
@@ -55,15 +52,6 @@ def local(r: Recipe) -> Recipe:
     r.train.log_every = 2
     r.train.eval_every = 4
     r.train.checkpoint_every = 4
-    r.scaling.num_workers = 1
-    r.scaling.use_gpu = False
-    r.scaling.cpus_per_worker = 1
-    r.scaling.backend = "gloo"
-    r.scaling.max_failures = 1
-    r.tracking.storage_path = os.environ.get("RAYTUNE_LOCAL_STORAGE", "./runs")
-    r.tracking.run_name = "qwen3-4b-full-local"
-    r.registry.name = "main.default.qwen3_4b_full_local"
-    r.registry.timeout_s = 600
     return r
 
 

@@ -431,3 +431,26 @@ def recipe_from_dict(d: dict[str, Any]) -> Recipe:
                  for k, v in value.items()}
         kwargs[key] = cls(**fixed)
     return Recipe(**kwargs)
+
+
+def on_local_cpu(r: Recipe, *, workers: int, rows: int, seq_len: int, run_name: str, registry_name: str) -> Recipe:
+    """What every job's `--local` shares: a tiny model of the same family in fp32, generated chat data,
+    `workers` CPU workers on gloo, runs under ./runs (or $RAYTUNE_LOCAL_STORAGE), the local registry."""
+    r.model.local_tiny = True
+    r.model.dtype = "float32"
+    r.model.max_position_embeddings = None
+    r.data.source = f"builtin:chat:{rows}"
+    r.data.revision = None
+    r.data.seq_len = seq_len
+    r.data.pack_window = 64 if rows < 400 else 256
+    r.train.compile = False
+    r.scaling.num_workers = workers
+    r.scaling.use_gpu = False
+    r.scaling.cpus_per_worker = 1
+    r.scaling.backend = "gloo"
+    r.scaling.max_failures = 1
+    r.tracking.storage_path = os.environ.get("RAYTUNE_LOCAL_STORAGE", "./runs")
+    r.tracking.run_name = run_name
+    r.registry.name = registry_name
+    r.registry.timeout_s = 600
+    return r
