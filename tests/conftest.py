@@ -32,3 +32,52 @@ def ray_local():
              ignore_reinit_error=True)
     yield ray
     ray.shutdown()
+
+
+SECRET_VARS = ("DATABRICKS_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MLFLOW_TRACKING_TOKEN",
+               "MLFLOW_TRACKING_PASSWORD", "DATABRICKS_CLIENT_SECRET")
+
+
+@pytest.fixture(scope="session")
+def local_job(tmp_path_factory):
+    """The 27B recipe's --local job, run once per session as a user runs it (a subprocess, its own local
+    Ray, registration included), with credentials planted in its environment.
+
+    Shared by the end-to-end, plots and secrets tests: one run instead of three keeps the suite's time
+    down. Ray's files go to their own RAY_TMPDIR (short: AF_UNIX paths are <= 107 bytes) so the secrets
+    test can read every log it wrote.
+    """
+    import json
+    import secrets
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    work = tmp_path_factory.mktemp("localjob")
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rtjob", dir="/tmp"))
+    planted = {k: f"sk-{k.lower()}-{secrets.token_hex(16)}" for k in SECRET_VARS}
+    env = {**os.environ, **planted, "RAY_TMPDIR": str(ray_tmp), "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    overrides = [f"tracking.storage_path={work / 'runs'}", "train.log_every=1"]
+    cmd = [sys.executable, str(REPO / "jobs" / "qwen27b_b300.py"), "--local"] + [f"--set={o}" for o in overrides]
+    try:
+        proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, timeout=900)
+        summary_path = work / "runs" / "qwen27b-local" / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+        yield {"proc": proc, "planted": planted, "work": work, "ray_tmp": ray_tmp, "summary": summary,
+               "overrides": overrides}
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def local_job_recipe(overrides):
+    """The resolved recipe the local_job fixture ran."""
+    import importlib.util
+
+    from raytune_ft.cli import resolve
+
+    spec = importlib.util.spec_from_file_location("_job27b", REPO / "jobs" / "qwen27b_b300.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    return resolve(job.recipe, job.local, local=True, overrides=overrides)

@@ -6,45 +6,32 @@ import os
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import local_job_recipe
 
 
 @pytest.fixture(scope="module")
-def local_run(tmp_path_factory):
-    import importlib.util
-
-    import ray
-
-    storage = tmp_path_factory.mktemp("runs")
-    spec = importlib.util.spec_from_file_location("job27b", REPO / "jobs" / "qwen27b_b300.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
-    from raytune_ft.cli import resolve
-    from raytune_ft.run import run
-
-    recipe = resolve(job.recipe, job.local, local=True,
-                     overrides=[f"tracking.storage_path={storage}", "train.log_every=1"])
-    ray.init(address="local", num_cpus=8, include_dashboard=False)
-    try:
-        summary = run(recipe, local=True)
-    finally:
-        ray.shutdown()
-    return recipe, summary
+def local_run(local_job):
+    proc = local_job["proc"]
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:].decode(errors="replace")
+    return local_job_recipe(local_job["overrides"]), local_job["summary"], proc.stdout.decode()
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)
 def test_local_job_trains_and_registers(local_run):
-    recipe, summary = local_run
-    assert summary.status == "registered", summary.lines()
-    assert summary.steps == recipe.train.max_steps == 20
-    assert summary.tokens > 0 and summary.tokens_per_s > 0
-    assert summary.final_loss is not None and summary.final_loss == summary.final_loss  # finite
+    recipe, summary, out = local_run
+    assert summary["status"] == "registered", out[-3000:]
+    assert summary["steps"] == recipe.train.max_steps == 20
+    assert summary["tokens"] > 0 and summary["tokens_per_s"] > 0
+    assert summary["final_loss"] is not None and summary["final_loss"] == summary["final_loss"]  # finite
+    # the printed summary a user reads
+    for line in ("steps            20", "registered       main.default.qwen27b_local version 1", "checkpoint"):
+        assert line in out, out[-3000:]
     # the loss falls on the learnable generated data
-    with open(os.path.join(summary.checkpoint, "train_state", "rank0.json")) as f:
+    with open(os.path.join(summary["checkpoint"], "train_state", "rank0.json")) as f:
         hist = json.load(f)["history"]
     assert [h["step"] for h in hist] == list(range(1, 21))
     assert hist[-1]["loss"] < hist[0]["loss"] - 0.5
-    assert summary.data["rows_read"] > 0 and summary.data["blocks"] > 0
+    assert summary["data"]["rows_read"] > 0 and summary["data"]["blocks"] > 0
 
 
 @pytest.mark.timeout(300)
@@ -53,14 +40,14 @@ def test_registered_version_loads_with_transformers(local_run):
     import torch
     from transformers import AutoModelForCausalLM
 
-    recipe, summary = local_run
+    recipe, summary, _ = local_run
     mlflow.set_tracking_uri(recipe.tracking_uri)
     mlflow.set_registry_uri(recipe.tracking_uri)
     client = mlflow.MlflowClient(recipe.tracking_uri)
-    mv = client.get_model_version(summary.registered_name, summary.registered_version)
+    mv = client.get_model_version(summary["registered_name"], summary["registered_version"])
     assert mv.name == "main.default.qwen27b_local"
     # the exported HF folder loads with plain transformers and gives logits of the right shape
-    hf = os.path.join(summary.checkpoint, "hf")
+    hf = os.path.join(summary["checkpoint"], "hf")
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     logits = model(ids).logits

@@ -120,21 +120,15 @@ def test_run_history_from_fsdp_and_trl_checkpoints(tmp_path):
 # ---------------------------------------------------------------- a finished local run
 
 @pytest.fixture(scope="module")
-def finished_run(ray_local, tmp_path_factory):
-    """The 27B recipe's --local job, shortened, run once for this module."""
-    import importlib.util
+def finished_run(local_job):
+    """The session's --local job (tests/conftest.py), as a (recipe, summary) pair."""
+    from types import SimpleNamespace
 
-    from raytune_ft.cli import resolve
-    from raytune_ft.run import run
+    from tests.conftest import local_job_recipe
 
-    spec = importlib.util.spec_from_file_location("_plots_job27b", REPO / "jobs" / "qwen27b_b300.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
-    storage = tmp_path_factory.mktemp("plot_runs")
-    recipe = resolve(job.recipe, job.local, local=True, overrides=[
-        f"tracking.storage_path={storage}", "tracking.run_name=plots-e2e", "data.source=builtin:chat:200",
-        "train.max_steps=6", "train.log_every=2", "train.checkpoint_every=3", "registry.enabled=false"])
-    return recipe, run(recipe, local=True)
+    proc = local_job["proc"]
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:].decode(errors="replace")
+    return local_job_recipe(local_job["overrides"]), SimpleNamespace(**local_job["summary"])
 
 
 @pytest.mark.timeout(300)
@@ -142,7 +136,7 @@ def test_finished_run_has_png_plots_in_mlflow(finished_run, tmp_path):
     import mlflow
 
     recipe, summary = finished_run
-    assert summary.steps == 6
+    assert summary.steps == recipe.train.max_steps
     assert sorted(os.path.basename(p) for p in summary.plots) == [LOSS_PNG, THROUGHPUT_PNG]
     assert all(p.startswith(os.path.join(recipe.run_dir, "plots")) for p in summary.plots)
     client = mlflow.MlflowClient(recipe.tracking_uri)
@@ -162,7 +156,7 @@ def test_finished_run_tags_and_data_metrics_in_mlflow(finished_run):
     r = mlflow.MlflowClient(recipe.tracking_uri).get_run(summary.mlflow_run_id)
     assert r.data.tags["raytune.gpu"] == "2 x CPU (no GPU)"
     assert r.data.tags["raytune.job"] == "qwen27b_b300" and r.data.tags["raytune.git_commit"]
-    assert r.data.params["train.max_steps"] == "6"
+    assert r.data.params["train.max_steps"] == str(recipe.train.max_steps)
     m = r.data.metrics
     assert m["data/rows_read"] == summary.data["rows_read"] > 0
     assert m["data/blocks"] == summary.data["blocks"] > 0

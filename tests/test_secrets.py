@@ -1,7 +1,7 @@
 """Credentials come from the environment only and are written nowhere; remote code stays off.
 
 The 27B recipe's --local job runs as a user runs it (a subprocess: `python jobs/qwen27b_b300.py
---local`, registration included) with DATABRICKS_TOKEN, HF_TOKEN, MLFLOW_TRACKING_TOKEN (and a
+--local`, registration included; the session's shared run) with DATABRICKS_TOKEN, HF_TOKEN, MLFLOW_TRACKING_TOKEN (and a
 few more) set to unique random strings. Ray, started by the job, inherits them in every process
 it spawns, as it would on a cluster whose nodes carry them. Afterwards none of the values may
 appear, as bytes, in the job's stdout/stderr, in Ray's session logs (its own RAY_TMPDIR), in the
@@ -23,8 +23,7 @@ import pytest
 
 from tests.conftest import REPO
 
-SECRET_VARS = ("DATABRICKS_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MLFLOW_TRACKING_TOKEN",
-               "MLFLOW_TRACKING_PASSWORD", "DATABRICKS_CLIENT_SECRET")
+from tests.conftest import SECRET_VARS
 
 
 def _files(*roots: Path):
@@ -50,21 +49,9 @@ def _grep(values: dict[str, bytes], *roots: Path) -> tuple[list[str], int]:
 
 
 @pytest.fixture(scope="module")
-def job_with_secrets(tmp_path_factory):
-    work = tmp_path_factory.mktemp("secrets")
-    # Ray's sockets live under RAY_TMPDIR: keep the path short (AF_UNIX paths are <= 107 bytes)
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rtsec", dir="/tmp"))
-    planted = {k: f"sk-{k.lower()}-{secrets.token_hex(16)}" for k in SECRET_VARS}
-    env = {**os.environ, **planted, "RAY_TMPDIR": str(ray_tmp), "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, str(REPO / "jobs" / "qwen27b_b300.py"), "--local",
-           f"--set=tracking.storage_path={work / 'runs'}", "--set=train.max_steps=4",
-           "--set=train.checkpoint_every=2", "--set=train.log_every=1"]
-    try:
-        proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, timeout=540)
-        yield {"proc": proc, "planted": planted, "work": work, "ray_tmp": ray_tmp}
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+def job_with_secrets(local_job):
+    """The session's --local job (tests/conftest.py): it ran with the tokens planted."""
+    return local_job
 
 
 @pytest.mark.timeout(600)
