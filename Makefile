@@ -19,7 +19,7 @@ local: setup
 	$(BIN)/python jobs/qwen27b_b300.py --local
 
 test: setup
-	$(BIN)/python -m pytest -x -q tests
+	$(BIN)/python -m pytest -x -q --durations=25 tests
 
 bench-data: setup
 	$(BIN)/python bench/data_pipeline.py

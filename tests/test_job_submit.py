@@ -29,20 +29,44 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
     temp = tmp_path_factory.mktemp("rayhead")
-    gcs, dash = _free_port(), _free_port()
+    gcs, dash, agent, agent_grpc, metrics, renv = (_free_port() for _ in range(6))
     # the cluster's processes (and so the job's `python`) use this virtualenv, as on a user's node
     env = dict(os.environ, RAY_AUTH_MODE="token", PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     env.pop("RAY_ADDRESS", None)
     start = subprocess.run(
         [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=8", "--disable-usage-stats",
+         # the job agent's default port (52365) may be held by another Ray on the machine
+         f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+         f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={renv}",
          f"--temp-dir={temp}"],
         env=env, capture_output=True, text=True, timeout=180)
     assert start.returncode == 0, start.stdout + start.stderr
     try:
         yield f"http://127.0.0.1:{dash}", env
     finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _stop_head(temp)
+
+
+def _stop_head(temp: Path) -> None:
+    """Stop this head's processes only (`ray stop` would stop every Ray instance on the machine)."""
+    import psutil
+
+    mine = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(str(temp) in arg for arg in (p.info["cmdline"] or [])):
+                mine.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for p in mine:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(mine, timeout=20)
+    for p in alive:
+        p.kill()
 
 
 @pytest.mark.timeout(600)
