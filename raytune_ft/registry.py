@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from raytune_ft.tracking import redact  # noqa: F401  (re-exported: tests and callers use registry.redact)
 from raytune_ft.recipe import RecipeError, RegistryConfig, validate_registry_name
 
 logger = logging.getLogger(__name__)
@@ -52,10 +53,6 @@ FAILURE_FILE = "registration_failed.json"
 STATUS_TAG = "raytune.status"
 _KILL_GRACE_S = 30.0  # run_registration kills the task this long after its own deadline
 # Environment variables whose values are credentials: never logged, never written anywhere.
-SECRET_ENV_VARS = ("DATABRICKS_TOKEN", "DATABRICKS_CLIENT_SECRET", "DATABRICKS_PASSWORD",
-                   "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_UC_OSS_TOKEN",
-                   "HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                   "AZURE_STORAGE_ACCESS_KEY", "AZURE_CLIENT_SECRET")
 _SECRET_KEY = re.compile(r"token|secret|password|passwd|credential|api[_-]?key|access[_-]?key",
                          re.IGNORECASE)
 
@@ -94,19 +91,6 @@ class RegistrationOutcome:
 
 
 # ---------------------------------------------------------------- secrets
-
-
-def _secret_values() -> list[str]:
-    """Values of credential variables present in this process (long enough to be meaningful)."""
-    return [v for k in SECRET_ENV_VARS if (v := os.environ.get(k)) and len(v) >= 4]
-
-
-def redact(text: str) -> str:
-    """`text` with every credential value from the environment and any URI password replaced."""
-    for value in _secret_values():
-        text = text.replace(value, "***")
-    # user:password@host inside URIs (tracking URIs of self-hosted servers sometimes carry them)
-    return re.sub(r"(://[^/\s:@]+):[^@\s/]+@", r"\1:***@", text)
 
 
 def _scrub(obj: Any) -> Any:

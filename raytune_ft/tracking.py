@@ -13,18 +13,20 @@ import subprocess
 
 from raytune_ft.recipe import Recipe
 
-SECRET_ENV = re.compile(r"(TOKEN|SECRET|PASSWORD|API_KEY|ACCESS_KEY|CREDENTIAL|AUTH)", re.I)
+SECRET_ENV = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|CREDENTIAL)", re.I)
 
 
 def secret_values() -> list[str]:
-    return [v for k, v in os.environ.items() if SECRET_ENV.search(k) and v and len(v) >= 6]
+    """Values of credential-looking environment variables in this process (long enough to be meaningful)."""
+    return [v for k, v in os.environ.items() if SECRET_ENV.search(k) and v and len(v) >= 8]
 
 
 def redact(text: str) -> str:
-    for v in secret_values():
+    """`text` with every credential value from the environment and any URI password replaced."""
+    for v in sorted(secret_values(), key=len, reverse=True):
         text = text.replace(v, "***")
-    # user:password@host in URIs
-    return re.sub(r"(://[^/:@\s]+:)[^@/\s]+@", r"\1***@", text)
+    # user:password@host inside URIs (tracking URIs of self-hosted servers sometimes carry them)
+    return re.sub(r"(://[^/\s:@]+):[^@\s/]+@", r"\1:***@", text)
 
 
 def flat_params(recipe: Recipe) -> dict[str, str]:
