@@ -106,6 +106,11 @@ def test_resume_gives_same_losses_as_uninterrupted(ray_local, tmp_path):
     assert sorted(res_l) == list(range(1, 9))
     for s in range(1, 9):
         assert res_l[s] == pytest.approx(full_l[s], rel=1e-5), (s, res_l, full_l)
+    # a re-submit whose data no longer lays out the same blocks must not resume silently
+    changed = tiny_recipe(tmp_path, "resumed", max_steps=10, checkpoint_every=4)
+    changed.data.pack_window = 100
+    with pytest.raises(Exception, match="fingerprint mismatch"):
+        fit(changed)
 
 
 @pytest.mark.timeout(400)

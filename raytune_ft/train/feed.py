@@ -9,10 +9,14 @@ tiny all-reduce on a CPU (gloo) group decides, so the GPU never waits for it.
 Resume: the order of a rank's blocks is deterministic, so a resumed run skips the blocks it had
 consumed at the checkpoint (counted in the checkpoint) and continues with the next unseen one.
 The skipped blocks are re-read and re-packed (not trained on), and their rows counted afresh, so
-the data counters at the end equal those of an uninterrupted run.
+the data counters at the end equal those of an uninterrupted run. A running CRC32 of the token ids of
+every block a rank has trained on is kept in the checkpoint; the replayed blocks must reproduce it,
+or the resume stops with `DataOrderChanged` instead of training rows twice or skipping them (the
+layout of the shards depends on the source and the number of workers: keep both fixed to resume).
 """
 from __future__ import annotations
 
+import zlib
 from typing import Iterator
 
 import numpy as np
@@ -22,9 +26,18 @@ import torch.distributed as dist
 from raytune_ft.recipe import Recipe
 
 
+class DataOrderChanged(RuntimeError):
+    """The blocks replayed on resume are not the ones the checkpointed run trained on."""
+
+
+def block_crc(block: dict, crc: int = 0) -> int:
+    return zlib.crc32(np.ascontiguousarray(block["input_ids"]).tobytes(), crc)
+
+
 class StepFeed:
     def __init__(self, recipe: Recipe, *, rank: int, world: int, device: torch.device, skip_blocks: int = 0,
-                 counters_state: dict | None = None, split: str = "train", blocks: Iterator[dict] | None = None):
+                 counters_state: dict | None = None, split: str = "train", blocks: Iterator[dict] | None = None,
+                 fingerprint: int | None = None):
         from raytune_ft.data.packing import DataCounters, padding_block
 
         self.recipe, self.rank, self.world, self.device = recipe, rank, world, device
@@ -37,12 +50,32 @@ class StepFeed:
             # keep from the checkpoint only what this feed counted itself (equalisation padding),
             # or every resume would count the replayed rows twice.
             self.counters = _feed_owned_counts(self.counters, recipe.data.seq_len)
+        self.fingerprint = 0
         if blocks is None:
-            blocks = worker_blocks(recipe, rank=rank, world=world, counters=self.counters,
-                                   skip_blocks=skip_blocks, split=split)
-        self._it = iter(blocks)
+            blocks = worker_blocks(recipe, rank=rank, world=world, counters=self.counters, split=split)
+            self._it = iter(blocks)
+            self._replay(skip_blocks, fingerprint)
+        else:  # fixed blocks (tests, benches) come already past the resume point
+            self._it = iter(blocks)
+            self.fingerprint = fingerprint or 0
         self._dry = False
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() and device.type == "cuda" else None
+
+    def _replay(self, n: int, expected: int | None) -> None:
+        """Read past the `n` blocks trained before the checkpoint, checking they are the same blocks."""
+        for i in range(n):
+            block = next(self._it, None)
+            if block is None:
+                raise DataOrderChanged(
+                    f"rank {self.rank}: the data has {i} blocks but the checkpoint had consumed {n}; "
+                    "the source or the number of workers changed since the checkpoint")
+            self.fingerprint = block_crc(block, self.fingerprint)
+        if n and expected is not None and self.fingerprint != expected:
+            raise DataOrderChanged(
+                f"rank {self.rank}: the {n} blocks replayed on resume differ from those the checkpointed run "
+                "trained on (data fingerprint mismatch): the source, its revision, data.* settings or "
+                "scaling.num_workers changed. Resuming would train some conversations twice and skip "
+                "others; start a new run name instead, or restore the original settings.")
 
     def _take(self) -> list[dict]:
         out = []
@@ -69,6 +102,8 @@ class StepFeed:
         if not any_left:
             return None
         self.blocks_consumed += len(got)
+        for b in got:
+            self.fingerprint = block_crc(b, self.fingerprint)
         n_fill = self.per_step - len(got)
         if n_fill:
             self.counters.equalisation_padding_blocks += n_fill

@@ -219,7 +219,8 @@ def train_fsdp(config: dict) -> None:
     if fixed is not None:
         fixed = fixed[state["blocks_consumed"]:]
     feed = StepFeed(recipe, rank=rank, world=world, device=device, skip_blocks=state["blocks_consumed"],
-                    counters_state=state.get("counters"), blocks=fixed)
+                    counters_state=state.get("counters"), blocks=fixed,
+                    fingerprint=state.get("data_fingerprint"))
     from raytune_ft.models.flops import flops_per_block, gpu_peak_tflops
 
     peak_flops = gpu_peak_tflops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu") * 1e12
@@ -285,6 +286,7 @@ def train_fsdp(config: dict) -> None:
         state["step"] = step
         state["blocks_consumed"] = feed.blocks_consumed
         state["counters"] = feed.counters_state()
+        state["data_fingerprint"] = feed.fingerprint
         if at_ckpt:
             _save_and_report(recipe, model, opt, rank, state, last_metrics, log, final=False)
         else:
@@ -306,6 +308,7 @@ def train_fsdp(config: dict) -> None:
     state["step"] = step
     state["blocks_consumed"] = feed.blocks_consumed
     state["counters"] = feed.counters_state()
+    state["data_fingerprint"] = feed.fingerprint
     final = dict(last_metrics)
     final.update({"step": step, "loss": state["history"][-1]["loss"] if state["history"] else float("nan"),
                   "train_seconds": time.perf_counter() - run_t0, "tokens": state["tokens_total"], "done": True})
