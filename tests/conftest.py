@@ -81,3 +81,23 @@ def local_job_recipe(overrides):
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
     return resolve(job.recipe, job.local, local=True, overrides=overrides)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_mlflow_uris():
+    """mlflow.set_tracking_uri / set_registry_uri are process-global and also export MLFLOW_*_URI to the
+    environment (and so to subprocesses): put both back after every test so no test leaks its store."""
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+    yield
+    try:
+        import mlflow.tracking._model_registry.utils as reg
+        import mlflow.tracking._tracking_service.utils as trk
+    except ImportError:
+        return
+    reg._registry_uri = None
+    trk._tracking_uri = None
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
