@@ -457,6 +457,8 @@ def register_checkpoint(checkpoint_path: str, name: str, *, tracking_uri: str,
                         await_registration_for=int(min(timeout_s, 600)) if timeout_s else 300,
                     )
                 del model_arg
+                if deadline.fired:  # the alarm's TimeoutError was swallowed by a broad except in a library
+                    raise TimeoutError(f"registration did not finish within {timeout_s:g}s")
                 version = str(info.registered_model_version)
                 mlflow.set_tags({STATUS_TAG: "registered", "raytune.registered_model_version": version})
             finally:
