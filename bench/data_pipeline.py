@@ -26,7 +26,7 @@ import numpy as np
 
 def run_peer(shared: str) -> dict:
     """The peer script's two JSON lines, merged (it runs pinned like this process)."""
-    cmd = ["python", os.path.join(shared, "peers", "data_peer.py")]
+    cmd = [sys.executable, os.path.join(shared, "peers", "data_peer.py")]
     if hasattr(os, "sched_getaffinity"):
         cmd = ["taskset", "-c", ",".join(map(str, sorted(os.sched_getaffinity(0))))] + cmd
     out = subprocess.run(cmd, env={**os.environ, "SHARED": shared}, capture_output=True, text=True,
