@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from raytune_ft.models.attention import (ATTN_NAME, cu_seqlens_from_position_ids, cu_seqlens_from_seq_idx,
+from raytune_ft.models.attention import (ATTN_NAME, packing_from_kwargs, cu_seqlens_from_position_ids, cu_seqlens_from_seq_idx,
                                          normalise_cu_seqlens, register_varlen_attention)
 
 log = logging.getLogger(__name__)
@@ -141,20 +141,10 @@ def segment_gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor) -> torc
 
 # ----------------------------------------------------------------- the patched layer
 
-def _packed_cu_seqlens(kwargs: Mapping[str, Any], total: int, device) -> torch.Tensor | None:
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None:
-        return normalise_cu_seqlens(cu.to(device), total)
-    seq_idx = kwargs.get("seq_idx")
-    if seq_idx is not None:
-        return cu_seqlens_from_seq_idx(seq_idx.to(device))
-    return None
-
-
 def _packed_gdn_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
     """Qwen3_5GatedDeltaNet.forward that keeps packed conversations apart (see module docstring)."""
     bsz, seq_len, _ = hidden_states.shape
-    cu = _packed_cu_seqlens(kwargs, bsz * seq_len, hidden_states.device)
+    cu = packing_from_kwargs(kwargs, bsz * seq_len, hidden_states.device)
     if cu is None:
         return self._raytune_original_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     # transformers < 5.2x names the cache `cache_params` (and older code `past_key_values`).
