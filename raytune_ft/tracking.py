@@ -10,6 +10,7 @@ import os
 import platform
 import re
 import subprocess
+from pathlib import Path
 
 from raytune_ft.recipe import Recipe
 
@@ -71,7 +72,15 @@ def start_run(recipe: Recipe) -> str:
 
     client = mlflow.MlflowClient(recipe.tracking_uri)
     exp = client.get_experiment_by_name(recipe.tracking.experiment)
-    exp_id = exp.experiment_id if exp else client.create_experiment(recipe.tracking.experiment)
+    if exp:
+        exp_id = exp.experiment_id
+    else:
+        # with the default sqlite store, artifacts (plots, registered models) go next to it, not to
+        # MLflow's default ./mlruns under whatever folder the job was started from
+        location = None
+        if recipe.tracking.tracking_uri is None and "://" not in recipe.run_dir:
+            location = Path(recipe.run_dir, "mlartifacts").resolve().as_uri()
+        exp_id = client.create_experiment(recipe.tracking.experiment, artifact_location=location)
     found = client.search_runs([exp_id], filter_string=f"tags.`raytune.run_name` = '{recipe.tracking.run_name}'",
                                max_results=1, order_by=["attributes.start_time DESC"])
     if found and found[0].info.status in ("RUNNING", "FAILED", "KILLED"):
