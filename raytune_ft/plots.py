@@ -43,6 +43,20 @@ def _finite(points: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(x, y) for x, y in points if y is not None and y == y and abs(y) != float("inf")]
 
 
+def _finish(fig, ax, ylabel: str, title: str, path: str) -> str:
+    """Step axis, labels, grid and legend shared by both plots; save and return the path."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path)
+    return path
+
+
 def write_run_plots(history: list[dict], eval_history: list[dict], out_dir: str, *,
                     title: str | None = None, checkpoint_steps: Iterable[int] = ()) -> list[str]:
     """Write loss.png (train and eval loss per optimizer step) and throughput.png (tokens/s per logging
@@ -51,7 +65,6 @@ def write_run_plots(history: list[dict], eval_history: list[dict], out_dir: str,
     history: [{step, loss, ...}] with `tokens_per_s` on the entries that close a logging window;
     eval_history: [{step, eval_loss}] (or `loss`); checkpoint_steps: drawn as dotted lines on the
     throughput figure (a window that contains a checkpoint save is slower)."""
-    from matplotlib.ticker import MaxNLocator
 
     os.makedirs(out_dir, exist_ok=True)
     prefix = f"{title}: " if title else ""
@@ -73,15 +86,8 @@ def write_run_plots(history: list[dict], eval_history: list[dict], out_dir: str,
         if evals:
             xs, ys = zip(*evals)
             ax.plot(xs, ys, color="tab:orange", lw=2, marker="s", ms=5, label="eval loss")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("cross-entropy per supervised token")
-        ax.set_title(f"{prefix}loss")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        path = os.path.join(out_dir, LOSS_PNG)
-        fig.savefig(path)
-        paths.append(path)
+        paths.append(_finish(fig, ax, "cross-entropy per supervised token", f"{prefix}loss",
+                             os.path.join(out_dir, LOSS_PNG)))
 
     tput = _finite((h["step"], h.get("tokens_per_s")) for h in history if "step" in h and "tokens_per_s" in h)
     if tput:
@@ -95,22 +101,15 @@ def write_run_plots(history: list[dict], eval_history: list[dict], out_dir: str,
         ax.plot(xs, ys, ls="none", marker="o", ms=4, color="tab:green")
         ckpts = sorted(c for c in set(checkpoint_steps) if edges[0] < c < xs[-1])
         for i, c in enumerate(ckpts):
-            ax.axvline(c, color="tab:red", ls=":", lw=1, label="checkpoint saved (its time counts in the next window)"
+            ax.axvline(c, color="tab:red", ls=":", lw=1, label="checkpoint saved"
                        if i == 0 else None)
         if len(ys) > 1:
             # the first window carries start-up (first batches, allocator warm-up): leave it out of the mean
             steady = sum(ys[1:]) / (len(ys) - 1)
             ax.axhline(steady, color="gray", ls="--", lw=1, label=f"mean after the first window: {steady:,.0f}")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("tokens/s, all workers (padding excluded)")
         ax.set_ylim(bottom=0)
-        ax.set_title(f"{prefix}throughput")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        path = os.path.join(out_dir, THROUGHPUT_PNG)
-        fig.savefig(path)
-        paths.append(path)
+        paths.append(_finish(fig, ax, "tokens/s, all workers (padding excluded)", f"{prefix}throughput",
+                             os.path.join(out_dir, THROUGHPUT_PNG)))
     return paths
 
 
