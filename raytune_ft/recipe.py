@@ -26,6 +26,10 @@ class ModelConfig:
     family: str = "qwen3_5"                  # qwen3_5 | qwen3 | qwen2
     tokenizer: str | None = None             # defaults to `name`
     local_tiny: bool = False                 # build a tiny model of `family` from a config (--local)
+    # pretrained: read the checkpoint at name/revision. random: the architecture of `name` with a fresh
+    # random init and no checkpoint read (benchmarks at the real shape, from-scratch runs); the config
+    # comes from `name` (a folder or hub id), or offline from the project's copy of the recipe models.
+    init: Literal["pretrained", "random"] = "pretrained"
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     trust_remote_code: bool = False
     max_position_embeddings: int | None = None  # read from the model config when None
@@ -317,7 +321,14 @@ def validate(recipe: Recipe) -> Recipe:
 
     if not d.source.strip():
         raise RecipeError("data.source: must not be empty")
-    if not (d.source.startswith(("hf://", "builtin:"))):
+    if d.source.startswith("builtin:"):
+        from raytune_ft.data.builtin import BUILTIN_SOURCES
+
+        parts = d.source.split(":")
+        if len(parts) > 3 or parts[1] not in BUILTIN_SOURCES or (len(parts) == 3 and not parts[2].isdigit()):
+            raise RecipeError(f"data.source: {d.source!r} is not a builtin dataset (known: "
+                              f"{', '.join(f'builtin:{k}[:N]' for k in BUILTIN_SOURCES)})")
+    elif not d.source.startswith("hf://"):
         if not os.path.exists(os.path.expanduser(d.source)):
             raise RecipeError(f"data.source: {d.source!r} does not exist (a local file or folder, "
                               "hf://org/dataset or builtin:chat)")

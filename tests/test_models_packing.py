@@ -98,7 +98,10 @@ def test_packed_backward_equals_separate(tiny):
     torch.testing.assert_close(packed_loss, alone_loss, atol=ATOL * 10, rtol=1e-6)
     worst = max(((a - p.grad).abs().max() / (p.grad.abs().max() + 1e-12)).item()
                 for a, p in zip(packed_grads, params))
-    assert worst < 1e-4, worst
+    # fp32: the gated-delta-net's A_log / dt_bias gradients (sums through an exp gate, with cancellation)
+    # reach 2.6e-4 relative from summation order alone; in float64 they agree to 1e-7
+    # (test_packed_backward_float64, below), so this bound is roundoff, not a boundary leak.
+    assert worst < 1e-3, worst
     for a, p in zip(packed_grads, params):
         torch.testing.assert_close(a, p.grad, atol=ATOL, rtol=1e-4)
     model.zero_grad(set_to_none=True)
@@ -285,3 +288,20 @@ def test_chunked_cross_entropy_matches_full_logits():
     torch.testing.assert_close(gw, w.grad, atol=1e-5, rtol=0)
     mean, _ = chunked_cross_entropy(h, w, labels, chunk_size=1000, reduction="mean")
     torch.testing.assert_close(mean, ref / n, atol=1e-5, rtol=0)
+
+
+def test_packed_backward_float64_qwen3_5():
+    """The gated-delta-net path in float64: packed and separate gradients agree to roundoff of the fp32
+    gate that transformers keeps (1e-7 relative), for every parameter."""
+    torch.manual_seed(0)
+    model = load_causal_lm(ModelConfig(family="qwen3_5", local_tiny=True), seed=1, dtype=torch.float64)
+    model.eval()
+    block, labels = _block(LENS, model.config.vocab_size, seed=3)
+    params = [p for p in model.parameters() if p.requires_grad]
+    _token_losses(model(**packed_forward_kwargs(block)).logits[0], labels)[_valid(labels)].sum().backward()
+    packed_grads = [p.grad.clone() for p in params]
+    model.zero_grad(set_to_none=True)
+    _separate_token_losses(model, block, LENS)[_valid(labels)].sum().backward()
+    worst = max(((a - p.grad).abs().max() / (p.grad.abs().max() + 1e-30)).item()
+                for a, p in zip(packed_grads, params))
+    assert worst < 1e-6, worst

@@ -1,4 +1,10 @@
-"""A small synthetic chat dataset made in code, for `--local` runs and tests (no files, no network).
+"""Synthetic chat datasets made in code (no files, no network).
+
+builtin:chat[:N] (`builtin_chat`), for `--local` runs and tests: a small learnable dataset.
+builtin:lognormal[:N] (`builtin_lognormal`), for throughput runs at real shapes on machines without a
+dataset hub: the peers' length distribution (../shared/peers/peer_trl.py: lognormal lengths, median
+~900 tokens, sigma 0.8, clipped to 64..8192, ~30% prompt), in words of one token each in the Qwen
+vocabularies, so a rendered conversation is about as long in tokens as the peer's.
 
 Each conversation is one to three turns of simple, exactly learnable tasks (add two numbers, reverse
 the words of a phrase, repeat a phrase, upper-case a word, count the words), sometimes with a system
@@ -7,7 +13,10 @@ dozen steps.
 """
 from __future__ import annotations
 
+import math
 import random
+
+import numpy as np
 
 _WORDS = ("apple river stone cloud green quick lamp seven blue tiger paper north silver music "
           "garden window candle orange yellow rocket forest ocean violet winter summer bread").split()
@@ -51,3 +60,35 @@ def builtin_chat(n_rows: int, seed: int = 0) -> list[dict]:
             messages.append({"role": "assistant", "content": answer})
         rows.append({"messages": messages})
     return rows
+
+
+# Common English words that the Qwen2/Qwen3/Qwen3.5 byte-level BPE keeps as one token with their
+# leading space (checked on the real Qwen3 vocabulary in tests/test_builtin_data.py).
+_PLAIN = ("the of and to in is was for on that with as by at from his her an they which you were "
+          "one all we can has there their been if more when will would who so no time two may first "
+          "new some could these other than then now only its over also after where most made many "
+          "before must through back years much way well down should because each just those people "
+          "how too little state good very make world still own see men work long here between both "
+          "life being under never day same another know while last might great old year off come "
+          "since against go came right used take three small house water light place word part "
+          "number great point city play line side land hand head high kind").split()
+
+
+def builtin_lognormal(n_rows: int, seed: int = 0) -> list[dict]:
+    """`n_rows` one-turn conversations `{"messages": [user, assistant]}` with the peers' lengths.
+
+    Lengths in words: lognormal(log 900, 0.8) clipped to 64..8192 (numpy's generator with `seed`, as the
+    peer draws its token counts); the user turn takes 30% of them, the assistant the rest."""
+    rng = np.random.default_rng(seed)
+    lens = np.clip(rng.lognormal(mean=math.log(900), sigma=0.8, size=n_rows), 64, 8192).astype(int)
+    words = np.array(_PLAIN)
+    rows = []
+    for n in lens:
+        picks = words[rng.integers(0, len(words), size=int(n))]
+        p = max(1, int(n * 0.3))
+        rows.append({"messages": [{"role": "user", "content": " ".join(picks[:p])},
+                                  {"role": "assistant", "content": " ".join(picks[p:])}]})
+    return rows
+
+
+BUILTIN_SOURCES = {"chat": builtin_chat, "lognormal": builtin_lognormal}

@@ -40,7 +40,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from raytune_ft.data.builtin import builtin_chat
+from raytune_ft.data.builtin import BUILTIN_SOURCES
 from raytune_ft.data.packing import DataCounters, pack_blocks, padding_block
 from raytune_ft.data.sft import SpanNotFound, render_sft
 from raytune_ft.data.sources import to_messages
@@ -133,12 +133,14 @@ def _read_source(data, split_name: str):
     src = data.source
     if src.startswith("builtin:"):
         parts = src.split(":")
-        if parts[1] != "chat":
-            raise ValueError(f"data.source: unknown builtin dataset {src!r} (known: builtin:chat[:N])")
+        make = BUILTIN_SOURCES.get(parts[1])
+        if make is None:
+            raise ValueError(f"data.source: unknown builtin dataset {src!r} (known: "
+                             f"{', '.join(f'builtin:{k}[:N]' for k in BUILTIN_SOURCES)})")
         n = int(parts[2]) if len(parts) > 2 else BUILTIN_DEFAULT_ROWS
         # Distinct rows for the separate validation split of a builtin source.
         seed = data.seed if split_name == data.split else data.seed + 1
-        return ray.data.from_items([{"text": json.dumps(r)} for r in builtin_chat(n, seed)])
+        return ray.data.from_items([{"text": json.dumps(r)} for r in make(n, seed)])
     if src.startswith("hf://"):
         repo = src[len("hf://"):].removeprefix("datasets/").strip("/")
         paths, fs = resolve_hf_parquet(repo, split_name, data.revision)

@@ -158,6 +158,35 @@ def _sdpa_blockdiag(q, k, v, cu, scaling):
     return torch.cat(outs, dim=2)
 
 
+_NATIVE_GQA: dict[tuple, bool] = {}
+
+
+def _native_gqa_ok(fn, q, k, v, cu, max_len: int, kw: dict) -> bool:
+    """Whether this torch's varlen_attn takes fewer key/value heads than query heads as they are.
+
+    Torch versions before `enable_gqa` existed (2.11) pass k/v straight to the flash kernel, which
+    shares each KV head among its query-head group; repeating k/v 6x for Qwen3.5 costs memory traffic in
+    every full-attention layer. Checked once per (heads, kv heads, head_dim, dtype) against the repeated
+    result on the first call (forward only, no grad) and logged; any error or mismatch keeps the repeat."""
+    key = (q.shape[1], k.shape[1], q.shape[2], q.dtype)
+    if key not in _NATIVE_GQA:
+        rep = q.shape[1] // k.shape[1]
+        try:
+            with torch.no_grad():
+                native = fn(q, k, v, cu, cu, max_len, max_len, **kw)
+                ref = fn(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), cu, cu,
+                         max_len, max_len, **kw)
+                err = float((native.float() - ref.float()).abs().max())
+            ok = err <= 1e-3 * max(1.0, float(ref.float().abs().max()))
+            why = f"max difference {err:.2e} from the repeated k/v"
+        except Exception as e:  # noqa: BLE001 - any refusal means: repeat
+            ok, why = False, f"{type(e).__name__}: {e}"
+        _NATIVE_GQA[key] = ok
+        log.info("raytune_ft: varlen_attn with %d query / %d kv heads: %s (%s)", q.shape[1], k.shape[1],
+                 "native GQA" if ok else "k/v repeated", why)
+    return _NATIVE_GQA[key]
+
+
 def varlen_attention(q_THD, k_THD, v_THD, cu_seqlens, max_len: int, scaling: float | None = None,
                      backend: str | None = None) -> torch.Tensor:
     """Causal attention within each conversation of a flattened packed batch.
@@ -182,7 +211,7 @@ def varlen_attention(q_THD, k_THD, v_THD, cu_seqlens, max_len: int, scaling: flo
         if q_in.shape[1] != k_in.shape[1]:
             if "enable_gqa" in params:
                 kw["enable_gqa"] = True
-            else:
+            elif not _native_gqa_ok(fn, q_in, k_in, v_in, cu, max_len, kw):
                 rep = q_in.shape[1] // k_in.shape[1]
                 k_in, v_in = k_in.repeat_interleave(rep, dim=1), v_in.repeat_interleave(rep, dim=1)
         return fn(q_in, k_in, v_in, cu, cu, max_len, max_len, **kw)

@@ -26,7 +26,7 @@ import torch
 
 from raytune_ft.models.attention import ATTN_NAME
 from raytune_ft.models.gated_delta import base_model, enable_packing
-from raytune_ft.models.tiny import CHATML_TEMPLATE, local_tokenizer, tiny_config
+from raytune_ft.models.tiny import CHATML_TEMPLATE, local_tokenizer, real_config, tiny_config
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +75,24 @@ def checkpoint_dir(model_cfg) -> Path:
 
 def text_config_for(model_cfg):
     """The text model's config for a pretrained recipe model. A vision-language Qwen3.5 checkpoint yields
-    its `text_config`, to be built as Qwen3_5ForCausalLM."""
+    its `text_config`, to be built as Qwen3_5ForCausalLM. With `init="random"` and a name that is
+    neither a local folder nor reachable, the project's copy of a known recipe model's config is used
+    (`tiny.real_config`), so random-weight runs at the real shape need no hub."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(str(checkpoint_dir(model_cfg)), trust_remote_code=model_cfg.trust_remote_code)
+    if getattr(model_cfg, "init", "pretrained") == "random":
+        local = Path(os.path.expanduser(model_cfg.name))
+        if (local / "config.json").is_file():
+            cfg = AutoConfig.from_pretrained(str(local), trust_remote_code=model_cfg.trust_remote_code)
+        else:
+            try:
+                cfg = real_config(model_cfg.name)
+            except ValueError:  # not one of ours: ask the hub for its config (no weights are read)
+                cfg = AutoConfig.from_pretrained(model_cfg.name, revision=model_cfg.revision,
+                                                 trust_remote_code=model_cfg.trust_remote_code)
+    else:
+        cfg = AutoConfig.from_pretrained(str(checkpoint_dir(model_cfg)),
+                                         trust_remote_code=model_cfg.trust_remote_code)
     text = getattr(cfg, "text_config", None)
     if text is not None and hasattr(text, "layer_types"):   # Qwen3.5 VL: train the language tower
         if getattr(cfg, "tie_word_embeddings", None) is not None:
@@ -299,12 +313,15 @@ def _seeded_reference_state(model: torch.nn.Module, seed: int) -> dict[str, torc
 
 
 def materialize_model(model: torch.nn.Module, model_cfg, device: str | torch.device, *, seed: int = 0) -> torch.nn.Module:
-    """Allocate a meta (possibly FSDP2-sharded) model on `device` and fill it: pretrained weights, or for
-    local_tiny the seeded random init (identical on every rank and at every world size)."""
+    """Allocate a meta (possibly FSDP2-sharded) model on `device` and fill it: pretrained weights; for
+    local_tiny the seeded random init (identical on every rank and at every world size); for
+    init="random" transformers' own init of each module, drawn on each rank's shard (`random_init_`)."""
     device = torch.device(device)
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
         model.to_empty(device=device)
-    if model_cfg.local_tiny:
+    if not model_cfg.local_tiny and getattr(model_cfg, "init", "pretrained") == "random":
+        random_init_(model, seed=seed)
+    elif model_cfg.local_tiny:
         ref = _seeded_reference_state(model, seed)
 
         def get_slice(key, index):
@@ -316,4 +333,61 @@ def materialize_model(model: torch.nn.Module, model_cfg, device: str | torch.dev
             model.tie_weights()
     else:
         load_pretrained_weights_sharded(model, model_cfg)
+    return model
+
+
+_WHOLE_INIT_NUMEL = 1 << 22
+
+
+def random_init_(model: torch.nn.Module, *, seed: int = 0) -> torch.nn.Module:
+    """transformers' random init of a materialised model, in place, plain or FSDP2-sharded.
+
+    Each module's `_init_weights` runs on local views of its (sharded) parameters: a DTensor shard is
+    swapped for its local tensor while the module is initialised, so every rank draws only its own rows
+    and no rank ever holds a full layer. Row-sharding keeps fan-in (dims 1+) intact, so shape-dependent
+    inits (Kaiming for convolutions) are those of the full tensor. Shards draw from `seed + rank`: the
+    weights are random either way, and no two ranks repeat the same rows."""
+    from torch.distributed.tensor import DTensor
+
+    init_fn = getattr(model, "_init_weights", None)
+    if init_fn is None:
+        raise TypeError(f"{type(model).__name__} has no transformers _init_weights")
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    device = next(model.parameters()).device
+    state = torch.random.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    torch.manual_seed(seed + (rank if _is_sharded(model) else 0))
+    try:
+        with torch.no_grad():
+            for module in model.modules():
+                swapped: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
+                for kind in ("_parameters", "_buffers"):
+                    table = getattr(module, kind)
+                    for name, t in list(table.items()):
+                        if not isinstance(t, DTensor):
+                            continue
+                        # small tensors (norms, A_log, dt_bias, biases) are drawn whole and sliced: some
+                        # inits size them from the module (num_v_heads), not from the tensor
+                        whole = torch.empty(t.shape, dtype=t.dtype, device=device) \
+                            if t.numel() <= _WHOLE_INIT_NUMEL else None
+                        swapped[(kind, name)] = (t, whole)
+                        view = whole if whole is not None else t.to_local()
+                        table[name] = torch.nn.Parameter(view, requires_grad=False) \
+                            if kind == "_parameters" else view
+                try:
+                    init_fn(module)
+                finally:
+                    for (kind, name), (t, whole) in swapped.items():
+                        getattr(module, kind)[name] = t
+                        if whole is not None:
+                            local, offset, shape = _local_view(t)
+                            if local.numel():
+                                local.copy_(whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+    finally:
+        torch.random.set_rng_state(state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, device)
+    _reset_rotary_buffers(model, device)
+    if hasattr(model, "tie_weights") and not _is_sharded(model):
+        model.tie_weights()
     return model

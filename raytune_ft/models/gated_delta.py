@@ -78,6 +78,54 @@ def gated_delta_backends(device: str | torch.device) -> dict[str, str]:
 
 # ----------------------------------------------------------------- the two stateful pieces
 
+# How the torch path of segment_causal_conv1d restarts at conversation boundaries:
+#   "shifted": K shifted multiply-adds masked by each token's position in its conversation (one fused
+#              kernel each way under torch.compile; no scatter/gather of the whole sequence);
+#   "padded":  give every conversation K-1 zeros of its own (index_copy into a padded buffer, conv1d,
+#              index_select back): the first implementation, kept for comparison (bench --conv padded).
+CONV_IMPL = "shifted"
+
+
+def _shifted_conv_silu(x_TC: torch.Tensor, w_KC: torch.Tensor, bias_C: torch.Tensor | None,
+                       pos_T: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """y[t] = act(bias + sum_i w[K-1-i] * x[t-i] * (pos[t] >= i)): a depthwise causal conv that sees only
+    the current conversation (pos = index within it). x (T, C) channel-last, w (K, C)."""
+    ksize = w_KC.shape[0]
+    y = x_TC * w_KC[ksize - 1]
+    for i in range(1, ksize):
+        shifted = F.pad(x_TC[:-i], (0, 0, i, 0))
+        y = y + shifted * w_KC[ksize - 1 - i] * (pos_T >= i).unsqueeze(-1).to(x_TC.dtype)
+    if bias_C is not None:
+        y = y + bias_C
+    if activation == "silu":
+        y = F.silu(y)
+    elif activation is not None:
+        from transformers.activations import ACT2FN
+
+        y = ACT2FN[activation](y)
+    return y
+
+
+_compiled_shifted = None
+
+
+def _shifted_conv(x_TC, w_KC, bias_C, pos_T, activation):
+    """The compiled form on CUDA (one kernel forward, a few backward), eager elsewhere or if compile fails."""
+    global _compiled_shifted
+    if not x_TC.is_cuda:
+        return _shifted_conv_silu(x_TC, w_KC, bias_C, pos_T, activation)
+    if _compiled_shifted is None:
+        _compiled_shifted = torch.compile(_shifted_conv_silu, dynamic=False)
+    if _compiled_shifted is not _shifted_conv_silu:
+        try:
+            return _compiled_shifted(x_TC, w_KC, bias_C, pos_T, activation)
+        except Exception as e:  # noqa: BLE001 - no working compiler here: eager is correct, only slower
+            log.warning("raytune_ft: compiling the packed conv failed (%s: %s); running it eagerly",
+                        type(e).__name__, e)
+            _compiled_shifted = _shifted_conv_silu
+    return _shifted_conv_silu(x_TC, w_KC, bias_C, pos_T, activation)
+
+
 def segment_causal_conv1d(x_BCT: torch.Tensor, weight_CK: torch.Tensor, bias: torch.Tensor | None,
                           cu_seqlens: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
     """Depthwise causal conv1d over a flattened packed batch (B must be 1) that restarts at each
@@ -96,6 +144,11 @@ def segment_causal_conv1d(x_BCT: torch.Tensor, weight_CK: torch.Tensor, bias: to
         # causal-conv1d resets at seq_idx changes; it wants channel-last x (x.stride(1) == 1),
         # which is what in_proj(x).transpose(1, 2) already is.
         return fn(x_BCT, weight_CK, bias, seq_idx=seg.to(torch.int32)[None], activation=activation)
+    if CONV_IMPL == "shifted":
+        pos = torch.arange(total, device=x_BCT.device) - cu[:-1].index_select(0, seg)
+        w = weight_CK.t().to(x_BCT.dtype)
+        b = bias.to(x_BCT.dtype) if bias is not None else None
+        return _shifted_conv(x_BCT[0].t(), w, b, pos, activation).t()[None]
     # Exact torch path: give every conversation K-1 zeros of its own in front, convolve without
     # padding, and read each token's output back. Output index j covers padded inputs j..j+K-1.
     shifted = torch.arange(total, device=x_BCT.device) + (seg + 1) * (ksize - 1)

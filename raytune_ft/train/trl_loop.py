@@ -96,6 +96,8 @@ class RankBlocks(torch.utils.data.IterableDataset):
         self.skip_blocks = skip_blocks              # for the first pass only (resume)
         self.blocks_consumed = skip_blocks          # real blocks of this rank trained in the current pass
         self.real_tokens = 0
+        self.flops = 0.0                            # model FLOPs of the real blocks fed (set flops_config)
+        self.flops_config = None
         self._blocks_fn = blocks_fn or self._worker_blocks
         self._pending: tuple[dict, Iterator[dict]] | None = None
         self._passes = 0
@@ -131,7 +133,14 @@ class RankBlocks(torch.utils.data.IterableDataset):
                                             counters=self.counters):
             if not is_pad:
                 self.blocks_consumed += 1
-                self.real_tokens += _real_tokens(block)
+                real = _real_tokens(block)
+                self.real_tokens += real
+                if self.flops_config is not None:
+                    from raytune_ft.models.flops import flops_per_block
+
+                    lens = np.diff(np.asarray(block["cu_seqlens"]))
+                    self.flops += flops_per_block(self.flops_config, lens[:np.searchsorted(
+                        np.cumsum(lens), real, side="right")])
             n += 1
             yield block
         # the same n on every rank after equalisation: pad to whole optimizer steps
@@ -194,6 +203,22 @@ def _trainer_class():
         raytune_eval_blocks: list
         raytune_recipe: Recipe
 
+        raytune_pause: dict           # seconds spent evaluating and saving (not training)
+
+        def evaluate(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return super().evaluate(*args, **kwargs)
+            finally:
+                self.raytune_pause["s"] += time.perf_counter() - t0
+
+        def _save_checkpoint(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return super()._save_checkpoint(*args, **kwargs)
+            finally:
+                self.raytune_pause["s"] += time.perf_counter() - t0
+
         def get_train_dataloader(self) -> DataLoader:
             return DataLoader(self.raytune_train_blocks, batch_size=self.args.per_device_train_batch_size,
                               collate_fn=collate_blocks, num_workers=0)
@@ -221,8 +246,14 @@ def _trainer_class():
     return RayBlocksSFTTrainer
 
 
-def _report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: RankBlocks, lora: bool):
+def _report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: RankBlocks, lora: bool,
+                     pause: dict, world: int):
     from transformers import TrainerCallback
+
+    from raytune_ft.models.flops import gpu_peak_tflops
+
+    on_cuda = torch.cuda.is_available() and recipe.scaling.use_gpu
+    peak = gpu_peak_tflops(torch.cuda.get_device_name() if on_cuda else "cpu") * 1e12
 
     class RayReportCallback(TrainerCallback):
         """Logs to MLflow on rank 0 and reports every Hugging Face save to Ray Train as a checkpoint in
@@ -232,10 +263,34 @@ def _report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ra
             self.t0 = time.perf_counter()
             self.last: dict[str, float] = {}
             self.history: list[dict] = []
+            self.window = None             # (time, paused seconds, tokens, flops) at the last train log
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.window = (time.perf_counter(), pause["s"], train_blocks.real_tokens, train_blocks.flops)
+
+        def throughput(self) -> dict[str, float]:
+            """tokens/s (all ranks), per worker, MFU and peak memory since the last train log; evaluation
+            and checkpoint time excluded. A collective: every rank calls it at the same log."""
+            t, paused, tokens, flops = self.window
+            now = time.perf_counter()
+            dt = max(now - t - (pause["s"] - paused), 1e-9)
+            both = torch.tensor([float(train_blocks.real_tokens - tokens), train_blocks.flops - flops],
+                                dtype=torch.float64, device=train_blocks.flag_device)
+            if dist.is_initialized():
+                dist.all_reduce(both)
+            self.window = (now, pause["s"], train_blocks.real_tokens, train_blocks.flops)
+            out = {"tokens_per_s": float(both[0]) / dt, "tokens_per_s_per_worker": float(both[0]) / dt / world}
+            if peak and train_blocks.flops_config is not None:
+                out["mfu"] = float(both[1]) / dt / (peak * world)
+            if on_cuda:
+                out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            return out
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = {k: float(v) for k, v in (logs or {}).items()
                     if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if "loss" in logs and self.window is not None:
+                logs.update(self.throughput())
             self.last.update(logs)
             self.history.append({"step": state.global_step, **logs})
             if rank == 0 and logs:
@@ -243,6 +298,12 @@ def _report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ra
                 shown = " | ".join(f"{k} {v:.4g}" for k, v in logs.items()
                                    if k in ("loss", "eval_loss", "learning_rate", "grad_norm",
                                             "mean_token_accuracy", "eval_mean_token_accuracy"))
+                if "tokens_per_s" in logs:
+                    shown += f" | {logs['tokens_per_s']:,.0f} tok/s"
+                    if "mfu" in logs:
+                        shown += f" | MFU {logs['mfu']:.1%}"
+                    if "peak_mem_gib" in logs:
+                        shown += f" | mem {logs['peak_mem_gib']:.1f} GiB"
                 if shown:
                     log.info(f"step {state.global_step}/{state.max_steps} | {shown}")
 
@@ -425,8 +486,8 @@ def train_trl(config: dict) -> None:
 
     out_dir = tempfile.mkdtemp(prefix=f"raytune_trl_rank{rank}_")
     base_dir = None
-    if lora and recipe.model.local_tiny and rank == 0:
-        # a tiny base is a random init: keep it, so the adapter can be loaded and merged later
+    if lora and (recipe.model.local_tiny or recipe.model.init == "random") and rank == 0:
+        # a random base (tiny, or init="random"): keep it, so the adapter can be loaded and merged later
         base_dir = os.path.join(out_dir, "base")
         lm.save_pretrained(base_dir)
         tok.save_pretrained(base_dir)
@@ -480,8 +541,10 @@ def train_trl(config: dict) -> None:
         ddp_find_unused_parameters=False, save_only_model=False,
     )
 
+    train_blocks.flops_config = lm.config
+    pause = {"s": 0.0}
     trainer_cls = _trainer_class()
-    callback = _report_callback(recipe, rank, log, train_blocks, lora)
+    callback = _report_callback(recipe, rank, log, train_blocks, lora, pause, world)
     trainer = trainer_cls(
         model=lm, args=args, train_dataset=_facade(train_blocks),
         eval_dataset=_facade(eval_blocks) if eval_blocks else None, processing_class=tok,
@@ -489,6 +552,7 @@ def train_trl(config: dict) -> None:
     trainer.raytune_train_blocks = train_blocks
     trainer.raytune_eval_blocks = eval_blocks
     trainer.raytune_recipe = recipe
+    trainer.raytune_pause = pause
     if lora:
         n_train = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         log.info(f"LoRA r={t.lora_r} alpha={t.lora_alpha} on {t.lora_target_modules or 'all-linear'}: "
