@@ -38,6 +38,10 @@ def main(argv=None) -> dict:
     p.add_argument("--warm", type=int, default=3)
     p.add_argument("--loss-chunk", type=int, default=4096)
     p.add_argument("--compile-mlp", action="store_true", help="torch.compile each decoder layer's MLP and RMSNorms")
+    p.add_argument("--conv", default="shifted", choices=["shifted", "padded"],
+                   help="torch path of the packed gated-delta-net conv (gated_delta.CONV_IMPL)")
+    p.add_argument("--gqa", default="auto", choices=["auto", "repeat"],
+                   help="varlen attention: pass 4 KV heads when the kernel takes them (auto) or repeat k/v")
     p.add_argument("--profile", action="store_true", help="profile the last step; print the top GPU kernels")
     a = p.parse_args(argv)
 
@@ -46,13 +50,21 @@ def main(argv=None) -> dict:
     from raytune_ft.models.gated_delta import gated_delta_backends
     from raytune_ft.train.fsdp_loop import StepBatch, compile_pointwise, forward_backward, shard_packed_model
 
+    import raytune_ft.models.attention as attention
+    import raytune_ft.models.gated_delta as gated_delta
+
+    gated_delta.CONV_IMPL = a.conv
+    if a.gqa == "repeat":
+        attention._native_gqa_ok = lambda *args, **kw: False
+
     dev = gc.device()
     gc.init_single_process_group(dev)
     compute = torch.bfloat16 if dev.type == "cuda" else torch.float32
     master = torch.float32 if a.master == "fp32" else compute
     cfg = gc.model_config(a.model, a.layers)
     rec = {"bench": "fsdp_step", "model": a.model, "layers": cfg.num_hidden_layers, "seq": a.seq, "ac": a.ac,
-           "master": a.master, "loss_chunk": a.loss_chunk, "compile_mlp": a.compile_mlp, "shape": gc.SHAPE}
+           "master": a.master, "loss_chunk": a.loss_chunk, "compile_mlp": a.compile_mlp, "shape": gc.SHAPE,
+           "conv": a.conv, "gqa": a.gqa}
     t_build = time.perf_counter()
     lm = gc.build_random_lm(cfg, dev, master)
     if a.compile_mlp:
@@ -108,6 +120,7 @@ def main(argv=None) -> dict:
     rec.update(tok_per_s=round(tokens / dt), s_per_step=round(dt / n_steps, 3),
                mfu=round(flops / dt / (peak * 1e12), 4) if peak else None,
                peak_gib=round(gc.peak_gib(dev), 1), losses=losses, timed_steps=n_steps)
+    rec["native_gqa"] = {f"{k[0]}/{k[1]}": v for k, v in attention._NATIVE_GQA.items()}
     gc.emit(rec)
     return rec
 

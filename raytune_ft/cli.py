@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Callable
 
-from raytune_ft.recipe import Recipe, RecipeError, apply_overrides, validate
+from raytune_ft.recipe import absolute_local_paths, Recipe, RecipeError, apply_overrides, validate
 
 RecipeFn = Callable[[], Recipe]
 LocalFn = Callable[[Recipe], Recipe]
@@ -52,7 +52,7 @@ def resolve(recipe_fn: RecipeFn, local_fn: LocalFn, *, local: bool, overrides: l
     recipe = recipe_fn()
     if local:
         recipe = local_fn(recipe)
-    return validate(apply_overrides(recipe, overrides))
+    return validate(absolute_local_paths(apply_overrides(recipe, overrides)))
 
 
 def _is_terminal(stream) -> bool:

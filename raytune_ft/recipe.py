@@ -73,6 +73,9 @@ class TrainConfig:
     checkpoint_every: int = 500
     eval_every: int | None = None
     keep_checkpoints: int = 2
+    # false: end without a final checkpoint or hf/ export (throughput runs of models too big to write
+    # out); periodic checkpoints still follow checkpoint_every; nothing is registered
+    save_final: bool = True
     load_best_at_end: bool = False
     compile: bool = False
     seed: int = 0
@@ -364,6 +367,9 @@ def validate(recipe: Recipe) -> Recipe:
     if t.eval_every is not None:
         _range("train.eval_every", t.eval_every, 1)
     _range("train.keep_checkpoints", t.keep_checkpoints, 1, 1000)
+    if not t.save_final and recipe.registry.enabled:
+        raise RecipeError("train.save_final: false leaves no final model to register; "
+                          "set registry.enabled=false too")
     _range("train.lora_r", t.lora_r, 0, 4096)
     _range("train.lora_dropout", t.lora_dropout, 0.0, 1.0)
     _range("train.lora_lr_multiplier", t.lora_lr_multiplier, 0.0, 1e4, lo_open=True)
@@ -442,6 +448,24 @@ def recipe_from_dict(d: dict[str, Any]) -> Recipe:
                  for k, v in value.items()}
         kwargs[key] = cls(**fixed)
     return Recipe(**kwargs)
+
+
+def absolute_local_paths(recipe: Recipe) -> Recipe:
+    """Local files and folders named by the recipe, made absolute: Ray workers do not run in the
+    launching shell's folder, so `model.tokenizer=./tok` must reach them as /abs/path/tok. Hub ids
+    (Qwen/Qwen3-4B) and hf:// or builtin: sources are left alone; a relative path is only rewritten
+    when it exists here."""
+    def fix(value: str | None) -> str | None:
+        if not value or "://" in value or value.startswith("builtin:"):
+            return value
+        path = os.path.expanduser(value)
+        return os.path.abspath(path) if os.path.exists(path) else value
+
+    recipe.model.name = fix(recipe.model.name)
+    recipe.model.tokenizer = fix(recipe.model.tokenizer)
+    recipe.model.chat_template = fix(recipe.model.chat_template)
+    recipe.data.source = fix(recipe.data.source)
+    return recipe
 
 
 def on_local_cpu(r: Recipe, *, workers: int, rows: int, seq_len: int, run_name: str, registry_name: str) -> Recipe:

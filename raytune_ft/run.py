@@ -133,23 +133,26 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
                                                                 "raytune.error": f"{type(e).__name__}: {e}"[:4000]})
         raise
     ckpt = result.checkpoint
-    if ckpt is None:
-        raise RuntimeError("training finished without a checkpoint")
-    with ckpt.as_directory() as ckpt_dir:
-        meta = read_meta(ckpt_dir)
-        data = merged_data_counters(ckpt_dir)
-        plots = _write_plots(recipe, ckpt_dir, run_id, int(meta.get("step") or 0))
     metrics = result.metrics or {}
+    if ckpt is None and recipe.train.save_final:
+        raise RuntimeError("training finished without a checkpoint")
+    meta, data, plots = {}, {}, []
+    if ckpt is not None:
+        with ckpt.as_directory() as ckpt_dir:
+            meta = read_meta(ckpt_dir)
+            data = merged_data_counters(ckpt_dir)
+            plots = _write_plots(recipe, ckpt_dir, run_id, int(meta.get("step") or 0))
     summary = RunSummary(
         job=recipe.job, run_name=recipe.tracking.run_name, status="trained", steps=int(metrics.get("step", 0)),
         tokens=int(metrics.get("tokens", 0)), final_loss=meta.get("final_loss", metrics.get("loss")),
-        best_loss=meta.get("best_eval_loss"), checkpoint=ckpt.path, mlflow_run_id=run_id,
+        best_loss=meta.get("best_eval_loss"), checkpoint=ckpt.path if ckpt is not None else None,
+        mlflow_run_id=run_id,
         tracking_uri=recipe.tracking_uri, data=data, plots=plots)
     secs = metrics.get("train_seconds") or 0
     summary.tokens_per_s = summary.tokens / secs if secs else 0.0
 
     do_register = recipe.registry.enabled if register is None else register
-    status_tags = {"raytune.status": "trained", "raytune.checkpoint": ckpt.path}
+    status_tags = {"raytune.status": "trained", "raytune.checkpoint": ckpt.path if ckpt is not None else ""}
     if do_register:
         from raytune_ft.registry import run_registration
 

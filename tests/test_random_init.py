@@ -185,3 +185,26 @@ def test_varlen_gqa_is_used_natively_only_when_it_matches(monkeypatch):
     for fn, expect in ((sdpa_varlen, True), (refusing, False), (wrong, False)):
         monkeypatch.setattr(att, "_NATIVE_GQA", {})
         assert att._native_gqa_ok(fn, q, k, v, cu, 25, {"window_size": (-1, 0)}) is expect, fn.__name__
+
+
+def test_save_final_false_needs_registry_off():
+    r = Recipe()
+    r.train.save_final = False
+    with pytest.raises(RecipeError, match="save_final"):
+        validate(r)
+    r.registry.enabled = False
+    validate(r)
+
+
+def test_relative_local_paths_reach_workers_as_absolute(tmp_path, monkeypatch):
+    from raytune_ft.recipe import absolute_local_paths
+
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    monkeypatch.chdir(tmp_path)
+    r = Recipe()
+    r.model.tokenizer, r.model.chat_template = "tok", "./t.jinja"
+    absolute_local_paths(r)
+    assert r.model.tokenizer == str(tmp_path / "tok") and r.model.chat_template == str(tmp_path / "t.jinja")
+    assert r.model.name == "Qwen/Qwen3.8-27B"                 # a hub id, not a local path: unchanged
+    assert r.data.source == "hf://HuggingFaceH4/ultrachat_200k"

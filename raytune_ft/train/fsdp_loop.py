@@ -311,8 +311,15 @@ def train_fsdp(config: dict) -> None:
     final = dict(last_metrics)
     final.update({"step": step, "loss": state["history"][-1]["loss"] if state["history"] else float("nan"),
                   "train_seconds": time.perf_counter() - run_t0, "tokens": state["tokens_total"], "done": True})
-    _save_and_report(recipe, model, opt, rank, state, final | feed.data_metrics(), log, final=True,
-                     lm=lm, tokenizer=tok)
+    if t_cfg.save_final:
+        _save_and_report(recipe, model, opt, rank, state, final | feed.data_metrics(), log, final=True,
+                         lm=lm, tokenizer=tok)
+    else:
+        import ray.train
+
+        log.info("train.save_final=false: no final checkpoint or hf/ export")
+        ray.train.report({k: v for k, v in (final | feed.data_metrics()).items()
+                          if isinstance(v, (int, float, str, bool))})
     log.close()
 
 
