@@ -99,39 +99,63 @@ trl() {   # issue 5 (both TRL recipes at real shape, Liger), issue 7 (TRL recipe
 # GPUs of the machine, then the FSDP2 loop's 4B figure and TRL's best in parallel on GPU 0 and 1.
 peer_best() { STEPS=12 run 200 trl_best_liger $PY .peers/peer_trl.py trl_best_liger; }
 
-multi() {
-  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .tl1/*.whl && echo tilelang installed
-  local n; n=$(nvidia-smi -L | wc -l)
-  on_gpus "$(seq -s, 0 $((n - 1)))" lora_multi run 280 lora_${n}gpu $PY $LORA --set scaling.num_workers=$n \
-    --set scaling.gpus_per_node=$n --set tracking.run_name=lora-${n}gpu \
-    --set registry.name=main.default.qwen2_05b_lora_${n}gpu
-  on_gpus 0 b4_ours run 200 4b_bf16_sel_16k_compile $PY bench/gpu_compare.py --model qwen3-4b --steps 8 --warm 3 \
-    --seq 16384 --ac selective --master bf16 --compile-mlp &
-  on_gpus 1 b4_peer peer_best &
-  wait
-  summaries
-  grep -h "RESULT\|tok/s\|registered\|Error" "$O"/lora_multi.log "$O"/b4_*.log | tail -40
+# ---------------------------------------------------------------- calls "prep", "gdn", "trl2" (fresh machine)
+# prep (carry .tl1 .gpuB): tilelang + the project's extra wheels (fla, trl, datasets, liger, ...)
+prep() {
+  mkdir -p /tmp/site && $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    .tl1/*.whl .gpuB/*.whl && echo installed
 }
 
-# ---------------------------------------------------------------- call "gdn": issue 7 (27B cut), issue 9 (x4)
 C27="bench/gpu_compare.py --model qwen3.8-27b --layers 16 --steps 7 --warm 3"
 gpu_seed() { NL=16 SEQ=16384 STEPS=7 run 200 seed_16l_16k $PY .peers/seed000_loop.py sdpa; }
 gpu_ours16() { run 240 27b16_16k_compile $PY $C27 --seq 16384 --ac full --compile-mlp; }
 gpu_ours16_old() { run 240 27b16_16k_compile_padded_repeat $PY $C27 --seq 16384 --ac full --compile-mlp \
   --conv padded --gqa repeat; }
-gpu_ours32() { run 240 27b16_32k_compile $PY $C27 --seq 32768 --ac full --compile-mlp --steps 6 --warm 2; }
-
+gpu_ours32() { run 200 27b16_32k_compile $PY $C27 --seq 32768 --ac full --compile-mlp --steps 6 --warm 2; }
 gpu_seed_then_ours() { gpu_seed; gpu_ours16; }
 gpu_old_then_32k() { gpu_ours16_old; gpu_ours32; }
 
-gdn() {   # two GPUs: the seed, then ours (new conv + GQA); the previous form, then ours at 32k
-  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .tl2/*.whl \
+# gdn (carry .tl2 .gpuwheels .gputok .peers): tilelang's needs, mlflow, tokenizers; then the 27B cut on two
+# GPUs: the seed then ours (new conv + native GQA) on GPU 0; ours in the previous form then ours at 32k on GPU 1
+gdn() {
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .tl2/*.whl .gpuwheels/*.whl \
     || { echo "install failed"; return 1; }
+  mkdir -p /tmp/tok/qwen2-0.5b /tmp/runs && cp -r .gputok/qwen3 /tmp/tok/ && cp .gputok/*.jinja /tmp/tok/ \
+    && cp .gputok/qwen2-0.5b/* /tmp/tok/qwen2-0.5b/ \
+    && cp .gputok/qwen3/vocab.json .gputok/qwen3/merges.txt /tmp/tok/qwen2-0.5b/
   $PY -c "import tilelang, fla; print('tilelang', tilelang.__version__, 'fla', fla.__version__)"
   on_gpus 0 gdn0 gpu_seed_then_ours &
   on_gpus 1 gdn1 gpu_old_then_32k &
   wait
   grep -h "RESULT" "$O"/gdn*.log
+}
+
+# trl2 (carry .devpkgs): Ray; the LoRA recipe on both GPUs (issue 10); then the 4B TRL recipe (issue 5,
+# built on the GPU now) on GPU 0 while GPU 1 runs the FSDP2 loop's 4B figure and TRL's best (issue 7)
+gpu_trl4b_only() {
+  run 300 trl4b_liger $PY $TRL4B --no-register --set train.max_steps=12 \
+    --set train.eval_every=6 --set train.checkpoint_every=6 --set train.log_every=3 \
+    --set tracking.run_name=trl4b-liger
+}
+gpu_4b_pair() {
+  run 170 4b_bf16_sel_16k_compile $PY bench/gpu_compare.py --model qwen3-4b --steps 8 --warm 3 \
+    --seq 16384 --ac selective --master bf16 --compile-mlp
+  peer_best
+}
+trl2() {
+  tar xJf .devpkgs/ray.tar.xz -C /tmp/site \
+    && chmod +x /tmp/site/ray/core/src/ray/raylet/raylet /tmp/site/ray/core/src/ray/gcs/gcs_server \
+    || { echo "install failed"; return 1; }
+  info
+  local n; n=$(nvidia-smi -L | wc -l)
+  on_gpus "$(seq -s, 0 $((n - 1)))" lora_multi run 220 lora_${n}gpu $PY $LORA --set scaling.num_workers=$n \
+    --set scaling.gpus_per_node=$n --set tracking.run_name=lora-${n}gpu \
+    --set registry.name=main.default.qwen2_05b_lora_${n}gpu
+  on_gpus 0 trl4b gpu_trl4b_only &
+  on_gpus 1 b4 gpu_4b_pair &
+  wait
+  summaries
+  grep -h "RESULT\|tok/s\|registered\|Error" "$O"/lora_multi.log "$O"/trl4b.log "$O"/b4.log | tail -50
 }
 
 # The 27B recipe at its real shape (64 layers, random weights) through Ray Train on the 4 GPUs: bf16

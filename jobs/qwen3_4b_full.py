@@ -2,8 +2,9 @@
 
 90/10 train/validation split (seed 42); bf16, gradient checkpointing, batch 1 x accumulation 8,
 AdamW lr 2e-5 (linear decay after 10 warmup steps), weight decay 0.01, 50 steps; evaluate and save
-every 25 steps, keep 2, load the best (lowest eval loss) at the end; log every 10 steps. The final
-checkpoint (model + tokenizer) is registered as `llm/v1/chat`.
+every 25 steps, keep 2, load the best (lowest eval loss) at the end; log every 10 steps; Liger kernels
+where a GPU is present (not in the notebook: same results, less memory, faster). The final checkpoint
+(model + tokenizer) is registered as `llm/v1/chat`.
 
     ray job submit --working-dir . -- python jobs/qwen3_4b_full.py
     python jobs/qwen3_4b_full.py --local        # tiny qwen3 model on local Ray, CPU
@@ -32,7 +33,7 @@ def recipe() -> Recipe:
         train=TrainConfig(loop="trl", lr=2e-5, betas=(0.9, 0.999), weight_decay=0.01, warmup_steps=10,
                           schedule="linear", max_steps=50, micro_batch_size=1, grad_accum=8,
                           gradient_checkpointing=True, log_every=10, eval_every=25, checkpoint_every=25,
-                          keep_checkpoints=2, load_best_at_end=True,
+                          keep_checkpoints=2, load_best_at_end=True, use_liger=True,
                           # as the notebook: bf16 weights (fp32 master weights do not fit 80 GB: raytune-ft plan)
                           master_weights="bf16"),
         scaling=ScalingConfig(num_workers=NUM_GPUS, use_gpu=True, gpus_per_node=1, cpus_per_worker=8),

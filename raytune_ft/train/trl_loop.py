@@ -308,6 +308,13 @@ def _report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ra
                     log.info(f"step {state.global_step}/{state.max_steps} | {shown}")
 
         def on_save(self, args, state, control, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                self._report_save(args, state)
+            finally:
+                pause["s"] += time.perf_counter() - t0   # staging + upload: not training time
+
+        def _report_save(self, args, state):
             src = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             with tempfile.TemporaryDirectory(prefix="raytune_trl_ckpt_") as d:
                 _stage_checkpoint(src, d, rank=rank, lora=lora)
@@ -455,6 +462,7 @@ def _restore_hf_checkpoint(recipe: Recipe, out_dir: str, rank: int, log: WorkerL
 def train_trl(config: dict) -> None:
     """Ray Train worker entry point for the TRL recipes (full fine-tune or LoRA)."""
     import ray.train
+    import ray.train.torch
     from trl import SFTConfig
 
     from raytune_ft.data.packing import DataCounters
@@ -477,7 +485,11 @@ def train_trl(config: dict) -> None:
     compute_bf16 = on_gpu and recipe.model.dtype == "bfloat16"
     dtype = torch.bfloat16 if (compute_bf16 and t.master_weights == "bf16") else torch.float32
     torch.manual_seed(t.seed)
-    lm = load_causal_lm(recipe.model, tokenizer_vocab_size=len(tok), device="cpu", dtype=dtype, seed=t.seed)
+    # built straight on the worker's GPU: a random init or a checkpoint read of a 4B model on the host
+    # takes minutes; the Trainer finds it already in place
+    build_device = ray.train.torch.get_device() if on_gpu else torch.device("cpu")
+    lm = load_causal_lm(recipe.model, tokenizer_vocab_size=len(tok), device=build_device, dtype=dtype,
+                        seed=t.seed)
     enable_packing(lm)                             # idempotent: varlen attention + packed gated-delta-net
     if not recipe.model.local_tiny:
         lm.config._name_or_path = recipe.model.name  # what a LoRA adapter names as its base
