@@ -30,10 +30,18 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_single_process_group(dev: torch.device, port: int = 29531) -> None:
-    """World size 1: what one Ray Train GPU worker sees (FSDP2 needs a process group)."""
+def init_single_process_group(dev: torch.device, port: int | None = None) -> None:
+    """World size 1: what one Ray Train GPU worker sees (FSDP2 needs a process group). A free port by
+    default: benches on different GPUs of one host run side by side (a fixed 29531 made the second one
+    fail with EADDRINUSE on 2026-11-29)."""
     if dist.is_initialized():
         return
+    if port is None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
