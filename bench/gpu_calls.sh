@@ -4,17 +4,7 @@
 # Each run is one process (one config), bounded by `timeout`, so one crash or OOM never takes the
 # call's other runs with it. Output: the caller tees stdout into $OUT/log; RESULT lines are the data.
 set -u -o pipefail
-export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-export PYTHONPATH=/tmp/site:${PWD}${PYTHONPATH:+:$PYTHONPATH}
-PY=python3
-
-run() {  # run SECONDS LABEL CMD...
-  local secs=$1 label=$2; shift 2
-  echo "=== $label: $* ($(date +%T))"
-  timeout "$secs" "$@" 2>&1 | grep -v -E "FutureWarning|warnings.warn|UserWarning: .*(deprecated|TF32)" \
-    || echo "RESULT {\"label\": \"$label\", \"exit\": \"failed or timed out ($secs s)\"}"
-  echo "=== $label done ($(date +%T))"
-}
+source "$(dirname "$0")/gpu_lib.sh"
 
 install_base() {  # the project's extra wheels (trl, datasets, liger, fla, ...), without Ray
   mkdir -p /tmp/site && $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devpkgs/wheels/*.whl

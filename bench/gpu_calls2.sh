@@ -11,21 +11,11 @@
 # with it. Runs on different GPUs go in parallel (CUDA_VISIBLE_DEVICES); each Ray job starts its own
 # local Ray on the GPUs it sees. RESULT lines (bench) and the jobs' summary.json files are the data.
 set -u -o pipefail
-export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-export PYTHONPATH=/tmp/site:${PWD}${PYTHONPATH:+:$PYTHONPATH}
+source "$(dirname "$0")/gpu_lib.sh"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 RAY_COLOR_PREFIX=0
 export TOKENIZERS_PARALLELISM=false
-PY=python3
 O=${OUT:-/tmp/out}
 mkdir -p "$O"
-
-run() {  # run SECONDS LABEL CMD...
-  local secs=$1 label=$2; shift 2
-  echo "=== $label: $* ($(date +%T))"
-  timeout "$secs" "$@" 2>&1 | grep -v -E "FutureWarning|warnings.warn|UserWarning: .*(deprecated|TF32)" \
-    || echo "RESULT {\"label\": \"$label\", \"exit\": \"failed or timed out ($secs s)\"}"
-  echo "=== $label done ($(date +%T))"
-}
 
 on_gpus() {  # on_gpus DEVICES LOGNAME FUNC...: run a function on some GPUs, output to $O/LOGNAME.log
   local devs=$1 name=$2; shift 2

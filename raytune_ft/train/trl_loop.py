@@ -28,6 +28,7 @@ The final checkpoint is reported last; with `train.load_best_at_end` it holds th
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import itertools
@@ -191,6 +192,16 @@ def _facade(src) -> Any:
 
 # ---------------------------------------------------------------- the trainer
 
+@contextlib.contextmanager
+def not_training(pause: dict):
+    """Add the time spent inside to pause["s"]: evaluation and checkpointing, left out of tokens/s."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        pause["s"] += time.perf_counter() - t0
+
+
 def _trainer_class():
     from torch.utils.data import DataLoader
     from trl import SFTTrainer
@@ -206,18 +217,12 @@ def _trainer_class():
         raytune_pause: dict           # seconds spent evaluating and saving (not training)
 
         def evaluate(self, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
+            with not_training(self.raytune_pause):
                 return super().evaluate(*args, **kwargs)
-            finally:
-                self.raytune_pause["s"] += time.perf_counter() - t0
 
         def _save_checkpoint(self, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
+            with not_training(self.raytune_pause):
                 return super()._save_checkpoint(*args, **kwargs)
-            finally:
-                self.raytune_pause["s"] += time.perf_counter() - t0
 
         def get_train_dataloader(self) -> DataLoader:
             return DataLoader(self.raytune_train_blocks, batch_size=self.args.per_device_train_batch_size,
@@ -308,11 +313,8 @@ def _report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ra
                     log.info(f"step {state.global_step}/{state.max_steps} | {shown}")
 
         def on_save(self, args, state, control, **kwargs):
-            t0 = time.perf_counter()
-            try:
+            with not_training(pause):                     # staging + upload: not training time
                 self._report_save(args, state)
-            finally:
-                pause["s"] += time.perf_counter() - t0   # staging + upload: not training time
 
         def _report_save(self, args, state):
             src = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")

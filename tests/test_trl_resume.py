@@ -1,0 +1,111 @@
+"""The TRL loop resumes a killed run exactly: real local Ray, the Qwen3-4B recipe's --local job (tiny
+qwen3 on CPU, one worker, 8 steps, checkpoint + evaluation every 4).
+
+An uninterrupted run is the reference. A second run's worker is SIGKILLed from outside once Ray has
+registered the step-4 checkpoint; with max_failures=1 Ray starts a new worker, which rebuilds the Hugging
+Face checkpoint folder from the Ray checkpoint (weights, optimizer, scheduler, RNG), skips the packed blocks
+it already trained on and carries on. Its losses after the resume point, its evaluation losses and the
+final weights must equal the reference's: nothing trained twice, nothing skipped.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from tests.conftest import REPO
+from tests.test_fault_tolerance import STATE_TRACKING_ENV, RankKiller
+
+STEPS, EVERY = 8, 4
+
+
+def _recipe(storage, run_name: str, max_failures: int):
+    from raytune_ft.cli import resolve
+
+    spec = importlib.util.spec_from_file_location("job_4b_resume", REPO / "jobs" / "qwen3_4b_full.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    return resolve(job.recipe, job.local, local=True, overrides=[
+        f"tracking.storage_path={storage}", f"tracking.run_name={run_name}",
+        f"train.max_steps={STEPS}", f"train.checkpoint_every={EVERY}", f"train.eval_every={EVERY}",
+        "train.log_every=1", f"scaling.max_failures={max_failures}", "registry.enabled=false"])
+
+
+def _history(recipe, run_id: str, key: str) -> dict[int, list[float]]:
+    from mlflow import MlflowClient
+
+    out: dict[int, list[float]] = {}
+    for m in MlflowClient(tracking_uri=recipe.tracking_uri).get_metric_history(run_id, key):
+        out.setdefault(m.step, []).append(m.value)
+    return out
+
+
+def _weights(ckpt: str) -> dict:
+    import glob
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(glob.glob(os.path.join(ckpt, "hf", "*.safetensors"))):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    import ray
+
+    from raytune_ft.run import run
+
+    storage = tmp_path_factory.mktemp("trl_resume")
+    os.environ[STATE_TRACKING_ENV] = "1"          # Ray Train's state actor: worker PIDs for the killer
+    ray.init(address="local", num_cpus=8, include_dashboard=False)
+    try:
+        ref = _recipe(storage, "reference", max_failures=0)
+        out = {"ref": (ref, run(ref, local=True))}
+        killed = _recipe(storage, "killed", max_failures=1)
+        killer = RankKiller(killed.run_dir, "killed", rank=0)
+        killer.start()
+        try:
+            out["killed"] = (killed, run(killed, local=True))
+        finally:
+            killer.stop.set()
+            killer.join(timeout=30)
+        out["killer"] = killer
+        return out
+    finally:
+        os.environ.pop(STATE_TRACKING_ENV, None)
+        ray.shutdown()
+
+
+@pytest.mark.timeout(900)
+def test_killed_trl_worker_resumes_exactly(runs):
+    import torch
+
+    killer = runs["killer"]
+    assert killer.error is None, killer.error
+    assert killer.killed_pid is not None and "RayTrainWorker" in killer.cmdline
+    (ref_recipe, ref), (k_recipe, k) = runs["ref"], runs["killed"]
+    assert ref.steps == STEPS and k.steps == STEPS
+
+    ref_loss = _history(ref_recipe, ref.mlflow_run_id, "loss")
+    k_loss = _history(k_recipe, k.mlflow_run_id, "loss")
+    assert sorted(ref_loss) == list(range(1, STEPS + 1))
+    assert sorted(k_loss) == list(range(1, STEPS + 1))        # every step logged, by one attempt or both
+    for step in range(1, STEPS + 1):
+        for value in k_loss[step]:                             # a step run twice must give the same loss
+            assert value == pytest.approx(ref_loss[step][0], rel=1e-5), (step, k_loss[step], ref_loss[step])
+    # the resumed attempt ran only the steps after the checkpoint: steps past 4 were logged once
+    assert all(len(k_loss[s]) == 1 for s in range(EVERY + 1, STEPS + 1)), k_loss
+
+    ref_eval, k_eval = _history(ref_recipe, ref.mlflow_run_id, "eval_loss"), _history(
+        k_recipe, k.mlflow_run_id, "eval_loss")
+    assert sorted(ref_eval) == [EVERY, STEPS] and sorted(k_eval) == [EVERY, STEPS]
+    assert k_eval[STEPS][-1] == pytest.approx(ref_eval[STEPS][0], rel=1e-5)
+    assert k.best_loss == pytest.approx(ref.best_loss, rel=1e-5)
+
+    a, b = _weights(ref.checkpoint), _weights(k.checkpoint)
+    assert a.keys() == b.keys() and a
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
