@@ -151,3 +151,19 @@ def test_counters_merge_and_metrics():
     assert m["data/packing_efficiency"] == pytest.approx(26 / 32)
     assert all(isinstance(v, (int, float)) for v in m.values())
     assert DataCounters.from_dict(a.to_dict()) == a
+
+
+def test_counters_count_only_the_blocks_taken():
+    """A run that stops early (train.max_steps) reports the blocks it drew, not the whole packing window."""
+    import itertools
+
+    rng = np.random.default_rng(0)
+    examples = [(rng.integers(1, 100, size=n), np.ones(n, dtype=bool)) for n in rng.integers(10, 60, size=200)]
+    c = DataCounters()
+    taken = list(itertools.islice(pack_blocks(examples, 128, window=256, counters=c), 3))
+    assert c.blocks == 3
+    assert 0 < c.conversations_packed <= sum(len(b["cu_seqlens"]) - 1 for b in taken)
+    assert c.real_tokens + c.padding_tokens == 3 * 128
+    full = DataCounters()
+    n_all = sum(1 for _ in pack_blocks(examples, 128, window=256, counters=full))
+    assert full.blocks == n_all > 3 and full.conversations_packed == 200

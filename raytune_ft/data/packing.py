@@ -151,7 +151,8 @@ def pack_blocks(examples: Iterable[tuple[Sequence[int], Sequence[bool]]], seq_le
     """Pack `(ids, mask)` conversations into `seq_len` blocks (fields and policies: module docstring).
 
     Deterministic: the same examples in the same order give the same blocks. `counters`, when given,
-    receives conversations_packed / conversations_split / blocks / token counts as blocks are made.
+    receives conversations_packed / conversations_split / blocks / token counts as blocks are taken
+    from the iterator (rows_read, counted by the caller, includes the packing window read ahead).
     """
     if overlong not in ("split", "drop"):
         raise ValueError(f"overlong={overlong!r}: expected 'split' or 'drop'")
@@ -181,9 +182,10 @@ def pack_blocks(examples: Iterable[tuple[Sequence[int], Sequence[bool]]], seq_le
             fill = [sum(len(pending[i][0]) for i in b) for b in bins]
             worst = min(range(len(bins)), key=lambda b: (fill[b], b))
             keep = sorted(bins.pop(worst))
-        out = [emit([pending[i] for i in b]) for b in bins]
+        groups = [[pending[i] for i in b] for b in bins]
         pending[:] = [pending[i] for i in keep]
-        return out
+        for segs in groups:       # built and counted one at a time, as they are taken: a run that stops
+            yield emit(segs)      # early (train.max_steps) counts only the blocks it drew
 
     for ids, mask in examples:
         ids = np.asarray(ids, dtype=np.int64)
