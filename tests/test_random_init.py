@@ -10,8 +10,8 @@ import torch.multiprocessing as mp
 from raytune_ft.models.build import load_causal_lm, random_init_
 from raytune_ft.models.tiny import real_config
 from raytune_ft.recipe import ModelConfig, Recipe, RecipeError, validate
+from tests.conftest import FIXTURES
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures")
 
 
 def _stats(model):
@@ -114,7 +114,7 @@ def test_builtin_lognormal_has_the_peers_lengths_in_real_qwen_tokens():
 
     from raytune_ft.data.builtin import _PLAIN, builtin_lognormal
 
-    tok = AutoTokenizer.from_pretrained(os.path.join(FIXTURES, "tokenizers", "qwen3"))
+    tok = AutoTokenizer.from_pretrained(str(FIXTURES / "tokenizers" / "qwen3"))
     assert all(len(tok.encode(" " + w, add_special_tokens=False)) == 1 for w in _PLAIN)
     rows = builtin_lognormal(400, seed=0)
     assert rows == builtin_lognormal(400, seed=0)
