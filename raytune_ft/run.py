@@ -115,6 +115,22 @@ def _data_metrics(data: dict) -> dict:
     return m
 
 
+def _last_logged_metrics(recipe: Recipe, run_id: str) -> dict:
+    """The latest value of each metric of the MLflow run, and `step`: the last step logged."""
+    try:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=recipe.tracking_uri)
+        out: dict = dict(client.get_run(run_id).data.metrics)
+        history = client.get_metric_history(run_id, "loss")
+        if history:
+            out["step"] = max(m.step for m in history)
+        return out
+    except Exception as e:  # tracking down: the summary goes without the end-of-run figures
+        print(f"[raytune_ft] could not read the run's metrics back from MLflow: {type(e).__name__}")
+        return {}
+
+
 def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) -> RunSummary:
     """Validate, train on Ray Train, then register the final checkpoint from a separate Ray task."""
     from raytune_ft import tracking
@@ -134,6 +150,10 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
         raise
     ckpt = result.checkpoint
     metrics = result.metrics or {}
+    if not recipe.train.save_final:
+        # Ray Train keeps the metrics of checkpointed reports only: the end of a run without a final
+        # checkpoint is read back from the MLflow run the loop logged it to
+        metrics = _last_logged_metrics(recipe, run_id) or metrics
     if ckpt is None and recipe.train.save_final:
         raise RuntimeError("training finished without a checkpoint")
     meta, data, plots = {}, {}, []

@@ -318,8 +318,9 @@ def train_fsdp(config: dict) -> None:
         import ray.train
 
         log.info("train.save_final=false: no final checkpoint or hf/ export")
-        ray.train.report({k: v for k, v in (final | feed.data_metrics()).items()
-                          if isinstance(v, (int, float, str, bool))})
+        final_metrics = final | feed.data_metrics()
+        log.log_metrics(final_metrics, step)   # the summary reads the end of the run from MLflow
+        ray.train.report({k: v for k, v in final_metrics.items() if isinstance(v, (int, float, str, bool))})
     log.close()
 
 

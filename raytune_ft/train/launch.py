@@ -9,7 +9,7 @@ from raytune_ft.recipe import Recipe
 def _worker_env() -> dict[str, str]:
     keep = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "RAYTUNE_HF_ROOT", "HF_HOME",
             "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
-            "RAYTUNE_FAULT_AFTER_UPLOAD")
+            "RAYTUNE_FAULT_AFTER_UPLOAD", "RAYTUNE_FAULT_AT_STEP")
     return {k: os.environ[k] for k in keep if k in os.environ}
 
 

@@ -36,6 +36,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import tempfile
 import time
 from typing import Any, Iterator
@@ -251,8 +252,24 @@ def _trainer_class():
     return RayBlocksSFTTrainer
 
 
+# Fault injection for tests/test_trl_resume.py: "STEP:RANK" SIGKILLs that rank's worker at the end of
+# optimizer step STEP, in an attempt that did not resume (so the restarted worker runs on), once Ray has
+# registered a checkpoint of the run (its controller takes reports in asynchronously: a worker dying
+# right after reporting can lose that report, as a real crash would).
+FAULT_AT_STEP_ENV = "RAYTUNE_FAULT_AT_STEP"
+
+
+def _die_for_test(recipe: Recipe, rank: int, step: int) -> None:
+    snapshot = os.path.join(recipe.run_dir, "checkpoint_manager_snapshot.json")
+    deadline = time.time() + 120
+    while not os.path.exists(snapshot) and time.time() < deadline:
+        time.sleep(0.1)
+    print(f"[raytune_ft] {FAULT_AT_STEP_ENV}: killing rank {rank} at step {step}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: RankBlocks, lora: bool,
-                     pause: dict, world: int):
+                     pause: dict, world: int, resumed: bool = False):
     from transformers import TrainerCallback
 
     from raytune_ft.models.flops import gpu_peak_tflops
@@ -290,6 +307,16 @@ def _report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ra
             if on_cuda:
                 out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
             return out
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if not resumed and os.environ.get(FAULT_AT_STEP_ENV, "").strip() == f"{state.global_step}:{rank}":
+                _die_for_test(recipe, rank, state.global_step)
+            # Hugging Face saves at the end of training whatever save_steps says; with train.save_final
+            # false only the checkpoint_every saves are wanted
+            if (not recipe.train.save_final and state.global_step >= state.max_steps
+                    and state.global_step % recipe.train.checkpoint_every):
+                control.should_save = False
+            return control
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = {k: float(v) for k, v in (logs or {}).items()
@@ -558,7 +585,8 @@ def train_trl(config: dict) -> None:
     train_blocks.flops_config = lm.config
     pause = {"s": 0.0}
     trainer_cls = _trainer_class()
-    callback = _report_callback(recipe, rank, log, train_blocks, lora, pause, world)
+    callback = _report_callback(recipe, rank, log, train_blocks, lora, pause, world,
+                                resumed=resume_dir is not None)
     trainer = trainer_cls(
         model=lm, args=args, train_dataset=_facade(train_blocks),
         eval_dataset=_facade(eval_blocks) if eval_blocks else None, processing_class=tok,
@@ -580,17 +608,22 @@ def train_trl(config: dict) -> None:
         log.info(f"loaded the best checkpoint: step {state.best_global_step}, eval loss {state.best_metric:.4f}")
 
     # the final checkpoint: the weights the trainer holds now (the best ones with load_best_at_end)
-    with tempfile.TemporaryDirectory(prefix="raytune_trl_final_") as d:
-        if rank == 0:
-            _save_final(trainer, tok, d, recipe, lora, base_dir, log)
-            _write_meta(d, recipe, state, callback.last, final=True)
-        _write_train_state(d, rank, state.global_step, train_blocks)
-        metrics = callback.metrics(state, train_blocks)
-        metrics["done"] = True
-        losses = [h["loss"] for h in state.log_history if "loss" in h]
-        if losses:
-            metrics["loss"] = losses[-1]
-        _ray_report(metrics, d)
+    metrics = callback.metrics(state, train_blocks)
+    metrics["done"] = True
+    losses = [h["loss"] for h in state.log_history if "loss" in h]
+    if losses:
+        metrics["loss"] = losses[-1]
+    if not t.save_final:
+        log.info("train.save_final=false: no final checkpoint")
+        log.log_metrics(metrics, state.global_step)   # the summary reads the end of the run from MLflow
+        _ray_report(metrics, None)
+    else:
+        with tempfile.TemporaryDirectory(prefix="raytune_trl_final_") as d:
+            if rank == 0:
+                _save_final(trainer, tok, d, recipe, lora, base_dir, log)
+                _write_meta(d, recipe, state, callback.last, final=True)
+            _write_train_state(d, rank, state.global_step, train_blocks)
+            _ray_report(metrics, d)
     shutil.rmtree(out_dir, ignore_errors=True)
     _LIVE.clear()
 

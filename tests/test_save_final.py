@@ -1,0 +1,43 @@
+"""train.save_final=false (throughput runs of models too big to write out): the 27B recipe's --local job
+on a real local Ray trains to max_steps and ends with no checkpoint folder at all, its summary still
+holding the steps, tokens and last loss; registration is refused by validation, so nothing is registered."""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import math
+import os
+
+import pytest
+
+from tests.conftest import REPO
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("job_name,extra", [
+    ("qwen27b_b300", []),                                                    # the FSDP2 loop
+    ("qwen3_4b_full", ["train.eval_every=null", "train.load_best_at_end=false"]),   # the TRL loop
+])
+def test_save_final_false_trains_and_writes_no_checkpoint(tmp_path, job_name, extra):
+    import ray
+
+    from raytune_ft.cli import resolve
+    from raytune_ft.run import run
+
+    spec = importlib.util.spec_from_file_location(f"job_nosave_{job_name}", REPO / "jobs" / f"{job_name}.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    recipe = resolve(job.recipe, job.local, local=True, overrides=[
+        f"tracking.storage_path={tmp_path}", "tracking.run_name=nosave", "train.max_steps=4",
+        "train.log_every=2", "train.checkpoint_every=100", "train.save_final=false", "registry.enabled=false",
+        *extra])
+    ray.init(address="local", num_cpus=8, include_dashboard=False)
+    try:
+        summary = run(recipe, local=True)
+    finally:
+        ray.shutdown()
+    assert summary.status == "trained" and summary.checkpoint is None
+    assert summary.steps == 4 and summary.tokens > 0
+    assert summary.final_loss is not None and math.isfinite(summary.final_loss)
+    assert glob.glob(os.path.join(recipe.run_dir, "checkpoint_*")) == []
+    assert os.path.isfile(os.path.join(recipe.run_dir, "summary.json"))
