@@ -6,7 +6,8 @@ An uninterrupted run is the reference. A second run's worker SIGKILLs itself at 
 thread outside raced the run on a busy host); with max_failures=1 Ray starts a new worker, which rebuilds
 the Hugging Face checkpoint folder from the Ray checkpoint (weights, optimizer, scheduler, RNG), skips the
 packed blocks it already trained on and carries on. Its losses after the resume point, its evaluation losses and the
-final weights must equal the reference's: nothing trained twice, nothing skipped.
+final weights must equal the reference's: nothing trained twice, nothing skipped. The finished reference
+submitted again under its name trains nothing.
 """
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ def runs(tmp_path_factory):
             out["killed"] = (killed, run(killed, local=True))
         finally:
             os.environ.pop(FAULT_ENV, None)
+        out["again"] = run(ref, local=True)            # the finished reference submitted again
         return out
     finally:
         ray.shutdown()
@@ -103,3 +105,18 @@ def test_killed_trl_worker_resumes_exactly(runs):
     assert a.keys() == b.keys() and a
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.timeout(900)
+def test_finished_trl_run_submitted_again_trains_nothing(runs):
+    """Its final checkpoint is the latest: the worker reports the run complete and that checkpoint stays
+    the result (no second pass: the new MLflow run of the submission logs no training loss, the first
+    run's history is untouched)."""
+    (ref_recipe, ref), again = runs["ref"], runs["again"]
+    assert again.checkpoint == ref.checkpoint
+    assert again.steps == STEPS
+    assert again.final_loss == pytest.approx(ref.final_loss)
+    assert again.mlflow_run_id != ref.mlflow_run_id          # a finished MLflow run is not reopened
+    assert _history(ref_recipe, again.mlflow_run_id, "loss") == {}
+    assert {s: len(v) for s, v in _history(ref_recipe, ref.mlflow_run_id, "loss").items()} == {
+        s: 1 for s in range(1, STEPS + 1)}

@@ -462,6 +462,23 @@ def _use_liger(recipe: Recipe, on_gpu: bool, log: WorkerLog) -> bool:
     return True
 
 
+def _finished_step() -> int | None:
+    """The step of the run's final checkpoint when that is the latest one, else None."""
+    import ray.train
+
+    from raytune_ft.train.checkpoint import META_FILE
+
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is None:
+        return None
+    try:   # read the one small file where the checkpoint lies (no download of the model)
+        with ckpt.filesystem.open_input_stream(f"{ckpt.path.rstrip('/')}/{META_FILE}") as f:
+            meta = json.loads(f.read())
+    except (FileNotFoundError, OSError):
+        return None
+    return int(meta.get("step") or 0) if meta.get("final") else None
+
+
 def _restore_hf_checkpoint(recipe: Recipe, out_dir: str, rank: int, log: WorkerLog) -> tuple[str | None, int]:
     """Rebuild a Hugging Face checkpoint folder from the Ray checkpoint to resume from (if any)."""
     import ray.train
@@ -472,7 +489,7 @@ def _restore_hf_checkpoint(recipe: Recipe, out_dir: str, rank: int, log: WorkerL
     with ckpt.as_directory() as d:
         state_file = os.path.join(d, "train_state", f"rank{rank}.json")
         if not os.path.isdir(os.path.join(d, "trainer")) or not os.path.isfile(state_file):
-            log.info("the latest checkpoint is a final one (no trainer state): starting over")
+            log.info("the latest checkpoint has no trainer state: starting over")
             return None, 0
         with open(state_file) as f:
             st = json.load(f)
@@ -503,6 +520,14 @@ def train_trl(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     log = WorkerLog(rank, recipe, config.get("mlflow_run_id"))
+    finished = _finished_step()
+    if finished is not None:
+        # a worker lost after the final checkpoint was registered, or the finished run submitted again
+        # under its name: the run is complete, and that final checkpoint stays its result
+        log.info(f"the run already ended at step {finished} (its final checkpoint is the latest): nothing "
+                 "to train; use a new tracking.run_name to train again")
+        _ray_report({"step": finished, "done": True}, None)
+        return
     on_gpu = recipe.scaling.use_gpu and torch.cuda.is_available()
     lora = t.lora_r > 0
     flag_device = torch.device("cuda", torch.cuda.current_device()) if (
