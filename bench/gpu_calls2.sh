@@ -39,15 +39,22 @@ EOF
   nproc; free -g | head -2; df -h /tmp | tail -1
 }
 
-install_trl() {
-  mkdir -p /tmp/site /tmp/tok/qwen2-0.5b /tmp/runs \
-    && tar xJf .devpkgs/ray.tar.xz -C /tmp/site \
-    && chmod +x /tmp/site/ray/core/src/ray/raylet/raylet /tmp/site/ray/core/src/ray/gcs/gcs_server \
-    && $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devpkgs/wheels/*.whl \
-       .gpuwheels/*.whl \
-    && cp -r .gputok/qwen3 /tmp/tok/ && cp .gputok/*.jinja /tmp/tok/ \
+install_ray() {   # the Ray tarball of .devpkgs into /tmp/site
+  mkdir -p /tmp/site && tar xJf .devpkgs/ray.tar.xz -C /tmp/site \
+    && chmod +x /tmp/site/ray/core/src/ray/raylet/raylet /tmp/site/ray/core/src/ray/gcs/gcs_server
+}
+
+install_tokenizers() {   # .gputok -> /tmp/tok (qwen2-0.5b shares qwen3's vocab and merges)
+  mkdir -p /tmp/tok/qwen2-0.5b /tmp/runs && cp -r .gputok/qwen3 /tmp/tok/ && cp .gputok/*.jinja /tmp/tok/ \
     && cp .gputok/qwen2-0.5b/* /tmp/tok/qwen2-0.5b/ \
     && cp .gputok/qwen3/vocab.json .gputok/qwen3/merges.txt /tmp/tok/qwen2-0.5b/
+}
+
+install_trl() {
+  install_ray \
+    && $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devpkgs/wheels/*.whl \
+       .gpuwheels/*.whl \
+    && install_tokenizers
 }
 
 # ---------------------------------------------------------------- call "trl": issues 5, 7 (4B), 10
@@ -110,9 +117,7 @@ gpu_old_then_32k() { gpu_ours16_old; gpu_ours32; }
 gdn() {
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .tl2/*.whl .gpuwheels/*.whl \
     || { echo "install failed"; return 1; }
-  mkdir -p /tmp/tok/qwen2-0.5b /tmp/runs && cp -r .gputok/qwen3 /tmp/tok/ && cp .gputok/*.jinja /tmp/tok/ \
-    && cp .gputok/qwen2-0.5b/* /tmp/tok/qwen2-0.5b/ \
-    && cp .gputok/qwen3/vocab.json .gputok/qwen3/merges.txt /tmp/tok/qwen2-0.5b/
+  install_tokenizers
   $PY -c "import tilelang, fla; print('tilelang', tilelang.__version__, 'fla', fla.__version__)"
   on_gpus 0 gdn0 gpu_seed_then_ours &
   on_gpus 1 gdn1 gpu_old_then_32k &
@@ -133,9 +138,7 @@ gpu_4b_pair() {
   peer_best
 }
 trl2() {
-  tar xJf .devpkgs/ray.tar.xz -C /tmp/site \
-    && chmod +x /tmp/site/ray/core/src/ray/raylet/raylet /tmp/site/ray/core/src/ray/gcs/gcs_server \
-    || { echo "install failed"; return 1; }
+  install_ray || { echo "install failed"; return 1; }
   info
   local n; n=$(nvidia-smi -L | wc -l)
   on_gpus "$(seq -s, 0 $((n - 1)))" lora_multi run 220 lora_${n}gpu $PY $LORA --set scaling.num_workers=$n \

@@ -325,12 +325,12 @@ def validate(recipe: Recipe) -> Recipe:
     if not d.source.strip():
         raise RecipeError("data.source: must not be empty")
     if d.source.startswith("builtin:"):
-        from raytune_ft.data.builtin import BUILTIN_SOURCES
+        from raytune_ft.data.builtin import builtin_source
 
-        parts = d.source.split(":")
-        if len(parts) > 3 or parts[1] not in BUILTIN_SOURCES or (len(parts) == 3 and not parts[2].isdigit()):
-            raise RecipeError(f"data.source: {d.source!r} is not a builtin dataset (known: "
-                              f"{', '.join(f'builtin:{k}[:N]' for k in BUILTIN_SOURCES)})")
+        try:
+            builtin_source(d.source)
+        except ValueError as e:
+            raise RecipeError(f"data.source: {e}") from None
     elif not d.source.startswith("hf://"):
         if not os.path.exists(os.path.expanduser(d.source)):
             raise RecipeError(f"data.source: {d.source!r} does not exist (a local file or folder, "

@@ -277,6 +277,15 @@ def chat_signature():
     return _SIGNATURE_FOR_LLM_INFERENCE_TASK[CHAT_TASK]
 
 
+def restore_env(saved: dict[str, str | None]) -> None:
+    """Put environment variables back as `saved` recorded them (None: the variable was unset)."""
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @contextlib.contextmanager
 def _mlflow_target(tracking_uri: str, registry_uri: str | None) -> Iterator[None]:
     """Point MLflow's fluent API at these stores for the block, then put the previous ones back.
@@ -298,11 +307,7 @@ def _mlflow_target(tracking_uri: str, registry_uri: str | None) -> Iterator[None
     finally:
         mlflow.set_tracking_uri(saved_tracking)
         reg_utils._registry_uri = saved_registry
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_env(saved_env)
 
 
 class _Deadline:

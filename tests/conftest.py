@@ -94,10 +94,8 @@ def _isolated_mlflow_uris():
         import mlflow.tracking._tracking_service.utils as trk
     except ImportError:
         return
+    from raytune_ft.registry import restore_env
+
     reg._registry_uri = None
     trk._tracking_uri = None
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    restore_env(saved)

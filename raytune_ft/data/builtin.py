@@ -92,3 +92,13 @@ def builtin_lognormal(n_rows: int, seed: int = 0) -> list[dict]:
 
 
 BUILTIN_SOURCES = {"chat": builtin_chat, "lognormal": builtin_lognormal}
+
+
+def builtin_source(src: str):
+    """`builtin:NAME[:N]` -> (the generator of NAME, N or None); ValueError naming the known ones."""
+    parts = src.split(":")
+    make = BUILTIN_SOURCES.get(parts[1]) if len(parts) > 1 else None
+    if make is None or len(parts) > 3 or (len(parts) == 3 and not parts[2].isdigit()):
+        raise ValueError(f"{src!r} is not a builtin dataset (known: "
+                         f"{', '.join(f'builtin:{k}[:N]' for k in BUILTIN_SOURCES)})")
+    return make, int(parts[2]) if len(parts) == 3 else None

@@ -40,7 +40,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from raytune_ft.data.builtin import BUILTIN_SOURCES
+from raytune_ft.data.builtin import builtin_source
 from raytune_ft.data.packing import DataCounters, pack_blocks, padding_block
 from raytune_ft.data.sft import SpanNotFound, render_sft
 from raytune_ft.data.sources import to_messages
@@ -132,12 +132,11 @@ def _read_source(data, split_name: str):
 
     src = data.source
     if src.startswith("builtin:"):
-        parts = src.split(":")
-        make = BUILTIN_SOURCES.get(parts[1])
-        if make is None:
-            raise ValueError(f"data.source: unknown builtin dataset {src!r} (known: "
-                             f"{', '.join(f'builtin:{k}[:N]' for k in BUILTIN_SOURCES)})")
-        n = int(parts[2]) if len(parts) > 2 else BUILTIN_DEFAULT_ROWS
+        try:
+            make, n = builtin_source(src)
+        except ValueError as e:
+            raise ValueError(f"data.source: {e}") from None
+        n = n or BUILTIN_DEFAULT_ROWS
         # Distinct rows for the separate validation split of a builtin source.
         seed = data.seed if split_name == data.split else data.seed + 1
         return ray.data.from_items([{"text": json.dumps(r)} for r in make(n, seed)])

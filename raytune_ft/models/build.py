@@ -281,11 +281,17 @@ def load_pretrained_weights_sharded(model: torch.nn.Module, model_cfg, *, strict
 
     report = _fill(model, get_slice, shape_of, key_files, strict=strict)
     device = next(model.parameters()).device
+    _finish_filled(model, device)
+    log.info("raytune_ft: loaded %d tensors from %s", len(report["loaded"]), folder)
+    return report
+
+
+def _finish_filled(model: torch.nn.Module, device: torch.device) -> None:
+    """After filling the weights: recompute the rotary buffers and tie lm_head to the embedding (plain
+    models; FSDP2 keeps tied weights as one parameter)."""
     _reset_rotary_buffers(model, device)
     if hasattr(model, "tie_weights") and not _is_sharded(model):
         model.tie_weights()
-    log.info("raytune_ft: loaded %d tensors from %s", len(report["loaded"]), folder)
-    return report
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:
@@ -328,9 +334,7 @@ def materialize_model(model: torch.nn.Module, model_cfg, device: str | torch.dev
             return ref[key][index] if index else ref[key]
 
         _fill(model, get_slice, lambda key: tuple(ref[key].shape), ref)
-        _reset_rotary_buffers(model, device)
-        if hasattr(model, "tie_weights") and not _is_sharded(model):
-            model.tie_weights()
+        _finish_filled(model, device)
     else:
         load_pretrained_weights_sharded(model, model_cfg)
     return model
@@ -387,7 +391,5 @@ def random_init_(model: torch.nn.Module, *, seed: int = 0) -> torch.nn.Module:
         torch.random.set_rng_state(state)
         if cuda_state is not None:
             torch.cuda.set_rng_state(cuda_state, device)
-    _reset_rotary_buffers(model, device)
-    if hasattr(model, "tie_weights") and not _is_sharded(model):
-        model.tie_weights()
+    _finish_filled(model, device)
     return model

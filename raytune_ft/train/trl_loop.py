@@ -56,13 +56,13 @@ _SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": 
 
 # ---------------------------------------------------------------- data: blocks -> batches
 
-def _real_tokens(block: dict) -> int:
-    """Tokens of a block that are conversation, not padding (the trailing pad segment is dropped)."""
-    cu = block["cu_seqlens"]
+def _real_seq_lens(block: dict) -> np.ndarray:
+    """Lengths of a block's conversations (the trailing pad segment, if any, dropped)."""
+    cu = np.asarray(block["cu_seqlens"])
     last = int(cu[-2]) if len(cu) > 1 else 0
     if not (block["labels"][last:] != -100).any() and not block["input_ids"][last:].any():
-        return last
-    return len(block["input_ids"])
+        cu = cu[:-1]
+    return np.diff(cu)
 
 
 def collate_blocks(blocks: list[dict]) -> dict[str, Any]:
@@ -125,6 +125,7 @@ class RankBlocks(torch.utils.data.IterableDataset):
     def _pass(self) -> Iterator[dict]:
         from raytune_ft.data.packing import padding_block
         from raytune_ft.data.pipeline import equalize_steps
+        from raytune_ft.models.flops import flops_per_block
 
         skip = self.skip_blocks if self._passes == 0 else 0
         self._passes += 1
@@ -135,14 +136,10 @@ class RankBlocks(torch.utils.data.IterableDataset):
                                             counters=self.counters):
             if not is_pad:
                 self.blocks_consumed += 1
-                real = _real_tokens(block)
-                self.real_tokens += real
+                lens = _real_seq_lens(block)
+                self.real_tokens += int(lens.sum())
                 if self.flops_config is not None:
-                    from raytune_ft.models.flops import flops_per_block
-
-                    lens = np.diff(np.asarray(block["cu_seqlens"]))
-                    self.flops += flops_per_block(self.flops_config, lens[:np.searchsorted(
-                        np.cumsum(lens), real, side="right")])
+                    self.flops += flops_per_block(self.flops_config, lens)
             n += 1
             yield block
         # the same n on every rank after equalisation: pad to whole optimizer steps
