@@ -30,7 +30,8 @@ the 27B shape cut to 16 layers 109.6 / 109.8. A plan "fits" when the total is wi
 less a margin (default 10%) for the CUDA context, NCCL buffers and allocator fragmentation.
 
 The time model: tokens of one pass / (tokens/s per GPU x GPUs), tokens/s per GPU = MFU x bf16 peak /
-training FLOPs per token, the FLOPs as `raytune_ft.models.flops` counts them for MFU.
+training FLOPs per token, peaks and FLOPs from `raytune_ft.hardware` (the datasheet dense bf16 peak and the
+FLOPs the loops count for MFU).
 """
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from raytune_ft import hardware
+from raytune_ft.hardware import GPUS, GiB, GpuSpec, gpu_spec
 from raytune_ft.recipe import Recipe
-
-GiB = 1024**3
 
 
 # ------------------------------------------------------------------ model shapes
@@ -225,49 +226,18 @@ def model_shape(recipe: Recipe) -> tuple[ModelShape, str]:
 
 # ------------------------------------------------------------------ GPUs
 
-@dataclass(frozen=True)
-class Gpu:
-    name: str
-    memory_bytes: float              # what torch can allocate at most (total_memory)
-    peak_bf16_tflops: float          # dense; 0 when unknown
-    source: str
-
-
-def _peak(name: str) -> float:
-    try:
-        from raytune_ft.models.flops import gpu_peak_tflops
-
-        return gpu_peak_tflops(name)
-    except ImportError:
-        return {"b300": 2250.0, "b200": 2250.0, "h200": 790.0, "h100": 790.0, "a100": 312.0}.get(name.lower(), 0.0)
-
-
-# Memory: B300 288 GB HBM3e per GPU (NVIDIA HGX B300 datasheet), taken as 288e9 bytes = 268 GiB;
-# H200: torch reports ~139 GiB on the lent H200 (141 GB marketed); H100 / A100 80GB: 79.1 GiB as
-# torch.cuda.get_device_properties(0).total_memory reports (80 GB marketed).
-# bf16 dense peaks: raytune_ft.models.flops (H100/H200 790 TFLOP/s measured on the lent H200 with a
-# bf16 matmul; B300 2,250 from NVIDIA's HGX B300 sheet, 36 PF sparse for 8 GPUs / 2 / 8).
-GPUS: dict[str, tuple[float, str]] = {
-    "B300": (288e9, "NVIDIA HGX B300 datasheet: 288 GB HBM3e"),
-    "B200": (180e9, "NVIDIA DGX B200: 180 GB usable HBM3e"),
-    "H200": (139 * GiB, "measured on the lent H200: 139 GiB usable (141 GB marketed)"),
-    "H100": (79.1 * GiB, "H100 SXM 80 GB: 79.1 GiB as torch reports"),
-    "A100": (79.1 * GiB, "A100 80 GB: 79.1 GiB as torch reports"),
-}
-
 # The GPU each shipped job is written for, when scaling.accelerator_type leaves it open.
 DEFAULT_GPU_BY_JOB = {"qwen27b_b300": "B300", "qwen3_4b_full": "H100", "qwen2_05b_lora": "H100"}
 
 
-def gpu_for(recipe: Recipe, gpu: str | None = None) -> Gpu | None:
+def gpu_for(recipe: Recipe, gpu: str | None = None) -> GpuSpec | None:
     """The GPU the plan is for: `gpu`, else scaling.accelerator_type, else the job's default; None on CPU."""
     if gpu is None and not recipe.scaling.use_gpu:
         return None
     name = gpu or recipe.scaling.accelerator_type or DEFAULT_GPU_BY_JOB.get(recipe.job, "H100")
-    key = name.upper().replace("NVIDIA", "").replace("-", "").strip()
-    for known, (mem, src) in GPUS.items():
-        if known in key:
-            return Gpu(known, mem, _peak(known), src)
+    spec = gpu_spec(name)
+    if spec is not None:
+        return spec
     raise ValueError(f"unknown GPU {name!r} (known: {', '.join(GPUS)})")
 
 
@@ -309,7 +279,7 @@ class Plan:
     shape: ModelShape
     shape_source: str
     loop: str
-    gpu: Gpu | None
+    gpu: GpuSpec | None
     n_workers: int
     shard: int                       # how many ways params/grads/optimizer are split
     lines: list[MemoryLine]
@@ -353,7 +323,7 @@ class Plan:
                f"loop {self.loop}, {self.n_workers} worker{'s' if self.n_workers != 1 else ''}, "
                + (f"params/grads/optimizer sharded {self.shard} ways (FSDP2)" if self.shard > 1
                   else "params/grads/optimizer replicated on each worker")]
-        where = (f"{self.gpu.name}, {self.gpu.memory_bytes / GiB:.1f} GiB ({self.gpu.source})"
+        where = (f"{self.gpu.name}, {self.gpu.memory_bytes / GiB:.1f} GiB ({self.gpu.memory_source})"
                  if self.gpu else "CPU worker (host memory)")
         out.append(f"  {'per GPU' if self.gpu else 'per worker':<12} {where}")
         width = max(len(line.name) for line in self.lines)
@@ -438,10 +408,9 @@ def _layer_activation_elems(s: ModelShape, kind: str) -> float:
 
 
 def _flops_per_token(s: ModelShape, mean_conv_tokens: float) -> float:
-    """Training FLOPs per token: 6 x matmul params + causal attention over conversations of the mean length."""
+    """Training FLOPs per token (hardware.py's method) over conversations of the mean length."""
     matmul = s.total_params - (0 if s.tied else s.embedding_params)   # the input embedding is a lookup
-    attn = 6.0 * s.n_full_attention * s.heads * s.head_dim * mean_conv_tokens
-    return 6.0 * matmul + attn
+    return hardware.flops_per_token(matmul, s.n_full_attention * s.heads * s.head_dim, mean_conv_tokens)
 
 
 def memory_plan(recipe: Recipe, *, gpu: str | None = None, tokens_per_s_per_gpu: float | None = None,
@@ -565,7 +534,7 @@ def memory_plan(recipe: Recipe, *, gpu: str | None = None, tokens_per_s_per_gpu:
         tps_src = "given"
     elif g is not None and g.peak_bf16_tflops > 0:
         tokens_per_s_per_gpu = mfu * g.peak_bf16_tflops * 1e12 / fpt
-        tps_src = (f"{mfu:.0%} MFU x {g.peak_bf16_tflops:,.0f} TFLOP/s dense bf16 peak / "
+        tps_src = (f"{mfu:.0%} MFU x {g.peak_bf16_tflops:,.0f} TFLOP/s datasheet dense bf16 peak / "
                    f"{fpt / 1e9:.1f} GFLOP per token")
     else:
         tps_src = ""

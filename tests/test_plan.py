@@ -109,12 +109,12 @@ def test_activation_checkpointing_modes_order():
 
 
 def test_27b_time_estimate_uses_ultrachat_and_the_mfu_flops():
-    from raytune_ft.models.flops import flops_per_block
+    from raytune_ft.hardware import flops_per_block
     from raytune_ft.models.tiny import real_config
 
     plan = memory_plan(job("qwen27b_b300").recipe())
     assert plan.tokens == pytest.approx(207_865 * 1_322)
-    # FLOPs per token as models/flops.py counts them for MFU, for conversations of the mean length
+    # FLOPs per token as hardware.py counts them for MFU, for conversations of the mean length
     per_token = flops_per_block(real_config("qwen3.8-27b"), [1322]) / 1322
     assert plan.flops_per_token == pytest.approx(per_token, rel=1e-9)
     assert plan.tokens_per_s_per_gpu == pytest.approx(0.40 * 2250e12 / per_token)

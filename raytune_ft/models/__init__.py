@@ -4,14 +4,14 @@
 - build.py: load_causal_lm / tokenizer_for / decoder_layers / materialize_model (FSDP2 meta flow);
 - attention.py: "raytune_varlen" full attention over cu_seqlens (FlashAttention / torch varlen / SDPA);
 - gated_delta.py: gated-delta-net layers that restart at each conversation; enable_packing;
-- loss.py: chunked cross-entropy (no full logits); flops.py: model FLOPs and GPU peaks for MFU.
+- loss.py: chunked cross-entropy (no full logits); model FLOPs and GPU peaks live in raytune_ft/hardware.py.
 
 Submodules import transformers lazily where they can; import what you need from them directly.
 """
 from raytune_ft.models.attention import ATTN_NAME, select_attention_backend
 from raytune_ft.models.build import (decoder_layers, load_causal_lm, load_pretrained_weights_sharded,
                                      materialize_model, tokenizer_for)
-from raytune_ft.models.flops import flops_per_block, gpu_peak_tflops, matmul_params
+from raytune_ft.hardware import flops_per_block, gpu_peak_tflops, matmul_params
 from raytune_ft.models.gated_delta import enable_packing, packed_forward_kwargs, patch_packed_model
 from raytune_ft.models.loss import chunked_cross_entropy, enable_chunked_loss, hidden_states
 from raytune_ft.models.tiny import local_tokenizer, real_config, tiny_config

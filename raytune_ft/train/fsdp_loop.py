@@ -220,7 +220,7 @@ def train_fsdp(config: dict) -> None:
     feed = StepFeed(recipe, rank=rank, world=world, device=device, skip_blocks=state["blocks_consumed"],
                     counters_state=state.get("counters"), blocks=fixed,
                     fingerprint=state.get("data_fingerprint"))
-    from raytune_ft.models.flops import flops_per_block, gpu_peak_tflops
+    from raytune_ft.hardware import flops_per_block, gpu_peak_tflops
 
     peak_flops = gpu_peak_tflops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu") * 1e12
     n_layers_cfg = lm.config

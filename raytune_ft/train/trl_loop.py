@@ -125,7 +125,7 @@ class RankBlocks(torch.utils.data.IterableDataset):
     def _pass(self) -> Iterator[dict]:
         from raytune_ft.data.packing import padding_block
         from raytune_ft.data.pipeline import equalize_steps
-        from raytune_ft.models.flops import flops_per_block
+        from raytune_ft.hardware import flops_per_block
 
         skip = self.skip_blocks if self._passes == 0 else 0
         self._passes += 1
@@ -269,7 +269,7 @@ def _report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ra
                      pause: dict, world: int, resumed: bool = False):
     from transformers import TrainerCallback
 
-    from raytune_ft.models.flops import gpu_peak_tflops
+    from raytune_ft.hardware import gpu_peak_tflops
 
     on_cuda = torch.cuda.is_available() and recipe.scaling.use_gpu
     peak = gpu_peak_tflops(torch.cuda.get_device_name() if on_cuda else "cpu") * 1e12
