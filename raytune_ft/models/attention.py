@@ -34,6 +34,21 @@ log = logging.getLogger(__name__)
 ATTN_NAME = "raytune_varlen"
 _DENSE_MASK_MAX_TOKENS = 8192     # CPU path: above this, loop over conversations instead of a T x T mask
 
+# Kernels switched off in this process because the start-up check (kernel_check.py) found them wrong or
+# failing on this GPU; every backend choice here and in gated_delta.py skips them.
+DISABLED_KERNELS: set[str] = set()
+
+
+def disable_kernel(name: str) -> None:
+    """Switch a kernel ("flash_attn", "torch_varlen", "causal_conv1d", "fla_chunk", ...) off for this process."""
+    DISABLED_KERNELS.add(name)
+    select_attention_backend.cache_clear()
+
+
+def reset_disabled_kernels() -> None:
+    DISABLED_KERNELS.clear()
+    select_attention_backend.cache_clear()
+
 
 # ----------------------------------------------------------------- packing signals
 
@@ -130,9 +145,9 @@ def select_attention_backend(device: str | torch.device) -> str:
     Logged once per device type. (fp32 inputs on CUDA still go to SDPA: the varlen kernels are
     half-precision only.)"""
     dev = torch.device(device)
-    if dev.type == "cuda" and _flash_attn_varlen() is not None:
+    if dev.type == "cuda" and "flash_attn" not in DISABLED_KERNELS and _flash_attn_varlen() is not None:
         choice = "flash_attn"
-    elif dev.type == "cuda" and _torch_varlen()[0] is not None:
+    elif dev.type == "cuda" and "torch_varlen" not in DISABLED_KERNELS and _torch_varlen()[0] is not None:
         choice = "torch_varlen"
     else:
         choice = "sdpa_blockdiag"

@@ -32,8 +32,8 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from raytune_ft.models.attention import (ATTN_NAME, packing_from_kwargs, cu_seqlens_from_position_ids, cu_seqlens_from_seq_idx,
-                                         normalise_cu_seqlens, register_varlen_attention)
+from raytune_ft.models.attention import (ATTN_NAME, DISABLED_KERNELS, packing_from_kwargs, cu_seqlens_from_position_ids,
+                                         cu_seqlens_from_seq_idx, normalise_cu_seqlens, register_varlen_attention)
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +68,14 @@ def _torch_reference_gated_delta_rule():
 
 
 def gated_delta_backends(device: str | torch.device) -> dict[str, str]:
-    """Which conv and recurrence implementations packed gated-delta-net layers use on `device`."""
+    """Which conv and recurrence implementations packed gated-delta-net layers use on `device` (kernels
+    the start-up check switched off are skipped)."""
     cuda = torch.device(device).type == "cuda"
+    conv_ok = cuda and "causal_conv1d" not in DISABLED_KERNELS and _causal_conv1d_fn() is not None
+    fla_ok = cuda and "fla_chunk" not in DISABLED_KERNELS and _fla_chunk_gated_delta_rule() is not None
     return {
-        "conv": "causal_conv1d" if cuda and _causal_conv1d_fn() is not None else "torch_segmented",
-        "recurrence": "fla_chunk" if cuda and _fla_chunk_gated_delta_rule() is not None else "torch_per_segment",
+        "conv": "causal_conv1d" if conv_ok else "torch_segmented",
+        "recurrence": "fla_chunk" if fla_ok else "torch_per_segment",
     }
 
 
@@ -127,7 +130,8 @@ def _shifted_conv(x_TC, w_KC, bias_C, pos_T, activation):
 
 
 def segment_causal_conv1d(x_BCT: torch.Tensor, weight_CK: torch.Tensor, bias: torch.Tensor | None,
-                          cu_seqlens: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
+                          cu_seqlens: torch.Tensor, activation: str | None = "silu",
+                          backend: str | None = None) -> torch.Tensor:
     """Depthwise causal conv1d over a flattened packed batch (B must be 1) that restarts at each
     conversation: a token never sees the previous conversation's last K-1 tokens.
 
@@ -139,11 +143,11 @@ def segment_causal_conv1d(x_BCT: torch.Tensor, weight_CK: torch.Tensor, bias: to
     cu = cu_seqlens.to(device=x_BCT.device, dtype=torch.long)
     lens = cu[1:] - cu[:-1]
     seg = torch.repeat_interleave(torch.arange(lens.numel(), device=x_BCT.device), lens, output_size=total)
-    fn = _causal_conv1d_fn()
-    if fn is not None and x_BCT.is_cuda:
+    backend = backend or gated_delta_backends(x_BCT.device)["conv"]
+    if backend == "causal_conv1d":
         # causal-conv1d resets at seq_idx changes; it wants channel-last x (x.stride(1) == 1),
         # which is what in_proj(x).transpose(1, 2) already is.
-        return fn(x_BCT, weight_CK, bias, seq_idx=seg.to(torch.int32)[None], activation=activation)
+        return _causal_conv1d_fn()(x_BCT, weight_CK, bias, seq_idx=seg.to(torch.int32)[None], activation=activation)
     if CONV_IMPL == "shifted":
         pos = torch.arange(total, device=x_BCT.device) - cu[:-1].index_select(0, seg)
         w = weight_CK.t().to(x_BCT.dtype)
@@ -163,13 +167,14 @@ def segment_causal_conv1d(x_BCT: torch.Tensor, weight_CK: torch.Tensor, bias: to
     return out.to(x_BCT.dtype)
 
 
-def segment_gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor) -> torch.Tensor:
+def segment_gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor, backend: str | None = None) -> torch.Tensor:
     """Gated delta rule over a flattened packed batch (B = 1), each conversation from a zero state.
 
     q/k: (1, T, Hk, dk); v: (1, T, Hv, dv); g/beta: (1, T, Hv). q and k are L2-normalised inside, as
     Qwen3.5 does. Returns (1, T, Hv, dv)."""
-    fla = _fla_chunk_gated_delta_rule()
-    if fla is not None and q.is_cuda:
+    backend = backend or gated_delta_backends(q.device)["recurrence"]
+    if backend == "fla_chunk":
+        fla = _fla_chunk_gated_delta_rule()
         out, _ = fla(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
                      cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.long),
                      use_qk_l2norm_in_kernel=True)
