@@ -1,0 +1,316 @@
+"""The start-up kernel check's logic on CPU (models/kernel_check.py).
+
+The fast kernels it guards (FlashAttention, torch varlen, fla, causal-conv1d, Liger) do not run on a CPU,
+so these tests hand the check CPU stand-ins through the same registry the loop uses (attention_path,
+conv_path, recurrence_path, fused_ce_path at a tiny qwen3_5 config): one correct (the project's own CPU
+paths), one that returns wrong values, one that raises, one that leaks across a conversation boundary.
+Each bad one must be caught, switched off for the process, logged in one line and recorded in the MLflow
+run (a real sqlite store); strict mode must stop with a clear error. The real kernels are checked by the
+GPU suite (tests/gpu).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raytune_ft.models import kernel_check as kc
+from raytune_ft.models.attention import (DISABLED_KERNELS, disable_kernel, reset_disabled_kernels,
+                                         select_attention_backend, varlen_attention)
+from raytune_ft.models.gated_delta import segment_causal_conv1d, segment_gated_delta_rule
+from raytune_ft.models.tiny import tiny_config
+
+CFG = tiny_config("qwen3_5", 512)
+F32 = torch.float32
+
+
+# ----------------------------------------------------------------- stand-ins (CPU)
+
+def good_attention(x, cu, max_len):
+    return varlen_attention(x["q"], x["k"], x["v"], cu, max_len, scaling=x["q"].shape[-1] ** -0.5,
+                            backend="sdpa_blockdiag")
+
+
+def wrong_attention(x, cu, max_len):
+    """Right everywhere but conversation 3, as a kernel with a bad tile at one offset might be."""
+    out = good_attention(x, cu, max_len)
+    s = int(cu[2])
+    return torch.cat([out[:s], out[s:] * 1.3])
+
+
+def raising_attention(x, cu, max_len):
+    raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+
+
+def leaky_attention(x, cu, max_len):
+    """Causal over the whole block: the packing boundaries are ignored (position_ids-only packing)."""
+    return good_attention(x, cu[[0, -1]], max_len)
+
+
+def noncausal_attention(x, cu, max_len):
+    """Per conversation but not causal: varlen_attn without window_size=(-1, 0)."""
+    outs, bounds = [], cu.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        q, k, v = (x[n][s:e].transpose(0, 1)[None] for n in "qkv")
+        outs.append(F.scaled_dot_product_attention(q, k, v, enable_gqa=True)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def good_conv(x, cu, max_len):
+    return segment_causal_conv1d(x["x"], x["w"], None, cu, backend="torch_segmented")
+
+
+def leaky_conv(x, cu, max_len):
+    return segment_causal_conv1d(x["x"], x["w"], None, cu[[0, -1]], backend="torch_segmented")
+
+
+def good_recurrence(x, cu, max_len):
+    return segment_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu, backend="torch_per_segment")
+
+
+def leaky_recurrence(x, cu, max_len):
+    return segment_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu[[0, -1]],
+                                    backend="torch_per_segment")
+
+
+def good_ce(x, cu, max_len):
+    return F.cross_entropy(x["h"] @ x["w"].t(), x["labels"], ignore_index=-100, reduction="sum")
+
+
+def mean_ce(x, cu, max_len):
+    """Mean instead of sum: wrong by the token count, the kind of reduction slip a fused loss can have."""
+    return F.cross_entropy(x["h"] @ x["w"].t(), x["labels"], ignore_index=-100)
+
+
+K = kc.Kernel
+
+
+def all_good_paths():
+    return [kc.attention_path(CFG, [K("attn_ok", good_attention, ("torch",))]),
+            kc.conv_path(CFG, [K("conv_ok", good_conv)]),
+            kc.recurrence_path(CFG, [K("rec_ok", good_recurrence)]),
+            kc.fused_ce_path(CFG, [K("ce_ok", good_ce)])]
+
+
+@pytest.fixture(autouse=True)
+def _clean_kernels():
+    reset_disabled_kernels()
+    yield
+    reset_disabled_kernels()
+
+
+@pytest.fixture(scope="module")
+def mlflow_store(tmp_path_factory):
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path_factory.mktemp('kc_mlflow')}/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    exp = client.create_experiment("kernel_check")
+    return client, exp
+
+
+def new_run(store):
+    client, exp = store
+    run_id = client.create_run(exp).info.run_id
+    return run_id, (lambda k, v: client.set_tag(run_id, k, v)), (lambda: client.get_run(run_id).data.tags)
+
+
+# ----------------------------------------------------------------- tests
+
+def test_correct_stand_ins_pass_and_are_tagged(mlflow_store):
+    run_id, tag, tags = new_run(mlflow_store)
+    lines: list[str] = []
+    report = kc.check_kernels(CFG, "cpu", dtype=F32, paths=all_good_paths(), log_line=lines.append, tag=tag)
+    assert report.checked and report.failures == []
+    assert report.in_use == {"attention": "attn_ok", "gdn_conv": "conv_ok", "gdn_recurrence": "rec_ok",
+                             "fused_ce": "ce_ok"}
+    assert max(report.errors.values()) <= 1e-5, report.errors
+    assert not DISABLED_KERNELS
+    assert lines == [report.summary()] and "checked in" in lines[0]
+    t = tags()
+    assert t[kc.TAG_IN_USE] == "attention=attn_ok, gdn_conv=conv_ok, gdn_recurrence=rec_ok, fused_ce=ce_ok"
+    assert kc.TAG_OFF not in t
+
+
+@pytest.mark.parametrize("bad, what, detail", [
+    (wrong_attention, "wrong values", "conversation 3 of 3"),
+    (noncausal_attention, "wrong values", "rel error"),
+    (raising_attention, "raised", "RuntimeError: CUDA error: no kernel image"),
+    (leaky_attention, "leaks across a boundary", "later conversations' outputs"),
+])
+def test_bad_attention_is_caught_switched_off_logged_and_tagged(mlflow_store, bad, what, detail):
+    run_id, tag, tags = new_run(mlflow_store)
+    lines: list[str] = []
+    # the bad kernel is preferred ("torch_varlen", a real name so the hook is exercised); the good one is next
+    path = kc.attention_path(CFG, [K("torch_varlen", bad, ("torch",)), K("attn_ok", good_attention)])
+    report = kc.check_kernels(CFG, "cpu", dtype=F32, paths=[path], log_line=lines.append, tag=tag)
+
+    assert [(f.kernel, f.what) for f in report.failures] == [("torch_varlen", what)]
+    assert detail in report.failures[0].detail
+    assert report.in_use == {"attention": "attn_ok"}
+    # switched off for the process: the loop's own selection no longer picks it on a GPU
+    assert "torch_varlen" in DISABLED_KERNELS
+    assert select_attention_backend("cuda") != "torch_varlen"
+    # one line for the failure, naming the kernel, the versions, the error and the path used instead
+    failure_lines = [x for x in lines if "switched off" in x]
+    assert len(failure_lines) == 1, lines
+    line = failure_lines[0]
+    assert line.startswith("kernel check: torch_varlen (full attention) switched off for this run: " + what)
+    assert f"torch {torch.__version__}" in line and detail in line and line.endswith("using attn_ok instead")
+    t = tags()
+    assert t[kc.TAG_IN_USE] == "attention=attn_ok"
+    assert t[kc.TAG_OFF].startswith(f"torch_varlen: {what}")
+
+
+@pytest.mark.parametrize("path_fn, bad, good, name", [
+    (kc.conv_path, leaky_conv, good_conv, "causal_conv1d"),
+    (kc.recurrence_path, leaky_recurrence, good_recurrence, "fla_chunk"),
+])
+def test_gated_delta_leaks_are_caught(monkeypatch, path_fn, bad, good, name):
+    from raytune_ft.models import gated_delta as gd
+
+    # pretend the CUDA packages are installed, so the selection's switch-off can be seen on a CPU machine
+    monkeypatch.setattr(gd, "_causal_conv1d_fn", lambda: good)
+    monkeypatch.setattr(gd, "_fla_chunk_gated_delta_rule", lambda: good)
+    assert name in gd.gated_delta_backends("cuda").values()
+    lines: list[str] = []
+    fallback = path_fn(CFG, []).fallback
+    report = kc.check_kernels(CFG, "cpu", dtype=F32, paths=[path_fn(CFG, [K(name, bad)])], log_line=lines.append)
+    assert [(f.kernel, f.what) for f in report.failures] == [(name, "leaks across a boundary")]
+    assert report.in_use == {path_fn(CFG, []).name: fallback}
+    assert name not in gd.gated_delta_backends("cuda").values()
+    assert fallback in gd.gated_delta_backends("cuda").values()
+    assert sum("switched off" in x for x in lines) == 1 and lines[0].endswith(f"using {fallback} instead")
+
+
+def test_wrong_fused_loss_is_caught():
+    report = kc.check_kernels(CFG, "cpu", dtype=F32, paths=[kc.fused_ce_path(CFG, [K("liger", mean_ce)])],
+                              log_line=lambda _: None)
+    assert [(f.kernel, f.what) for f in report.failures] == [("liger", "wrong values")]
+    assert report.in_use == {"fused_ce": "torch"}
+
+
+def test_every_candidate_failing_falls_back_to_the_reference_path():
+    path = kc.attention_path(CFG, [K("flash_attn", raising_attention), K("torch_varlen", leaky_attention)])
+    lines: list[str] = []
+    report = kc.check_kernels(CFG, "cpu", dtype=F32, paths=[path], log_line=lines.append)
+    assert [f.kernel for f in report.failures] == ["flash_attn", "torch_varlen"]
+    assert report.in_use == {"attention": "sdpa_blockdiag"}
+    assert {"flash_attn", "torch_varlen"} <= DISABLED_KERNELS
+    assert select_attention_backend("cuda") == "sdpa_blockdiag"
+    assert [x.endswith("using sdpa_blockdiag instead") for x in lines[:2]] == [True, True]
+
+
+def test_strict_mode_stops_with_a_clear_error(mlflow_store):
+    run_id, tag, tags = new_run(mlflow_store)
+    path = kc.attention_path(CFG, [K("torch_varlen", wrong_attention, ("torch",)), K("attn_ok", good_attention)])
+    with pytest.raises(kc.KernelCheckError) as err:
+        kc.check_kernels(CFG, "cpu", mode="strict", dtype=F32, paths=[path], log_line=lambda _: None, tag=tag)
+    msg = str(err.value)
+    assert msg.startswith("train.kernels=strict: the start-up kernel check failed on this GPU")
+    assert "torch_varlen (full attention) failed: wrong values" in msg and f"torch {torch.__version__}" in msg
+    assert "train.kernels=check" in msg and "attention=attn_ok" in msg
+    assert not DISABLED_KERNELS                # the run stops: nothing was switched
+
+
+def test_strict_mode_passes_when_every_kernel_is_right():
+    report = kc.check_kernels(CFG, "cpu", mode="strict", dtype=F32, paths=all_good_paths(), log_line=lambda _: None)
+    assert report.failures == [] and report.in_use["attention"] == "attn_ok"
+
+
+def test_bf16_tolerance_accepts_a_correct_kernel_in_bf16():
+    """The stated bf16 bound is met by a correct kernel computing in bf16 (not only in fp32)."""
+    report = kc.check_kernels(CFG, "cpu", dtype=torch.bfloat16, paths=all_good_paths()[:3], log_line=lambda _: None)
+    assert report.failures == [], report.failures
+    assert all(0 < v <= kc.TOLERANCE[k.split("/")[0]][torch.bfloat16] / 2 for k, v in report.errors.items()
+               if not k.startswith("gdn_recurrence")), report.errors
+
+
+def test_on_cpu_without_candidates_nothing_is_checked(mlflow_store):
+    run_id, tag, tags = new_run(mlflow_store)
+    lines: list[str] = []
+    report = kc.check_kernels(CFG, "cpu", log_line=lines.append, tag=tag)
+    assert not report.checked and report.failures == []
+    assert report.in_use == {"attention": "sdpa_blockdiag", "gdn_conv": "torch_segmented",
+                             "gdn_recurrence": "torch_per_segment"}
+    assert "no GPU" in lines[0]
+    assert tags()[kc.TAG_IN_USE] == "attention=sdpa_blockdiag, gdn_conv=torch_segmented, gdn_recurrence=torch_per_segment"
+
+
+def test_off_mode_runs_nothing():
+    path = kc.attention_path(CFG, [K("torch_varlen", raising_attention)])
+    report = kc.check_kernels(CFG, "cpu", mode="off", paths=[path], log_line=lambda _: None)
+    assert not report.checked and report.failures == [] and not DISABLED_KERNELS
+    assert "train.kernels=off" in report.note
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="train.kernels must be one of check, strict, off"):
+        kc.check_kernels(CFG, "cpu", mode="fast")
+
+
+def test_qwen3_has_no_gated_delta_paths():
+    cfg = tiny_config("qwen3", 512)
+    assert [p.name for p in kc.default_paths(cfg)] == ["attention"]
+    assert [p.name for p in kc.default_paths(CFG, liger=True)] == ["attention", "gdn_conv", "gdn_recurrence",
+                                                                  "fused_ce"]
+
+
+def test_the_switch_is_honoured_by_the_selection(monkeypatch):
+    from raytune_ft.models import attention as att
+
+    monkeypatch.setattr(att, "_flash_attn_varlen", lambda: object())
+    select_attention_backend.cache_clear()
+    assert select_attention_backend("cuda") == "flash_attn"
+    disable_kernel("flash_attn")
+    assert select_attention_backend("cuda") != "flash_attn"
+    assert select_attention_backend("cpu") == "sdpa_blockdiag"
+
+
+# ----------------------------------------------------------------- across ranks (gloo, 2 processes)
+
+def _rank_main(rank, world, port, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        # rank 1 has a broken kernel (e.g. another GPU model in the job); rank 0's is fine
+        first = wrong_attention if rank == 1 else good_attention
+        path = kc.attention_path(CFG, [K("torch_varlen", first), K("attn_ok", good_attention)])
+        lines: list[str] = []
+        report = kc.check_kernels(CFG, "cpu", dtype=F32, paths=[path], log_line=lines.append)
+        q.put((rank, report.in_use, sorted(DISABLED_KERNELS), lines))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_a_kernel_failing_on_one_rank_is_off_on_every_rank():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in procs:
+        rank, in_use, disabled, lines = q.get(timeout=150)
+        got[rank] = (in_use, disabled, lines)
+    for p in procs:
+        p.join(timeout=30)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for rank in (0, 1):
+        assert got[rank][0] == {"attention": "attn_ok"} and got[rank][1] == ["torch_varlen"]
+    # the failure is written once, by the rank that saw it; rank 0 writes the summary
+    assert [x for x in got[1][2] if "switched off" in x and "wrong values" in x] == got[1][2]
+    assert len(got[1][2]) == 1
+    assert got[0][2] == ["kernels in use (checked in " + got[0][2][0].split("checked in ")[1]]
