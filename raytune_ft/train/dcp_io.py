@@ -1,0 +1,163 @@
+"""DCP checkpoints of an FSDP2 model + optimizer that each rank can write and read alone, on any storage.
+
+Two things make a rank's resume read only its own files:
+
+- Replicated state is kept per rank. DCP de-duplicates an entry that several ranks hold (AdamW's `step`
+  tensors, the param groups' hyper-parameters, any non-sharded buffer) and spreads those entries over the
+  ranks' files to balance them, so on load a rank would read some of them from another rank's file. Here
+  every non-DTensor leaf is saved under `rank{R}/...`: each rank writes and reads its own copy (a few kB).
+- Loading goes through a DCP StorageReader over the run's pyarrow filesystem: a rank reads `.metadata`
+  and the byte ranges of its own `__{R}_*.distcp` file straight from local, shared or object storage,
+  one ranged read per tensor, with no download of the checkpoint.
+"""
+from __future__ import annotations
+
+import io
+import os
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import pyarrow.fs as pafs
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+DCP_DIR = "dcp"
+
+
+def _split(tree: Any) -> tuple[Any, Any]:
+    """(the DTensor leaves, everything else) of a nested dict, both keeping its structure (None: empty)."""
+    if isinstance(tree, DTensor):
+        return tree, None
+    if isinstance(tree, dict):
+        sharded, local = {}, {}
+        for k, v in tree.items():
+            s, lo = _split(v)
+            if s is not None:
+                sharded[k] = s
+            if lo is not None:
+                local[k] = lo
+        return (sharded or None), (local or None)
+    return None, tree
+
+
+def _merge(a: Any, b: Any) -> Any:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: _merge(a.get(k), b.get(k)) for k in {**a, **b}}
+    return b
+
+
+class ShardedTrainState:
+    """Model + optimizer as DCP sees them: sharded entries shared by all ranks, the rest under rank{R}."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int):
+        self.model, self.optimizer, self.rank = model, optimizer, rank
+
+    def state_dict(self) -> dict[str, Any]:
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        sharded, local = _split({"model": msd, "optim": osd})
+        return {**(sharded or {}), f"rank{self.rank}": local or {}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        full = _merge({k: v for k, v in state.items() if k in ("model", "optim")}, state.get(f"rank{self.rank}"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=full.get("model", {}),
+                       optim_state_dict=full.get("optim", {}))
+
+
+class _LegacyTrainState(ShardedTrainState):
+    """Checkpoints written before replicated state was kept per rank: plain {"model", "optim"}."""
+
+    def state_dict(self) -> dict[str, Any]:
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+class ArrowFileSystem(FileSystemBase):
+    """DCP's filesystem interface over a pyarrow filesystem (local, shared or S3)."""
+
+    def __init__(self, fs: pafs.FileSystem):
+        self.fs = fs
+        self.opened: list[str] = []           # every file opened for reading, in order
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
+        path = str(path)
+        if "r" in mode:
+            self.opened.append(path)
+            with self.fs.open_input_file(path) as f:
+                yield f
+        else:
+            with self.fs.open_output_stream(path) as f:
+                yield f
+
+    def concat_path(self, path, suffix: str) -> str:
+        return f"{str(path).rstrip('/')}/{suffix}"
+
+    def rename(self, path, new_path) -> None:
+        self.fs.move(str(path), str(new_path))
+
+    def init_path(self, path) -> str:
+        return str(path)
+
+    def mkdir(self, path) -> None:
+        self.fs.create_dir(str(path))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+    def exists(self, path) -> bool:
+        return self.fs.get_file_info(str(path)).type != pafs.FileType.NotFound
+
+    def rm_file(self, path) -> None:
+        self.fs.delete_file(str(path))
+
+    def ls(self, path) -> list[str]:
+        sel = pafs.FileSelector(str(path), allow_not_found=True)
+        return [i.path for i in self.fs.get_file_info(sel)]
+
+
+class ArrowReader(FileSystemReader):
+    """A DCP StorageReader that reads a checkpoint where it lies: one ranged read per entry."""
+
+    def __init__(self, fs: pafs.FileSystem, path: str):
+        super().__init__(path)
+        self.fs = ArrowFileSystem(fs)
+        self.path = str(path).rstrip("/")
+
+    def _slice_file(self, file, sinfo):
+        # one request for the entry's bytes; torch.load's many small reads then stay in memory
+        file.seek(sinfo.offset)
+        return io.BytesIO(file.read(sinfo.length))
+
+    @property
+    def opened(self) -> list[str]:
+        return self.fs.opened
+
+
+def save(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
+    """Every rank writes its shard (and its copy of the replicated state) to `directory`/dcp (a local folder)."""
+    dcp.save({"app": ShardedTrainState(model, optimizer, rank)}, checkpoint_id=os.path.join(directory, DCP_DIR))
+
+
+def load(fs: pafs.FileSystem, checkpoint_path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         rank: int) -> list[str]:
+    """Load this rank's part of `checkpoint_path`/dcp from `fs` into the sharded model and optimizer.
+
+    Returns the paths of the files it opened (`.metadata` and this rank's own shard files)."""
+    reader = ArrowReader(fs, f"{checkpoint_path.rstrip('/')}/{DCP_DIR}")
+    md = reader.read_metadata()
+    reader.opened.clear()  # read again by dcp.load; counted once from here on
+    per_rank = any(k.startswith(f"app.rank{rank}.") for k in md.state_dict_metadata)
+    state_cls = ShardedTrainState if per_rank else _LegacyTrainState
+    dcp.load({"app": state_cls(model, optimizer, rank)}, storage_reader=reader)
+    return list(dict.fromkeys(reader.opened))

@@ -1,0 +1,277 @@
+"""raytune_ft.storage and the per-rank DCP reader against a real S3 server (SeaweedFS on loopback) and local folders."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pyarrow.fs as pafs
+import pytest
+
+from raytune_ft import storage
+from tests.s3_server import s3_env, s3_server  # noqa: F401  (fixtures)
+
+
+@pytest.fixture(params=["local", "s3"])
+def where(request, tmp_path, monkeypatch):
+    """A fresh storage root, once on a local folder and once in a bucket of the S3 server."""
+    if request.param == "local":
+        return storage.resolve(str(tmp_path / "runs"), create=True)
+    server = request.getfixturevalue("s3_server")
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    return storage.resolve(f"s3://{server.bucket()}/team/runs", create=True)
+
+
+def test_s3_from_the_standard_aws_environment(s3_env):
+    # the keys come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, the endpoint from AWS_ENDPOINT_URL
+    st = storage.resolve(f"s3://{s3_env.bucket()}/prefix")
+    assert st.remote and st.root.endswith("/prefix") and st.uri() == f"s3://{st.root}"
+    storage.write_json(st.fs, st.path("run", "a.json"), {"x": 1})
+    assert storage.read_json(st.fs, st.path("run", "a.json")) == {"x": 1}
+    assert storage.read_json(st.fs, st.path("run", "missing.json"), default={}) == {}
+    # the filesystem handed to Ray workers carries no key: each node's SDK reads its own environment
+    args = st.fs.__reduce__()[1][0]
+    assert args["access_key"] is None and args["secret_key"] is None
+    assert args["endpoint_override"] == s3_env.endpoint.split("://")[1] and args["scheme"] == "http"
+    # a wrong secret is refused by the server
+    os.environ["AWS_SECRET_ACCESS_KEY"] = "not-the-secret"
+    with pytest.raises(OSError, match="ACCESS_DENIED|SIGNATURE"):
+        storage.read_json(storage.resolve(st.uri()).fs, st.path("run", "a.json"))
+
+
+def test_resolve_local_and_bad_uris(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    st = storage.resolve("./runs", create=True)
+    assert not st.remote and st.root == str(tmp_path / "runs") and os.path.isdir(st.root)
+    assert st.path("r", "checkpoint_x") == str(tmp_path / "runs" / "r" / "checkpoint_x")
+    assert storage.resolve("file://" + str(tmp_path)).root == str(tmp_path)
+    with pytest.raises(ValueError, match="only local paths and s3"):
+        storage.resolve("gs://bucket/x")
+    with pytest.raises(ValueError, match="no bucket"):
+        storage.resolve("s3:///x")
+
+
+def test_small_files_sizes_and_download(where, tmp_path):
+    fs = where.fs
+    run = where.path("run1")
+    storage.write_text(fs, f"{run}/a/b.txt", "hello")
+    storage.write_bytes(fs, f"{run}/a/c.bin", b"\0" * 1000)
+    storage.write_json(fs, f"{run}/meta.json", {"step": 3})
+    assert storage.read_text(fs, f"{run}/a/b.txt") == "hello"
+    assert storage.tree_bytes(fs, run) == 5 + 1000 + len(storage.read_bytes(fs, f"{run}/meta.json"))
+    assert storage.tree_bytes(fs, where.path("nothing")) == 0
+    got = storage.download(fs, f"{run}/a", str(tmp_path / "dl"), only=lambda rel: rel.endswith(".txt"))
+    assert got == ["b.txt"] and (tmp_path / "dl" / "b.txt").read_text() == "hello"
+    assert not (tmp_path / "dl" / "c.bin").exists()
+
+
+def _snapshot(names: list[str], latest: str | None) -> str:
+    """A checkpoint manager snapshot in Ray Train's own schema (its pydantic model writes it)."""
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import (
+        _CheckpointManagerState,
+        _TrainingResultState,
+    )
+
+    results = [_TrainingResultState(checkpoint_dir_name=n, metrics={"step": i}) for i, n in enumerate(names)]
+    return _CheckpointManagerState(
+        checkpoint_results=results, checkpoint_report_indices=list(range(len(names))),
+        latest_checkpoint_result=_TrainingResultState(checkpoint_dir_name=latest, metrics={}) if latest else None,
+        pending_training_results=[], pending_validation_specs=[], current_report_index=len(names),
+        validated_checkpoint_dir_names=[], timed_out_validation_checkpoint_dir_names=[],
+        failed_validation_checkpoint_dir_names=[]).model_dump_json()
+
+
+def test_orphan_checkpoints_removed_reported_ones_kept(where):
+    fs, run = where.fs, where.path("run2")
+    names = [f"checkpoint_2026-11-30_10-00-0{i}.000000" for i in range(5)]
+    for n in names:
+        storage.write_bytes(fs, f"{run}/{n}/dcp/__0_0.distcp", b"x" * 100)
+    storage.write_bytes(fs, f"{run}/{names[2]}.merged_hf/config.json", b"{}")   # not Ray's: left alone
+    # no snapshot yet: Ray never registered any of them, a restart starts from scratch
+    assert storage.orphan_checkpoints(fs, run) == names
+    # Ray kept 1 and 3 (keep_checkpoints=2), 3 the latest; 0 was deleted... and 2, 4 were never reported
+    storage.write_text(fs, f"{run}/{storage.SNAPSHOT_FILE}", _snapshot([names[1], names[3]], names[3]))
+    rep = storage.reported_checkpoints(fs, run)
+    assert rep.kept == [names[1], names[3]] and rep.latest == names[3]
+    assert storage.orphan_checkpoints(fs, run) == [names[0], names[2], names[4]]
+    logged = []
+    assert storage.remove_orphans(fs, run, log=logged.append) == [names[0], names[2], names[4]]
+    assert storage.checkpoint_dirs(fs, run) == [names[1], names[3]]
+    assert storage.exists(fs, f"{run}/{names[2]}.merged_hf/config.json")
+    assert len(logged) == 3 and "never reported" in logged[0]
+    assert storage.latest_checkpoint_bytes(fs, run) == 100
+    assert storage.remove_orphans(fs, run) == []
+
+
+def test_room_check_and_disk_full_wording(where):
+    free = storage.free_bytes(where)
+    if where.remote:
+        assert free is None                     # an object store cannot say
+        assert storage.check_room(where, 10**15) is None
+        return
+    assert free and free > 0
+    assert storage.check_room(where, 1000) == free
+    # a filesystem too small for the next checkpoint (the free-space probe is patched: no tiny disk here)
+    with pytest.raises(storage.StorageFullError) as e:
+        storage.check_room(where, 5_000_000_000, path=where.path("run"), free_probe=lambda st, p: 1_000_000)
+    msg = str(e.value)
+    assert where.path("run") in msg and "5,000,000,000 bytes" in msg and "1,000,000 bytes" in msg
+    assert "last good checkpoint is kept" in msg
+    # a round trip through pickle (Ray ships worker errors to the driver that way)
+    import pickle
+    assert str(pickle.loads(pickle.dumps(e.value))) == msg
+
+
+@pytest.mark.parametrize("exc,full", [
+    (OSError(errno.ENOSPC, "No space left on device"), True),
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"), True),
+    (OSError("When uploading part: AWS Error ... QuotaExceeded"), True),
+    (RuntimeError("some other failure"), False),
+    (ValueError("bad value"), False),
+])
+def test_disk_full_errors_are_reported_in_plain_words(exc, full):
+    wrapped = RuntimeError("save failed")
+    wrapped.__cause__ = exc
+    err = storage.disk_full_error(wrapped, "/mnt/shared/runs/r", needed=2_000, free=10)
+    assert (err is not None) == full
+    if full:
+        assert isinstance(err, storage.StorageFullError)
+        assert "storage /mnt/shared/runs/r is full" in str(err) and "2,000 bytes" in str(err)
+
+
+def _recipe(job: str, *sets: str):
+    import importlib.util
+
+    from raytune_ft.cli import resolve
+    from tests.conftest import REPO
+
+    spec = importlib.util.spec_from_file_location(f"job_{job}", REPO / "jobs" / f"{job}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return resolve(mod.recipe, mod.local, local=False, overrides=list(sets))
+
+
+def test_storage_plan_27b():
+    plan = storage.storage_plan(_recipe("qwen27b_b300"))
+    P = plan.params
+    assert 26e9 < P < 28e9
+    # fp32 master weights + AdamW's two fp32 moments: 12 bytes a parameter, ~323 GB (no gradients are saved)
+    assert plan.checkpoint_bytes == pytest.approx(12 * P, rel=1e-3)
+    assert 3.1e11 < plan.checkpoint_bytes < 3.4e11
+    assert plan.final_extra_bytes == 2 * P                       # bf16 Hugging Face export, ~54 GB
+    assert plan.keep == 2 and plan.peak_bytes == 3 * plan.checkpoint_bytes + 2 * P
+    text = "\n".join(plan.lines())
+    assert "per checkpoint 322.8 GB" in text and "final export  53.8 GB" in text and "peak" in text
+
+
+def test_storage_plan_trl_recipes():
+    full = storage.storage_plan(_recipe("qwen3_4b_full"))
+    assert full.loop == "trl" and full.final_extra_bytes == 0
+    # bf16 weights in hf/ + two bf16 AdamW states in trainer/optimizer.pt
+    assert full.checkpoint_bytes == pytest.approx(6 * full.params, rel=1e-2)
+    lora = storage.storage_plan(_recipe("qwen2_05b_lora"))
+    assert 0 < lora.trainable < lora.params / 10 and lora.checkpoint_bytes < lora.params
+    assert lora.final_extra_bytes == 2 * lora.params               # the merged export
+
+
+# ---------------------------------------------------------------- DCP: each rank reads its own files
+
+
+def _dcp_worker(rank: int, world: int, port: int, local_dir: str, s3_dir: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from raytune_ft.train import dcp_io
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+
+    def build():
+        m = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 64))
+        m.register_buffer("scale", torch.ones(8))        # a replicated buffer: DCP would de-duplicate it
+        for layer in m:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(m)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    def train(m, opt, steps):
+        for _ in range(steps):
+            m(torch.randn(4, 64)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = build()
+    train(model, opt, 3)
+    saved = {k: v.full_tensor().clone() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
+    dcp_io.save(os.path.join(local_dir, "per_rank"), model, opt, rank)
+    import torch.distributed.checkpoint as dcp
+    dcp.save({"app": dcp_io._LegacyTrainState(model, opt, rank)}, checkpoint_id=os.path.join(local_dir, "legacy", "dcp"))
+    dist.barrier()
+    st = storage.resolve(s3_dir)
+    if rank == 0:                   # the upload Ray does after a report
+        for name in ("per_rank", "legacy"):
+            storage.upload(os.path.join(local_dir, name), st.fs, st.path(name))
+    dist.barrier()
+
+    fresh, fresh_opt = build()
+    opened = dcp_io.load(st.fs, st.path("per_rank"), fresh, fresh_opt, rank)
+    loaded = {k: v.full_tensor() for k, v in fresh.state_dict().items() if hasattr(v, "full_tensor")}
+    same_weights = all(torch.equal(saved[k], loaded[k]) for k in saved)
+    steps = sorted({float(s["step"]) for s in fresh_opt.state_dict()["state"].values()})
+    # one more step from the loaded state equals one more step from the original
+    torch.manual_seed(123 + rank)
+    train(model, opt, 1)
+    torch.manual_seed(123 + rank)
+    train(fresh, fresh_opt, 1)
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    same_after_step = all(torch.equal(full(a), full(b))
+                          for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    legacy_model, legacy_opt = build()
+    legacy_opened = dcp_io.load(st.fs, st.path("legacy"), legacy_model, legacy_opt, rank)
+    n_params = sum(p.numel() for p in model.parameters())  # DTensors: the global count
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"opened": opened, "legacy_opened": legacy_opened, "same_weights": same_weights,
+                   "steps": steps, "same_after_step": same_after_step, "params_local": n_params}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_dcp_resume_reads_only_own_shards_from_s3(s3_env, tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    s3_dir = f"s3://{s3_env.bucket()}/dcp-test"
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_dcp_worker, args=(2, port, str(tmp_path / "local"), s3_dir, str(out)), nprocs=2, join=True)
+    res = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, r in enumerate(res):
+        files = sorted({p.rsplit("/", 1)[-1] for p in r["opened"]})
+        # the metadata and this rank's own shard file, nothing of the other rank
+        assert files == [".metadata", f"__{rank}_0.distcp"], (rank, r["opened"])
+        assert all(p.startswith(storage.resolve(s3_dir).path("per_rank")) for p in r["opened"])
+        assert r["same_weights"] and r["same_after_step"] and r["steps"] == [3.0]
+    # what the per-rank layout avoids: DCP's de-duplication of replicated entries spreads them over
+    # the ranks' files, so with a plain save some rank reads the other's shard file
+    crossed = [rank for rank, r in enumerate(res)
+               if any(p.endswith(".distcp") and f"__{rank}_" not in p for p in r["legacy_opened"])]
+    assert crossed, [r["legacy_opened"] for r in res]
+    # the plan's 12 bytes a parameter (fp32 weights + two AdamW moments) is what DCP writes
+    st = storage.resolve(s3_dir)
+    shard_bytes = sum(i.size for i in storage.list_files(st.fs, st.path("per_rank", "dcp"))
+                      if i.base_name.endswith(".distcp"))
+    from torch.distributed.checkpoint import FileSystemReader
+
+    entries = len(FileSystemReader(str(tmp_path / "local" / "per_rank" / "dcp")).read_metadata().storage_data)
+    params = res[0]["params_local"]
+    # plus torch.save's framing of each entry (about 1.5 kB), which a model of billions of parameters never sees
+    assert 12 * params <= shard_bytes <= 12 * params + 2048 * entries, (shard_bytes, params, entries)
