@@ -215,6 +215,59 @@ def format_runs(rows: list[dict]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table)
 
 
+# ------------------------------------------------------------------ register
+
+def cli_register(argv: list[str]) -> int:
+    """`raytune-ft register CHECKPOINT --name catalog.schema.model [...]`; returns the exit code.
+
+    Runs the registration in this process (no Ray); a failure is recorded as the post-fit task records it."""
+    from raytune_ft.recipe import validate_registry_name
+
+    ap = argparse.ArgumentParser(
+        prog="raytune-ft register",
+        description="Register a trained checkpoint (HF folder, Ray Train checkpoint with hf/ or "
+                    "adapter/) as an MLflow / Unity Catalog model, task llm/v1/chat.")
+    ap.add_argument("checkpoint", help="checkpoint folder (with hf/ or adapter/) or a plain HF folder")
+    ap.add_argument("--name", required=True, help="registered model name, catalog.schema.model")
+    ap.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
+                    help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
+    ap.add_argument("--registry-uri", default=None,
+                    help="databricks-uc, uc:http://host:port, or unset for the tracking store")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up")
+    ap.add_argument("--run-id", default=None, help="log under this MLflow run (the training run)")
+    ap.add_argument("--in-memory", action="store_true",
+                    help="load the model in RAM and log it from there (default: log the folder from disk)")
+    args = ap.parse_args(argv)
+    try:
+        validate_registry_name(args.name, path="--name")
+    except RecipeError as e:
+        print(f"raytune-ft register: {e}", file=sys.stderr)
+        return 2
+    if not args.tracking_uri:
+        print("raytune-ft register: --tracking-uri is required (or set MLFLOW_TRACKING_URI)", file=sys.stderr)
+        return 2
+    if not os.path.isdir(args.checkpoint):
+        print(f"raytune-ft register: {args.checkpoint} is not a directory", file=sys.stderr)
+        return 2
+    import logging
+
+    from raytune_ft.registry import RegistrationError, record_failure, register_checkpoint
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        result = register_checkpoint(args.checkpoint, args.name, tracking_uri=args.tracking_uri,
+                                     registry_uri=args.registry_uri, timeout_s=args.timeout,
+                                     run_id=args.run_id, log_from_disk=not args.in_memory)
+    except RegistrationError as e:
+        outcome = record_failure(args.checkpoint, args.name, args.tracking_uri, args.registry_uri,
+                                 e.run_id or args.run_id, str(e))
+        print(f"registration failed: {outcome.error}\nthe checkpoint is unchanged; record: "
+              f"{outcome.failure_file}\nretry with:\n  {outcome.retry_command}", file=sys.stderr)
+        return 1
+    print(f"registered {result.name} version {result.version}: {result.model_uri} (run {result.run_id})")
+    return 0
+
+
 # ------------------------------------------------------------------ the entry point
 
 def build_parser() -> argparse.ArgumentParser:
@@ -263,9 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """`raytune-ft COMMAND ...`; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "register":  # the registry owns its flags (and its --help)
-        from raytune_ft.registry import cli_register
-
+    if argv and argv[0] == "register":  # its own parser: `raytune-ft register --help` lists its flags
         return cli_register(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)

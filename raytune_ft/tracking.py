@@ -1,33 +1,17 @@
 """The MLflow run of a job: created by the driver before `fit`, written by rank 0, closed by the driver.
 
 Credentials (Databricks, Hugging Face, MLflow tokens) are read by MLflow and the hub client from the
-environment only; nothing here writes them. `redact` removes any secret-looking environment value
-from text before it reaches a log, a param or a tag.
+environment only; nothing here writes them: params and tags go through `raytune_ft.env.redact`.
 """
 from __future__ import annotations
 
 import os
 import platform
-import re
 import subprocess
 from pathlib import Path
 
+from raytune_ft.env import redact
 from raytune_ft.recipe import Recipe
-
-SECRET_ENV = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|CREDENTIAL)", re.I)
-
-
-def secret_values() -> list[str]:
-    """Values of credential-looking environment variables in this process (long enough to be meaningful)."""
-    return [v for k, v in os.environ.items() if SECRET_ENV.search(k) and v and len(v) >= 8]
-
-
-def redact(text: str) -> str:
-    """`text` with every credential value from the environment and any URI password replaced."""
-    for v in sorted(secret_values(), key=len, reverse=True):
-        text = text.replace(v, "***")
-    # user:password@host inside URIs (tracking URIs of self-hosted servers sometimes carry them)
-    return re.sub(r"(://[^/\s:@]+):[^@\s/]+@", r"\1:***@", text)
 
 
 def flat_params(recipe: Recipe) -> dict[str, str]:

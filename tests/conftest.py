@@ -1,4 +1,10 @@
-"""Shared test fixtures: paths to ../shared/fixtures and a local Ray instance per module."""
+"""Shared test fixtures: paths to ../shared/fixtures and a local Ray instance per module; the `slow` marker.
+
+`pytest -m "not slow"` runs the unit-level tests; `make test` runs everything. A test is slow when it
+starts Ray, a server or a training run: marked here from the fixtures that start those and from the
+modules that are slow throughout, so a test file needs no marker of its own (one may still add
+`@pytest.mark.slow`).
+"""
 from __future__ import annotations
 
 import os
@@ -14,6 +20,21 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# fixtures (here and in test modules) that start Ray, a server or a training run
+SLOW_FIXTURES = {"ray_local", "local_job", "ray_registry", "server", "ray_head", "runs", "two_node_run",
+                 "s3_server", "finished_run", "local_run", "job_with_secrets"}
+# modules whose every test trains a model or starts Ray
+SLOW_MODULES = {"test_fault_tolerance", "test_fsdp_loop", "test_job_submit", "test_local_job", "test_save_final",
+                "test_trl_recipes", "test_trl_resume"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.path.stem if item.path else ""
+        if module in SLOW_MODULES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -87,15 +108,14 @@ def local_job_recipe(overrides):
 def _isolated_mlflow_uris():
     """mlflow.set_tracking_uri / set_registry_uri are process-global and also export MLFLOW_*_URI to the
     environment (and so to subprocesses): put both back after every test so no test leaks its store."""
-    saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
-    yield
-    try:
-        import mlflow.tracking._model_registry.utils as reg
-        import mlflow.tracking._tracking_service.utils as trk
-    except ImportError:
-        return
-    from raytune_ft.registry import restore_env
+    from raytune_ft.env import scoped_env
 
-    reg._registry_uri = None
-    trk._tracking_uri = None
-    restore_env(saved)
+    with scoped_env(keep=("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")):
+        yield
+        try:
+            import mlflow.tracking._model_registry.utils as reg
+            import mlflow.tracking._tracking_service.utils as trk
+        except ImportError:
+            return
+        reg._registry_uri = None
+        trk._tracking_uri = None

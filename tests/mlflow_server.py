@@ -1,4 +1,6 @@
-"""Start a real `mlflow server` process on loopback for tests (sqlite backend, proxied local artifacts).
+"""Servers for tests on loopback: a real `mlflow server` process (sqlite backend, proxied local artifacts),
+and `StubHttpServer`, a small in-thread HTTP server for the services no real one can stand in for here
+(a registry that refuses, a Unity Catalog REST API, a server that echoes a token).
 
 Usage from a test module:
 
@@ -11,19 +13,27 @@ Usage from a test module:
 The server can be stopped and started again on the same port and store (`stop()` / `start()`),
 which is how the registration-failure tests take the registry down and bring it back.
 
+`StubHttpServer(respond)` calls `respond(request)` for every request (any method) and sends back the
+(status, headers, body) it returns; `json_reply(status, payload)` builds such a triple.
+
 `make_tiny_qwen2_checkpoint` builds what the training loops leave behind (hf/ + raytune_meta.json)
 for a random tiny Qwen2 with the real Qwen2 tokenizer and chat template, in about a second.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Callable
 
 
 def free_port() -> int:
@@ -104,13 +114,69 @@ class MlflowServer:
         self.stop()
 
 
+@dataclass
+class StubRequest:
+    method: str
+    path: str                        # as sent, query string included
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> dict:
+        return json.loads(self.body) if self.body else {}
+
+
+Reply = tuple[int, dict[str, str], bytes]
+
+
+def json_reply(status: int, payload: dict) -> Reply:
+    return status, {"Content-Type": "application/json"}, json.dumps(payload).encode()
+
+
+class StubHttpServer:
+    """A loopback HTTP server in a daemon thread; `respond(StubRequest) -> (status, headers, body)`.
+
+    Bound when made, so `uri` is known before `with`; serves inside the `with` block."""
+
+    def __init__(self, respond: Callable[[StubRequest], Reply]):
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _serve(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                status, headers, data = respond(StubRequest(self.command, self.path, dict(self.headers.items()),
+                                                            body))
+                self.send_response(status)
+                for k, v in headers.items():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = _serve
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self._httpd.server_address[1]
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "StubHttpServer":
+        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
 def make_tiny_qwen2_checkpoint(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike, *,
                                seed: int = 0, hidden: int = 32, layers: int = 2,
                                hf_subdir: str | None = "hf", meta: dict | None = None) -> Path:
     """A Ray Train style checkpoint: `hf/` (sharded bf16 safetensors, tokenizer with chat template)
     and `raytune_meta.json`. `hf_subdir=None` writes a plain HF folder at `out_dir` instead."""
-    import json
-
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 

@@ -14,6 +14,7 @@ import os
 
 import pytest
 
+from raytune_ft.env import scoped_env
 from tests.test_fault_tolerance import EVERY, STATE_TRACKING_ENV, STEPS, RankKiller, _job, _state
 
 RUN = "multinode"
@@ -43,37 +44,36 @@ def two_node_run(tmp_path_factory):
     from raytune_ft.run import run
 
     storage = tmp_path_factory.mktemp("mn_runs")
-    os.environ[STATE_TRACKING_ENV] = "1"     # Ray Train's state actor: where each rank runs
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 4, "resources": {"raytune_node": 1}, "include_dashboard": False})
     out: dict = {}
-    try:
-        second = cluster.add_node(num_cpus=4, resources={"raytune_node": 1})
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address)
-        out["nodes"] = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        out["second"] = second.node_id
-        job = _job()
-        recipe = resolve(job.recipe, job.local, local=True, overrides=[
-            f"tracking.storage_path={storage}", f"tracking.run_name={RUN}",
-            "scaling.num_workers=2", "scaling.placement_strategy=STRICT_SPREAD",
-            'scaling.resources_per_worker={"raytune_node": 1}', "scaling.max_failures=1",
-            f"train.max_steps={STEPS}", f"train.checkpoint_every={EVERY}", "registry.enabled=false"])
-        # kill whichever rank runs on the second node
-        killer = RankKiller(recipe.run_dir, RUN, pick_rank=lambda: next(
-            (r for r, n in (worker_nodes(RUN) or [{}])[-1].items() if n == second.node_id), None))
-        killer.start()
+    with scoped_env({STATE_TRACKING_ENV: "1"}):     # Ray Train's state actor: where each rank runs
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 4, "resources": {"raytune_node": 1}, "include_dashboard": False})
         try:
-            out["summary"] = run(recipe, local=False)
+            second = cluster.add_node(num_cpus=4, resources={"raytune_node": 1})
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address)
+            out["nodes"] = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            out["second"] = second.node_id
+            job = _job()
+            recipe = resolve(job.recipe, job.local, local=True, overrides=[
+                f"tracking.storage_path={storage}", f"tracking.run_name={RUN}",
+                "scaling.num_workers=2", "scaling.placement_strategy=STRICT_SPREAD",
+                'scaling.resources_per_worker={"raytune_node": 1}', "scaling.max_failures=1",
+                f"train.max_steps={STEPS}", f"train.checkpoint_every={EVERY}", "registry.enabled=false"])
+            # kill whichever rank runs on the second node
+            killer = RankKiller(recipe.run_dir, RUN, pick_rank=lambda: next(
+                (r for r, n in (worker_nodes(RUN) or [{}])[-1].items() if n == second.node_id), None))
+            killer.start()
+            try:
+                out["summary"] = run(recipe, local=False)
+            finally:
+                killer.stop.set()
+                killer.join(timeout=30)
+            out["killer"] = killer
+            out["attempts"] = worker_nodes(RUN)
         finally:
-            killer.stop.set()
-            killer.join(timeout=30)
-        out["killer"] = killer
-        out["attempts"] = worker_nodes(RUN)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        os.environ.pop(STATE_TRACKING_ENV, None)
+            ray.shutdown()
+            cluster.shutdown()
     return out
 
 

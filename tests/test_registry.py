@@ -14,15 +14,15 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from tests.mlflow_server import MlflowServer, free_port, make_tiny_qwen2_checkpoint
+from tests.mlflow_server import MlflowServer, StubHttpServer, StubRequest, json_reply, make_tiny_qwen2_checkpoint
 from raytune_ft import registry
+from raytune_ft.cli import cli_register
+from raytune_ft.env import redact, scoped_env
 from raytune_ft.recipe import RegistryConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,15 +36,8 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 def quick_http():
     """No HTTP retries with back-off (7 by default, minutes against a dead port). Set before Ray
     starts, so the registration task's worker processes inherit it too."""
-    keys = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(keys)
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with scoped_env({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +86,12 @@ def training_run(tracking_uri: str, name: str = "train") -> str:
 
 def run_cli(cmd: str, tmp_path: Path) -> subprocess.CompletedProcess:
     """Run a printed retry command as printed, with the venv's `raytune-ft` console script (or
-    `python -m raytune_ft.registry register ...` where the package is not installed as a script)."""
+    `python -m raytune_ft.cli register ...` where the package is not installed as a script)."""
     import shlex
     argv = shlex.split(cmd)
     assert argv[:2] == ["raytune-ft", "register"], cmd
     script = Path(sys.executable).with_name("raytune-ft")
-    prefix = [str(script)] if script.exists() else [sys.executable, "-m", "raytune_ft.registry"]
+    prefix = [str(script)] if script.exists() else [sys.executable, "-m", "raytune_ft.cli"]
     return subprocess.run([*prefix, *argv[1:]], cwd=tmp_path, capture_output=True, text=True,
                           timeout=600, env=dict(os.environ))
 
@@ -109,57 +102,30 @@ class RegistryProxy:
 
     def __init__(self, target_port: int):
         self.target_port = target_port
-        self.port = free_port()
         self.refuse = True
         self.refused: list[str] = []
-        self._httpd: ThreadingHTTPServer | None = None
+        self._server = StubHttpServer(self._respond)
+        self.uri = self._server.uri
 
-    @property
-    def uri(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def _respond(self, req: StubRequest):
+        if self.refuse and ("/registered-models/" in req.path or "/model-versions/" in req.path):
+            self.refused.append(req.path)
+            return json_reply(403, {"error_code": "PERMISSION_DENIED",
+                                    "message": "no CREATE_MODEL grant on main.default"})
+        conn = http.client.HTTPConnection("127.0.0.1", self.target_port, timeout=60)
+        headers = {k: v for k, v in req.headers.items() if k.lower() not in ("host", "connection")}
+        conn.request(req.method, req.path, body=req.body or None, headers=headers)
+        resp = conn.getresponse()
+        reply = resp.status, dict(resp.getheaders()), resp.read()
+        conn.close()
+        return reply
 
     def __enter__(self):
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _handle(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if proxy.refuse and ("/registered-models/" in self.path or "/model-versions/" in self.path):
-                    proxy.refused.append(self.path)
-                    payload = json.dumps({"error_code": "PERMISSION_DENIED",
-                                          "message": "no CREATE_MODEL grant on main.default"}).encode()
-                    self.send_response(403)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
-                    return
-                conn = http.client.HTTPConnection("127.0.0.1", proxy.target_port, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
-                conn.request(self.command, self.path, body=body or None, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                self.send_response(resp.status)
-                for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-                conn.close()
-
-            do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = _handle
-
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+        self._server.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        self._server.__exit__(*exc)
 
 
 # ---------------------------------------------------------------- the success path
@@ -219,6 +185,7 @@ def test_post_fit_task_registers_versions_that_answer_chat(server, ray_registry,
         mlflow.set_tracking_uri(None)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_lora_checkpoint_is_merged_beside_it_and_registered(tmp_path, fixtures):
     """A LoRA checkpoint (adapter/ only): merged into its base with peft, the merged folder written
@@ -344,7 +311,9 @@ def test_registry_down_keeps_checkpoint_and_retry_works_when_back(server, ray_re
 @pytest.mark.timeout(120)
 def test_timeout_kills_the_task_and_reports(server, ray_registry, checkpoint, monkeypatch):
     """A task that does not stop by itself is killed once timeout_s (+ grace, 0 here) has passed."""
-    monkeypatch.setattr(registry, "_KILL_GRACE_S", 0.0)
+    from raytune_ft.registry import task
+
+    monkeypatch.setattr(task, "_KILL_GRACE_S", 0.0)
     cfg = RegistryConfig(name="main.default.too_slow", timeout_s=0.5, num_cpus=1)
     before = tree_hashes(checkpoint)
     outcome = registry.run_registration(str(checkpoint), cfg, server.uri)
@@ -398,23 +367,19 @@ def test_databricks_token_is_written_nowhere(server, checkpoint, tmp_path, monke
                 assert secret.encode() not in f.read_bytes(), f"secret found in {f}"
 
 
-def test_redaction_and_retry_command_quote_paths():
-    os.environ["HF_TOKEN"] = "hf_verysecretvalue"
-    try:
-        assert registry.redact("got hf_verysecretvalue back") == "got *** back"
-        cmd = registry.retry_command("/runs/my run/ckpt", "main.default.m",
-                                     "https://bob:pw123@mlflow.example:5000/?token=abc", "uc:http://h:8080")
-        assert "pw123" not in cmd and "token=abc" not in cmd
-        assert "'/runs/my run/ckpt'" in cmd and "--registry-uri uc:http://h:8080" in cmd
-    finally:
-        del os.environ["HF_TOKEN"]
+def test_redaction_and_retry_command_quote_paths(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_verysecretvalue")
+    assert redact("got hf_verysecretvalue back") == "got *** back"
+    cmd = registry.retry_command("/runs/my run/ckpt", "main.default.m",
+                                 "https://bob:pw123@mlflow.example:5000/?token=abc", "uc:http://h:8080")
+    assert "pw123" not in cmd and "token=abc" not in cmd
+    assert "'/runs/my run/ckpt'" in cmd and "--registry-uri uc:http://h:8080" in cmd
 
 
 def test_cli_rejects_bad_name_and_missing_checkpoint(tmp_path, capsys):
-    assert registry.cli_register([str(tmp_path), "--name", "just_a_name", "--tracking-uri", "sqlite:///x.db"]) == 2
+    assert cli_register([str(tmp_path), "--name", "just_a_name", "--tracking-uri", "sqlite:///x.db"]) == 2
     assert "catalog.schema.model" in capsys.readouterr().err
-    assert registry.cli_register([str(tmp_path / "nope"), "--name", "a.b.c", "--tracking-uri", "sqlite:///x.db"]) == 2
-    assert registry.main(["something-else"]) == 2
-    helped = subprocess.run([sys.executable, "-m", "raytune_ft.registry", "register", "--help"],
+    assert cli_register([str(tmp_path / "nope"), "--name", "a.b.c", "--tracking-uri", "sqlite:///x.db"]) == 2
+    helped = subprocess.run([sys.executable, "-m", "raytune_ft.cli", "register", "--help"],
                             capture_output=True, text=True, timeout=120)
     assert helped.returncode == 0 and "--registry-uri" in helped.stdout

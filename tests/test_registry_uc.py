@@ -19,15 +19,16 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from raytune_ft import registry
-from tests.mlflow_server import free_port, make_tiny_qwen2_checkpoint
+from raytune_ft.cli import cli_register
+from tests.mlflow_server import StubHttpServer, StubRequest, json_reply, make_tiny_qwen2_checkpoint
 
 PREFIX = "/api/2.1/unity-catalog"
+pytestmark = pytest.mark.slow          # each test logs and registers a model through MLflow
 
 
 class FakeUnityCatalog:
@@ -35,7 +36,7 @@ class FakeUnityCatalog:
 
     def __init__(self, storage_root: Path):
         self.storage_root = storage_root
-        self.port = free_port()
+        self._server = StubHttpServer(self._respond)
         self.calls: list[tuple[str, str, dict, str | None]] = []  # method, path, body, auth header
         self.models: dict[str, dict] = {}
         self.versions: dict[str, list[dict]] = {}
@@ -43,7 +44,7 @@ class FakeUnityCatalog:
 
     @property
     def uri(self) -> str:
-        return f"uc:http://127.0.0.1:{self.port}"
+        return f"uc:{self._server.uri}"
 
     def handle(self, method: str, path: str, body: dict) -> tuple[int, dict]:
         now = int(time.time() * 1000)
@@ -80,36 +81,19 @@ class FakeUnityCatalog:
             return 200, self.models[parts[1]]
         return 404, {"error_code": "ENDPOINT_NOT_FOUND", "message": f"{method} {path}"}
 
+    def _respond(self, req: StubRequest):
+        body = req.json()
+        path = req.path.split("?", 1)[0]
+        with self._lock:
+            self.calls.append((req.method, path, body, req.headers.get("Authorization")))
+            return json_reply(*self.handle(req.method, path, body))
+
     def __enter__(self):
-        uc = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _serve(self):
-                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                body = json.loads(raw) if raw else {}
-                path = self.path.split("?", 1)[0]
-                with uc._lock:
-                    uc.calls.append((self.command, path, body, self.headers.get("Authorization")))
-                    status, payload = uc.handle(self.command, path, body)
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_POST = do_PATCH = do_DELETE = _serve
-
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+        self._server.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        self._server.__exit__(*exc)
 
 
 @pytest.mark.timeout(600)
@@ -185,8 +169,8 @@ def test_uc_refusal_is_reported_with_retry_command(tmp_path, fixtures, monkeypat
     with FakeUnityCatalog(tmp_path / "uc_storage") as uc:
         uc.handle = lambda method, path, body: (403, {"error_code": "PERMISSION_DENIED",
                                                       "message": "User lacks CREATE MODEL on main.default"})
-        rc = registry.cli_register([str(ckpt), "--name", "main.default.tiny_uc", "--tracking-uri", tracking,
-                                    "--registry-uri", uc.uri, "--timeout", "100"])
+        rc = cli_register([str(ckpt), "--name", "main.default.tiny_uc", "--tracking-uri", tracking,
+                           "--registry-uri", uc.uri, "--timeout", "100"])
     assert rc == 1
     record = json.loads((ckpt.parent / "registration_failed.json").read_text())
     assert "PERMISSION_DENIED" in record["error"]

@@ -1,0 +1,90 @@
+"""What a failed registration leaves behind: the run tagged, a record beside the checkpoint, a retry command.
+
+A registration that fails never fails the run: the checkpoint stays as it is, the MLflow run is tagged
+raytune.status=trained_not_registered (when the store can be reached), registration_failed.json is
+written beside the checkpoint, and the outcome carries the exact `raytune-ft register ...` command that
+repeats it. Every text here has been through redaction: it ends up in files and tags.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shlex
+from pathlib import Path
+
+from raytune_ft.env import public_uri, redact, redact_exception, scoped_env
+from raytune_ft.registry.base import FAILURE_FILE, STATUS_TAG, RegistrationOutcome, logger
+
+
+def retry_command(checkpoint_path: str, name: str, tracking_uri: str | None,
+                  registry_uri: str | None = None, run_id: str | None = None) -> str:
+    """The exact command that repeats a registration from the command line."""
+    parts = ["raytune-ft", "register", str(Path(checkpoint_path).resolve()), "--name", name]
+    if tracking_uri:
+        parts += ["--tracking-uri", public_uri(tracking_uri)]
+    if registry_uri:
+        parts += ["--registry-uri", public_uri(registry_uri)]
+    if run_id:
+        parts += ["--run-id", run_id]
+    return shlex.join(parts)
+
+
+def failure_file_for(checkpoint_path: str | os.PathLike) -> Path:
+    """registration_failed.json sits beside the checkpoint (in the run folder), not inside it."""
+    return Path(checkpoint_path).resolve().parent / FAILURE_FILE
+
+
+def _tag_not_registered(tracking_uri: str, run_id: str, error: str) -> bool:
+    """Tag the run trained_not_registered; False when the tracking store cannot be reached."""
+    try:
+        from mlflow import MlflowClient
+
+        # short timeouts and no retries: the store may be down, which is one of the failures reported
+        with scoped_env({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}):
+            client = MlflowClient(tracking_uri=tracking_uri)
+            client.set_tag(run_id, STATUS_TAG, "trained_not_registered")
+            client.set_tag(run_id, "raytune.registration_error", error[:4000])
+        return True
+    except Exception as e:
+        logger.warning("could not tag run %s on %s: %s", run_id, public_uri(tracking_uri), redact_exception(e))
+        return False
+
+
+def record_failure(checkpoint_path: str, name: str, tracking_uri: str | None, registry_uri: str | None,
+                   run_id: str | None, error: str) -> RegistrationOutcome:
+    """Tag the run (if reachable), write registration_failed.json, build the retry command."""
+    error = redact(error)
+    cmd = retry_command(checkpoint_path, name, tracking_uri, registry_uri, run_id)
+    tagged = bool(run_id and tracking_uri and _tag_not_registered(tracking_uri, run_id, error))
+    record = {
+        "status": "trained_not_registered",
+        "checkpoint": str(Path(checkpoint_path).resolve()),
+        "name": name,
+        "tracking_uri": public_uri(tracking_uri),
+        "registry_uri": public_uri(registry_uri),
+        "run_id": run_id,
+        "run_tagged": tagged,
+        "error": error,
+        "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "retry_command": cmd,
+    }
+    path = failure_file_for(checkpoint_path)
+    written: str | None = str(path)
+    try:
+        path.write_text(json.dumps(record, indent=2) + "\n")
+    except OSError as e:
+        logger.warning("could not write %s: %s", path, redact_exception(e))
+        written = None
+    logger.error("registration of %s as %s failed: %s\nretry with: %s", checkpoint_path, name, error, cmd)
+    return RegistrationOutcome(ok=False, error=error, retry_command=cmd, failure_file=written)
+
+
+def clear_failure_record(ckpt: Path) -> None:
+    """After a successful retry, a failure record about this checkpoint would only mislead."""
+    path = failure_file_for(ckpt)
+    try:
+        if json.loads(path.read_text()).get("checkpoint") == str(ckpt.resolve()):
+            path.unlink()
+    except (OSError, ValueError):
+        pass
