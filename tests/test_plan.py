@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytune_ft.plan import GiB, KNOWN_SHAPES, ModelShape, memory_plan
+from raytune_ft.plan import GiB, memory_plan
 from raytune_ft.recipe import DataConfig, ModelConfig, Recipe, ScalingConfig, TrainConfig, apply_overrides
+from raytune_ft.shapes import KNOWN_SHAPES, ModelShape
 
 JOBS = Path(__file__).resolve().parents[1] / "jobs"
 
