@@ -7,10 +7,15 @@ loop's conversation lengths (same generator, same seed), so tokens/s and MFU com
 ../shared/peers/seed000_loop.py.
 
     python bench/gpu_compare.py --model qwen3.8-27b --layers 16 --seq 16384 --ac full --master bf16
+    python bench/gpu_compare.py --model qwen3.8-27b --layers 16 --seq 32768 --compile-mlp --precision fp8 --fp8-recipe rowwise
     SHAPE=tiny DEVICE=cpu python bench/gpu_compare.py --model qwen3.8-27b --seq 512 --steps 3 --warm 1
 
 Prints one `RESULT {json}` line: tok_per_s, mfu (6 x matmul params x tokens + attention term, over
 the datasheet dense bf16 peak: 989 TFLOP/s on an H200, raytune_ft.hardware), peak_gib, s_per_step, backends; or {"oom": true}.
+`--precision fp8` trains the decoder linears in float8 as train.precision=fp8 does (raytune_ft.train.fp8:
+conversion before compile and FSDP2, scales after each optimizer step); its MFU counts the same model
+FLOPs over the same bf16 peak, so MFU and tokens/s compare one to one with the bf16 run. Refused (exit 2,
+the reason on stderr) where float8 cannot run, e.g. on CPU.
 """
 from __future__ import annotations
 
@@ -43,6 +48,9 @@ def main(argv=None) -> dict:
     p.add_argument("--gqa", default="auto", choices=["auto", "repeat"],
                    help="varlen attention: pass 4 KV heads when the kernel takes them (auto) or repeat k/v")
     p.add_argument("--profile", action="store_true", help="profile the last step; print the top GPU kernels")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8"], help="train.precision")
+    p.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "mxfp8"],
+                   help="train.fp8_recipe (with --precision fp8)")
     a = p.parse_args(argv)
 
     from raytune_ft.models.attention import select_attention_backend
@@ -58,17 +66,33 @@ def main(argv=None) -> dict:
         attention._native_gqa_ok = lambda *args, **kw: False
 
     dev = gc.device()
+    fp8_recipe = a.fp8_recipe if a.precision == "fp8" else None
+    if fp8_recipe:
+        from raytune_ft.train.fp8 import fp8_support_error
+
+        reason = fp8_support_error(dev, fp8_recipe)
+        if reason:
+            print(reason, file=sys.stderr)
+            sys.exit(2)
     gc.init_single_process_group(dev)
     compute = torch.bfloat16 if dev.type == "cuda" else torch.float32
     master = torch.float32 if a.master == "fp32" else compute
     cfg = gc.model_config(a.model, a.layers)
     rec = {"bench": "fsdp_step", "model": a.model, "layers": cfg.num_hidden_layers, "seq": a.seq, "ac": a.ac,
            "master": a.master, "loss_chunk": a.loss_chunk, "compile_mlp": a.compile_mlp, "shape": gc.SHAPE,
-           "conv": a.conv, "gqa": a.gqa}
+           "conv": a.conv, "gqa": a.gqa, "precision": a.precision, "fp8_recipe": fp8_recipe}
     t_build = time.perf_counter()
     lm = gc.build_random_lm(cfg, dev, master)
+    if fp8_recipe:   # before compile and FSDP2, as the loop does
+        from raytune_ft.models.build import decoder_layers
+        from raytune_ft.train.fp8 import convert_to_fp8
+
+        rec["fp8_linears"] = len(convert_to_fp8(decoder_layers(lm), fp8_recipe))
     if a.compile_mlp:
         compile_pointwise(lm)   # the loop's own train.compile=true path
+    if fp8_recipe:
+        rec["fp8_linears_compiled"] = sum(1 for m in lm.modules() if type(m).__name__ == "Float8Linear"
+                                          and getattr(m, "_compiled_call_impl", None) is not None)
     model = shard_packed_model(lm, dev, compute_dtype=compute, activation_checkpointing=a.ac,
                                loss_chunk=a.loss_chunk)
     params = [q for q in model.parameters() if q.requires_grad]
@@ -76,6 +100,8 @@ def main(argv=None) -> dict:
     rec["build_s"] = round(time.perf_counter() - t_build, 1)
     rec["matmul_params_b"] = round(matmul_params(lm) / 1e9, 3)
     rec["backends"] = {"attention": select_attention_backend(dev), **gated_delta_backends(dev)}
+
+    from raytune_ft.train.fp8 import precompute_fp8_scales
 
     rng = np.random.default_rng(0)
     model.train()
@@ -100,6 +126,8 @@ def main(argv=None) -> dict:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if fp8_recipe:
+                precompute_fp8_scales(model, fp8_recipe)
             tokens += mb.n_real
             flops += flops_per_block(cfg, mb.seq_lens)
             if prof is not None:
