@@ -1,7 +1,7 @@
 """The start-up kernel check's logic on CPU (models/kernel_check.py).
 
 The fast kernels it guards (FlashAttention, torch varlen, fla, causal-conv1d, Liger) do not run on a CPU,
-so these tests hand the check CPU stand-ins through the same registry the loop uses (attention_path,
+so these tests hand the check CPU stand-ins through the same registry the loop uses (fast_paths.py: attention_path,
 conv_path, recurrence_path, fused_ce_path at a tiny qwen3_5 config): one correct (the project's own CPU
 paths), one that returns wrong values, one that raises, one that leaks across a conversation boundary.
 Each bad one must be caught, switched off for the process, logged in one line and recorded in the MLflow
@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from raytune_ft.models import fast_paths as fp
 from raytune_ft.models import kernel_check as kc
 from raytune_ft.models.attention import (DISABLED_KERNELS, disable_kernel, reset_disabled_kernels,
                                          select_attention_backend, varlen_attention)
@@ -84,14 +85,14 @@ def mean_ce(x, cu, max_len):
     return F.cross_entropy(x["h"] @ x["w"].t(), x["labels"], ignore_index=-100)
 
 
-K = kc.Kernel
+K = fp.Kernel
 
 
 def all_good_paths():
-    return [kc.attention_path(CFG, [K("attn_ok", good_attention, ("torch",))]),
-            kc.conv_path(CFG, [K("conv_ok", good_conv)]),
-            kc.recurrence_path(CFG, [K("rec_ok", good_recurrence)]),
-            kc.fused_ce_path(CFG, [K("ce_ok", good_ce)])]
+    return [fp.attention_path(CFG, [K("attn_ok", good_attention, ("torch",))]),
+            fp.conv_path(CFG, [K("conv_ok", good_conv)]),
+            fp.recurrence_path(CFG, [K("rec_ok", good_recurrence)]),
+            fp.fused_ce_path(CFG, [K("ce_ok", good_ce)])]
 
 
 @pytest.fixture(autouse=True)
@@ -144,7 +145,7 @@ def test_bad_attention_is_caught_switched_off_logged_and_tagged(mlflow_store, ba
     run_id, tag, tags = new_run(mlflow_store)
     lines: list[str] = []
     # the bad kernel is preferred ("torch_varlen", a real name so the hook is exercised); the good one is next
-    path = kc.attention_path(CFG, [K("torch_varlen", bad, ("torch",)), K("attn_ok", good_attention)])
+    path = fp.attention_path(CFG, [K("torch_varlen", bad, ("torch",)), K("attn_ok", good_attention)])
     report = kc.check_kernels(CFG, "cpu", dtype=F32, paths=[path], log_line=lines.append, tag=tag)
 
     assert [(f.kernel, f.what) for f in report.failures] == [("torch_varlen", what)]
@@ -165,8 +166,8 @@ def test_bad_attention_is_caught_switched_off_logged_and_tagged(mlflow_store, ba
 
 
 @pytest.mark.parametrize("path_fn, bad, good, name", [
-    (kc.conv_path, leaky_conv, good_conv, "causal_conv1d"),
-    (kc.recurrence_path, leaky_recurrence, good_recurrence, "fla_chunk"),
+    (fp.conv_path, leaky_conv, good_conv, "causal_conv1d"),
+    (fp.recurrence_path, leaky_recurrence, good_recurrence, "fla_chunk"),
 ])
 def test_gated_delta_leaks_are_caught(monkeypatch, path_fn, bad, good, name):
     from raytune_ft.models import gated_delta as gd
@@ -186,14 +187,14 @@ def test_gated_delta_leaks_are_caught(monkeypatch, path_fn, bad, good, name):
 
 
 def test_wrong_fused_loss_is_caught():
-    report = kc.check_kernels(CFG, "cpu", dtype=F32, paths=[kc.fused_ce_path(CFG, [K("liger", mean_ce)])],
+    report = kc.check_kernels(CFG, "cpu", dtype=F32, paths=[fp.fused_ce_path(CFG, [K("liger", mean_ce)])],
                               log_line=lambda _: None)
     assert [(f.kernel, f.what) for f in report.failures] == [("liger", "wrong values")]
     assert report.in_use == {"fused_ce": "torch"}
 
 
 def test_every_candidate_failing_falls_back_to_the_reference_path():
-    path = kc.attention_path(CFG, [K("flash_attn", raising_attention), K("torch_varlen", leaky_attention)])
+    path = fp.attention_path(CFG, [K("flash_attn", raising_attention), K("torch_varlen", leaky_attention)])
     lines: list[str] = []
     report = kc.check_kernels(CFG, "cpu", dtype=F32, paths=[path], log_line=lines.append)
     assert [f.kernel for f in report.failures] == ["flash_attn", "torch_varlen"]
@@ -205,7 +206,7 @@ def test_every_candidate_failing_falls_back_to_the_reference_path():
 
 def test_strict_mode_stops_with_a_clear_error(mlflow_store):
     run_id, tag, tags = new_run(mlflow_store)
-    path = kc.attention_path(CFG, [K("torch_varlen", wrong_attention, ("torch",)), K("attn_ok", good_attention)])
+    path = fp.attention_path(CFG, [K("torch_varlen", wrong_attention, ("torch",)), K("attn_ok", good_attention)])
     with pytest.raises(kc.KernelCheckError) as err:
         kc.check_kernels(CFG, "cpu", mode="strict", dtype=F32, paths=[path], log_line=lambda _: None, tag=tag)
     msg = str(err.value)
@@ -224,7 +225,7 @@ def test_bf16_tolerance_accepts_a_correct_kernel_in_bf16():
     """The stated bf16 bound is met by a correct kernel computing in bf16 (not only in fp32)."""
     report = kc.check_kernels(CFG, "cpu", dtype=torch.bfloat16, paths=all_good_paths()[:3], log_line=lambda _: None)
     assert report.failures == [], report.failures
-    assert all(0 < v <= kc.TOLERANCE[k.split("/")[0]][torch.bfloat16] / 2 for k, v in report.errors.items()
+    assert all(0 < v <= fp.TOLERANCE[k.split("/")[0]][torch.bfloat16] / 2 for k, v in report.errors.items()
                if not k.startswith("gdn_recurrence")), report.errors
 
 
@@ -240,7 +241,7 @@ def test_on_cpu_without_candidates_nothing_is_checked(mlflow_store):
 
 
 def test_off_mode_runs_nothing():
-    path = kc.attention_path(CFG, [K("torch_varlen", raising_attention)])
+    path = fp.attention_path(CFG, [K("torch_varlen", raising_attention)])
     report = kc.check_kernels(CFG, "cpu", mode="off", paths=[path], log_line=lambda _: None)
     assert not report.checked and report.failures == [] and not DISABLED_KERNELS
     assert "train.kernels=off" in report.note
@@ -253,8 +254,8 @@ def test_unknown_mode_is_refused():
 
 def test_qwen3_has_no_gated_delta_paths():
     cfg = tiny_config("qwen3", 512)
-    assert [p.name for p in kc.default_paths(cfg)] == ["attention"]
-    assert [p.name for p in kc.default_paths(CFG, liger=True)] == ["attention", "gdn_conv", "gdn_recurrence",
+    assert [p.name for p in fp.default_paths(cfg)] == ["attention"]
+    assert [p.name for p in fp.default_paths(CFG, liger=True)] == ["attention", "gdn_conv", "gdn_recurrence",
                                                                   "fused_ce"]
 
 
@@ -279,7 +280,7 @@ def _rank_main(rank, world, port, q):
     try:
         # rank 1 has a broken kernel (e.g. another GPU model in the job); rank 0's is fine
         first = wrong_attention if rank == 1 else good_attention
-        path = kc.attention_path(CFG, [K("torch_varlen", first), K("attn_ok", good_attention)])
+        path = fp.attention_path(CFG, [K("torch_varlen", first), K("attn_ok", good_attention)])
         lines: list[str] = []
         report = kc.check_kernels(CFG, "cpu", dtype=F32, paths=[path], log_line=lines.append)
         q.put((rank, report.in_use, sorted(DISABLED_KERNELS), lines))

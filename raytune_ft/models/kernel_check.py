@@ -19,45 +19,27 @@ kernels in use go to the MLflow run as the tag `raytune.kernels`. With `train.ke
 stops the run instead (KernelCheckError). Across ranks the verdicts are combined (a kernel that failed on
 any rank is off on all), so every rank trains with the same kernels.
 
-The registry is a list of FastPath entries, each: the op's input case, the reference run on one
-conversation, the candidates (Kernel: name + function + packages) in order of preference, and the
-fallback. Tests inject their own candidates (stand-ins on CPU); `default_paths` lists what the loop would
-use on this device. On CPU there is nothing to check: the reference paths are the only ones there.
+What is checked is the registry of fast_paths.py (each path's input case, reference, candidates in order
+of preference, fallback); tests hand in their own candidates (stand-ins on CPU, patched backends on the
+GPU). On CPU there is nothing to check: the reference paths are the only ones there.
 
     python -m raytune_ft.models.kernel_check --model qwen3.8-27b        # check this GPU, print the report
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.metadata
 import logging
 import time
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
+
+from raytune_ft.models.fast_paths import (CHECK_LENS, TOLERANCE, Case, FastPath, Kernel, cu_seqlens_of, default_paths,
+                                          package_versions, selected_kernels)
 
 log = logging.getLogger(__name__)
 
 MODES = ("check", "strict", "off")
-
-# Conversation lengths of the check's packed input: boundaries at 45 and 48 (inside the first 64-token
-# chunk of flash-linear-attention), a 3-token conversation shorter than the 4-tap conv, and a last one
-# that spans three chunks.
-CHECK_LENS = (45, 3, 92)
-
-# Largest allowed ||kernel - reference|| / ||reference|| over the output and every input gradient, per
-# path and compute dtype. bf16 rounding is 2^-8 = 3.9e-3 relative per element; on the H200 the varlen
-# attention, the segmented conv and fla's chunk rule measured 3e-3 to 6e-3 against fp32 references at
-# 8,192 tokens (bench/RESULTS.md), with independently rounded inputs. The wrong kernels this check is
-# for miss by far more: causal-conv1d off by 0.4 to 0.6, a leak or a non-causal window by O(1).
-TOLERANCE: dict[str, dict[torch.dtype, float]] = {
-    "attention": {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4},
-    "gdn_conv": {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5},
-    "gdn_recurrence": {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4},
-    "fused_ce": {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4},
-}
 
 TAG_IN_USE = "raytune.kernels"
 TAG_OFF = "raytune.kernels_off"
@@ -65,37 +47,6 @@ TAG_OFF = "raytune.kernels_off"
 
 class KernelCheckError(RuntimeError):
     """train.kernels=strict and a fast kernel failed the start-up check."""
-
-
-@dataclasses.dataclass
-class Kernel:
-    """A candidate for a fast path: `fn(inputs, cu_seqlens, max_len) -> output` on the packed input."""
-    name: str
-    fn: Callable[[dict, torch.Tensor, int], torch.Tensor]
-    packages: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass
-class Case:
-    """The packed input of one path: fp32 values on the device, which axis of each is the token axis
-    (None: shared by every conversation, e.g. a weight), which take gradients, which stay fp32."""
-    inputs: dict[str, torch.Tensor]
-    token_axis: dict[str, int | None]
-    grads: tuple[str, ...]
-    keep_fp32: tuple[str, ...] = ()
-    out_token_axis: int | None = 0         # None: the output is a sum over tokens (a loss)
-
-
-@dataclasses.dataclass
-class FastPath:
-    """One fast path of the loop: how to build its case, the reference run on ONE conversation, the
-    candidates in order of preference and the path used when none passes."""
-    name: str
-    title: str
-    make_case: Callable[[torch.device, torch.Generator], Case]
-    reference: Callable[[dict], torch.Tensor]
-    candidates: list[Kernel]
-    fallback: str
 
 
 @dataclasses.dataclass
@@ -131,213 +82,6 @@ class KernelReport:
     def summary(self) -> str:
         how = f"checked in {self.seconds:.1f} s" if self.checked else self.note
         return f"kernels in use ({how}): " + ", ".join(f"{k}={v}" for k, v in self.in_use.items())
-
-
-# ----------------------------------------------------------------- versions
-
-_DISTRIBUTIONS = {"flash_attn": "flash-attn", "fla": "flash-linear-attention", "fla_core": "fla-core",
-                  "causal_conv1d": "causal-conv1d", "liger_kernel": "liger-kernel"}
-
-
-def package_versions(packages: tuple[str, ...]) -> str:
-    """"torch 2.11.0+cu130, triton 3.6.0, ..." for the import names given (missing ones left out)."""
-    out = []
-    for mod in packages:
-        try:
-            ver = importlib.metadata.version(_DISTRIBUTIONS.get(mod, mod))
-        except importlib.metadata.PackageNotFoundError:
-            try:
-                ver = getattr(__import__(mod), "__version__", None)
-            except Exception:  # noqa: BLE001 - not importable: nothing to report
-                ver = None
-        if ver:
-            out.append(f"{mod} {ver}")
-    return ", ".join(out)
-
-
-# ----------------------------------------------------------------- the loop's fast paths
-
-def _cu(lens, device) -> torch.Tensor:
-    import itertools
-
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
-
-
-def _text_config(cfg):
-    return getattr(cfg, "text_config", None) or cfg
-
-
-def attention_path(cfg, candidates: list[Kernel]) -> FastPath:
-    """Full attention over packed conversations: (T, H, d) q and (T, Hkv, d) k/v, causal per conversation."""
-    c = _text_config(cfg)
-    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
-    dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    total = sum(CHECK_LENS)
-
-    def make_case(device, gen):
-        q, k, v = (torch.randn(total, h, dim, generator=gen, device=device) for h in (heads, kv_heads, kv_heads))
-        return Case({"q": q, "k": k, "v": v}, {"q": 0, "k": 0, "v": 0}, ("q", "k", "v"))
-
-    def reference(x):
-        q, k, v = (x[n].transpose(0, 1)[None] for n in "qkv")
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=dim ** -0.5,
-                                             enable_gqa=heads != kv_heads)
-        return out[0].transpose(0, 1)
-
-    return FastPath("attention", "full attention", make_case, reference, candidates, fallback="sdpa_blockdiag")
-
-
-def conv_path(cfg, candidates: list[Kernel]) -> FastPath:
-    """The gated-delta-net's depthwise causal conv over q/k/v channels: x (1, C, T) stored channel-last."""
-    c = _text_config(cfg)
-    channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
-    ksize = c.linear_conv_kernel_dim
-    total = sum(CHECK_LENS)
-
-    def make_case(device, gen):
-        x = torch.randn(1, total, channels, generator=gen, device=device).transpose(1, 2)
-        w = torch.randn(channels, ksize, generator=gen, device=device) * ksize ** -0.5
-        return Case({"x": x, "w": w}, {"x": 2, "w": None}, ("x", "w"), out_token_axis=2)
-
-    def reference(x):
-        out = F.conv1d(x["x"], x["w"][:, None], padding=ksize - 1, groups=channels)[:, :, :x["x"].shape[2]]
-        return F.silu(out)
-
-    return FastPath("gdn_conv", "gated-delta-net conv", make_case, reference, candidates, fallback="torch_segmented")
-
-
-def recurrence_path(cfg, candidates: list[Kernel]) -> FastPath:
-    """The gated delta rule: q/k (1, T, Hk, dk), v (1, T, Hv, dv), g (fp32, as the layer passes it) and
-    beta (1, T, Hv); each conversation from a zero state."""
-    c = _text_config(cfg)
-    hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
-    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
-    total = sum(CHECK_LENS)
-
-    def make_case(device, gen):
-        q = torch.randn(1, total, hk, dk, generator=gen, device=device)
-        k = torch.randn(1, total, hk, dk, generator=gen, device=device)
-        v = torch.randn(1, total, hv, dv, generator=gen, device=device)
-        # log decays as Qwen3.5 makes them (-exp(A_log) * softplus(.)): between about -0.05 and -2.7
-        g = -torch.rand(1, total, hv, generator=gen, device=device).mul(4).exp().mul(0.05)
-        beta = torch.rand(1, total, hv, generator=gen, device=device).sigmoid()
-        return Case({"q": q, "k": k, "v": v, "g": g, "beta": beta}, dict.fromkeys("q k v g beta".split(), 1),
-                    ("q", "k", "v", "g", "beta"), keep_fp32=("g",), out_token_axis=1)
-
-    def reference(x):
-        from raytune_ft.models.gated_delta import segment_gated_delta_rule
-
-        n = x["q"].shape[1]
-        cu = torch.tensor([0, n], dtype=torch.int32)
-        return segment_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu, backend="torch_per_segment")
-
-    return FastPath("gdn_recurrence", "gated-delta-net recurrence", make_case, reference, candidates,
-                    fallback="torch_per_segment")
-
-
-def fused_ce_path(cfg, candidates: list[Kernel]) -> FastPath:
-    """The fused linear cross-entropy: hidden (T, D) x lm_head (V, D) -> summed token loss, first token
-    of each conversation ignored (-100) as the packed labels have it."""
-    c = _text_config(cfg)
-    hidden, vocab = c.hidden_size, c.vocab_size
-    total = sum(CHECK_LENS)
-
-    def make_case(device, gen):
-        h = torch.randn(total, hidden, generator=gen, device=device)
-        w = torch.randn(vocab, hidden, generator=gen, device=device) * hidden ** -0.5
-        labels = torch.randint(0, vocab, (total,), generator=gen, device=device)
-        labels[_cu(CHECK_LENS, device)[:-1].long()] = -100
-        return Case({"h": h, "w": w, "labels": labels}, {"h": 0, "w": None, "labels": 0}, ("h", "w"),
-                    out_token_axis=None)
-
-    def reference(x):
-        return F.cross_entropy(x["h"] @ x["w"].t(), x["labels"], ignore_index=-100, reduction="sum")
-
-    return FastPath("fused_ce", "fused linear cross-entropy", make_case, reference, candidates, fallback="torch")
-
-
-# -- the installed candidates
-
-def _attention_kernels() -> list[Kernel]:
-    from raytune_ft.models import attention as att
-
-    out = []
-    if att._flash_attn_varlen() is not None:
-        out.append(Kernel("flash_attn", functools.partial(_varlen, backend="flash_attn"), ("flash_attn", "torch")))
-    if att._torch_varlen()[0] is not None:
-        out.append(Kernel("torch_varlen", functools.partial(_varlen, backend="torch_varlen"), ("torch",)))
-    return out
-
-
-def _varlen(x, cu, max_len, *, backend):
-    from raytune_ft.models.attention import varlen_attention
-
-    return varlen_attention(x["q"], x["k"], x["v"], cu, max_len, scaling=x["q"].shape[-1] ** -0.5, backend=backend)
-
-
-def _conv_kernels() -> list[Kernel]:
-    from raytune_ft.models import gated_delta as gd
-
-    if gd._causal_conv1d_fn() is None:
-        return []
-
-    def fn(x, cu, max_len):
-        return gd.segment_causal_conv1d(x["x"], x["w"], None, cu, activation="silu", backend="causal_conv1d")
-
-    return [Kernel("causal_conv1d", fn, ("causal_conv1d", "torch"))]
-
-
-def _recurrence_kernels() -> list[Kernel]:
-    from raytune_ft.models import gated_delta as gd
-
-    if gd._fla_chunk_gated_delta_rule() is None:
-        return []
-
-    def fn(x, cu, max_len):
-        return gd.segment_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu, backend="fla_chunk")
-
-    return [Kernel("fla_chunk", fn, ("fla", "fla_core", "triton", "tilelang", "torch"))]
-
-
-def _liger_kernels() -> list[Kernel]:
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # type: ignore[import-not-found]
-    except Exception:  # noqa: BLE001 - not installed or not importable here: nothing to check
-        return []
-
-    def fn(x, cu, max_len):
-        out = LigerFusedLinearCrossEntropyLoss(ignore_index=-100, reduction="sum")(x["w"], x["h"], x["labels"])
-        return out[0] if isinstance(out, tuple) else getattr(out, "loss", out)
-
-    return [Kernel("liger", fn, ("liger_kernel", "triton", "torch"))]
-
-
-def has_gated_delta_net(cfg) -> bool:
-    return "linear_attention" in (getattr(_text_config(cfg), "layer_types", None) or [])
-
-
-def default_paths(cfg, *, liger: bool = False) -> list[FastPath]:
-    """The fast paths a loop training a model of `cfg` uses on this GPU, with the installed candidates."""
-    paths = [attention_path(cfg, _attention_kernels())]
-    if has_gated_delta_net(cfg):
-        paths += [conv_path(cfg, _conv_kernels()), recurrence_path(cfg, _recurrence_kernels())]
-    if liger:
-        paths.append(fused_ce_path(cfg, _liger_kernels()))
-    return paths
-
-
-def selected_kernels(cfg, device, *, liger: bool = False) -> dict[str, str]:
-    """What the loop uses on `device` now, by the selection rules (kernels switched off skipped)."""
-    from raytune_ft.models.attention import select_attention_backend
-    from raytune_ft.models.gated_delta import gated_delta_backends
-
-    out = {"attention": select_attention_backend(torch.device(device).type)}
-    if has_gated_delta_net(cfg):
-        b = gated_delta_backends(device)
-        out.update(gdn_conv=b["conv"], gdn_recurrence=b["recurrence"])
-    if liger:
-        out["fused_ce"] = "liger" if torch.device(device).type == "cuda" and _liger_kernels() else "torch"
-    return out
 
 
 # ----------------------------------------------------------------- checking one kernel
@@ -397,7 +141,7 @@ def check_one(path: FastPath, kernel: Kernel, device: torch.device, dtype: torch
     versions = package_versions(kernel.packages)
     gen = torch.Generator(device=device).manual_seed(seed)
     case = path.make_case(device, gen)
-    cu = _cu(lens, device)
+    cu = cu_seqlens_of(lens, device)
     max_len = max(lens)
 
     def fail(what, detail):

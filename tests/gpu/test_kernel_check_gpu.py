@@ -17,6 +17,7 @@ WARM_S, COLD_S = 20.0, 240.0
 
 @pytest.mark.parametrize("model, liger", [("qwen3.8-27b", False), ("qwen3-4b", True)])
 def test_check_at_real_shape(cuda, model, liger):
+    from raytune_ft.models import fast_paths as fp
     from raytune_ft.models import kernel_check as kc
     from raytune_ft.models.attention import reset_disabled_kernels
     from raytune_ft.models.tiny import real_config
@@ -33,7 +34,7 @@ def test_check_at_real_shape(cuda, model, liger):
                                   "in_use": report.in_use, "errors": report.errors,
                                   "off": [f.line("") for f in report.failures]}))
     assert report.checked
-    expected = {"attention"} | ({"gdn_conv", "gdn_recurrence"} if kc.has_gated_delta_net(cfg) else set())
+    expected = {"attention"} | ({"gdn_conv", "gdn_recurrence"} if fp.has_gated_delta_net(cfg) else set())
     assert set(report.in_use) == expected | ({"fused_ce"} if liger else set())
     # every installed fast kernel of those paths was tried
     tried = {k.split("/")[1] for k in report.errors}
@@ -46,7 +47,7 @@ def test_check_at_real_shape(cuda, model, liger):
         if name in failed:
             assert report.in_use[path] != name
         else:
-            assert err <= kc.TOLERANCE[path][torch.bfloat16], (key, err)
+            assert err <= fp.TOLERANCE[path][torch.bfloat16], (key, err)
     assert len([x for x in lines if "switched off" in x]) == len(report.failures)
     assert runs[0][0].seconds < COLD_S and report.seconds < WARM_S, [r.seconds for r, _ in runs]
 
