@@ -131,4 +131,63 @@ kernels() {
   fi
 }
 
+# ---------------------------------------------------------------- "fp8": issue 18 (float8 training)
+# Carry .fp8whl (the torchao wheel + data/: the fixtures' chat rows) and .gputok (the Qwen3 tokenizer)
+# with the install folders above; the runs start once torchao, fla, tilelang and its needs are installed.
+# On two GPUs the throughput runs (GPU 0) and the loss parity + fp32-master runs (GPU 1) go side by side;
+# on one GPU, `fp8` runs the throughput and `fp8 parity` the rest (a second call).
+install_fp8() {
+  if ls .fp8whl/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.done_fp8whl ]; then
+    pip_into /tmp/site .fp8whl/*.whl && touch /tmp/site/.done_fp8whl && echo "installed: torchao"
+  fi
+  if [ -d .fp8whl/data ] && [ ! -d /tmp/fp8data ]; then cp -r .fp8whl/data /tmp/fp8data; fi
+  if [ -d .gputok/qwen3 ] && [ ! -d /tmp/tok/qwen3 ]; then mkdir -p /tmp/tok && cp -r .gputok/qwen3 /tmp/tok/; fi
+}
+
+# The 27B cut at 32,768 tokens, compiled (train.compile), full checkpointing, one H200 each run. fp32
+# master weights of the 16-layer cut (8.7B params x 16 B of weights, grads and AdamW states = 129 GiB)
+# do not fit one H200 next to 32k activations: the 16-layer pairs use bf16 master weights, and the
+# fp32-master pair the 8-layer cut.
+F27="bench/gpu_compare.py --model qwen3.8-27b --seq 32768 --ac full --compile-mlp --steps 6 --warm 2"
+fp8_speed() {
+  run 270 27b16_bf16 $PY $F27 --layers 16 --master bf16
+  run 270 27b16_fp8_tensorwise $PY $F27 --layers 16 --master bf16 --precision fp8 --fp8-recipe tensorwise
+  run 270 27b16_fp8_rowwise $PY $F27 --layers 16 --master bf16 --precision fp8 --fp8-recipe rowwise
+}
+fp8_fp32master() {
+  run 240 27b8_fp32master_bf16 $PY $F27 --layers 8 --master fp32
+  run 240 27b8_fp32master_fp8_tensorwise $PY $F27 --layers 8 --master fp32 --precision fp8 --fp8-recipe tensorwise
+}
+fp8_loss_parity() {   # bf16, fp8 tensorwise, fp8 rowwise from the same weights; curves + figure in $O
+  run 420 fp8_parity $PY bench/fp8_parity.py --tokenizer /tmp/tok/qwen3 --rows "/tmp/fp8data/*.jsonl" \
+    --steps 300 --out "$O"
+}
+fp8_parity_then_fp32() { fp8_loss_parity; fp8_fp32master; }
+
+fp8() {   # fp8 [speed|parity|all]: default all on two GPUs, speed on one
+  local which=${1:-} need n
+  install_present
+  install_fp8
+  need=$(missing torchao fla tilelang z3 tvm_ffi)
+  if [ -n "$need" ]; then
+    echo "installed what came with this call; still missing: $need (send the next call now: the machine keeps /tmp ~30 s)"
+    return 0
+  fi
+  $PY -c "import torchao, torch; print('torchao', torchao.__version__, 'torch', torch.__version__)" 2>&1 | tail -1
+  n=$(nvidia-smi -L | wc -l)
+  info > "$O/info.txt" 2>&1; head -3 "$O/info.txt"
+  if [ -z "$which" ] && [ "$n" -ge 2 ]; then which=all; fi
+  case ${which:-speed} in
+    speed)  on_gpus 0 fp8_speed fp8_speed ;;
+    parity) on_gpus 0 fp8_parity fp8_parity_then_fp32 ;;
+    all)    on_gpus 0 fp8_speed fp8_speed & on_gpus 1 fp8_parity fp8_parity_then_fp32 & wait ;;
+  esac
+  grep -h "RESULT\|Error\|error:" "$O"/fp8_*.log | cut -c1-1500
+}
+
+on_gpus() {  # on_gpus DEVICES LOGNAME FUNC...: run a function on some GPUs, output to $O/LOGNAME.log
+  local devs=$1 name=$2; shift 2
+  ( export CUDA_VISIBLE_DEVICES=$devs; "$@" ) > "$O/$name.log" 2>&1
+}
+
 "$@"
