@@ -251,9 +251,13 @@ def has_gated_delta_net(cfg) -> bool:
     return "linear_attention" in (getattr(_text_config(cfg), "layer_types", None) or [])
 
 
-def default_paths(cfg, *, liger: bool = False) -> list[FastPath]:
-    """The fast paths a loop training a model of `cfg` uses on this GPU, with the installed candidates."""
-    paths = [attention_path(cfg, _attention_kernels())]
+HALF = (torch.bfloat16, torch.float16)
+
+
+def default_paths(cfg, *, liger: bool = False, dtype: torch.dtype = torch.bfloat16) -> list[FastPath]:
+    """The fast paths a loop training a model of `cfg` in `dtype` uses on this GPU, with the installed
+    candidates (the varlen attention kernels take half precision only: fp32 goes to SDPA)."""
+    paths = [attention_path(cfg, _attention_kernels() if dtype in HALF else [])]
     if has_gated_delta_net(cfg):
         paths += [conv_path(cfg, _conv_kernels()), recurrence_path(cfg, _recurrence_kernels())]
     if liger:
@@ -261,12 +265,13 @@ def default_paths(cfg, *, liger: bool = False) -> list[FastPath]:
     return paths
 
 
-def selected_kernels(cfg, device, *, liger: bool = False) -> dict[str, str]:
-    """What the loop uses on `device` now, by the selection rules (kernels switched off skipped)."""
+def selected_kernels(cfg, device, *, liger: bool = False, dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
+    """What the loop uses on `device` in `dtype` now, by the selection rules (kernels switched off skipped)."""
     from raytune_ft.models.attention import select_attention_backend
     from raytune_ft.models.gated_delta import gated_delta_backends
 
-    out = {"attention": select_attention_backend(torch.device(device).type)}
+    attn = select_attention_backend(torch.device(device).type)
+    out = {"attention": attn if dtype in HALF else "sdpa_blockdiag"}
     if has_gated_delta_net(cfg):
         b = gated_delta_backends(device)
         out.update(gdn_conv=b["conv"], gdn_recurrence=b["recurrence"])

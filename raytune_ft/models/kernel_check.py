@@ -219,18 +219,26 @@ def _leak(path, case, kernel, x, out, cu, max_len, lens, dtype, gen) -> float | 
 
 # ----------------------------------------------------------------- the check
 
-def _agree(failed: list[bool]) -> list[int]:
-    """Per kernel, the lowest rank where it failed (world size where none): one all-reduce. Without a
-    process group, this rank's verdicts."""
+def _agree(failed: list[bool], device: torch.device) -> list[int]:
+    """Per kernel, the lowest rank where it failed (world size where none), over all ranks. Without a
+    process group, or if the ranks checked different kernel lists (different installs), this rank's own."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or not failed:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [0 if f else 1 for f in failed]
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    dev = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    n = torch.tensor([len(failed), -len(failed)], dtype=torch.int64, device=dev)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    if int(n[0]) != -int(n[1]):
+        log.warning("kernel check: the ranks checked different kernel lists (different installs?); each rank "
+                    "keeps its own verdicts")
+        return [rank if f else world for f in failed]
+    if not failed:
+        return []
     t = torch.tensor([rank if f else world for f in failed], dtype=torch.int64, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return [int(r) if r < world else world for r in t.tolist()]
+    return [int(r) for r in t.tolist()]
 
 
 def check_kernels(cfg, device, *, mode: str = "check", dtype: torch.dtype = torch.bfloat16,
@@ -255,11 +263,12 @@ def check_kernels(cfg, device, *, mode: str = "check", dtype: torch.dtype = torc
     if mode == "off" or (paths is None and device.type != "cuda"):
         note = ("not checked (train.kernels=off)" if mode == "off"
                 else "no GPU: the reference paths are the only ones here")
-        report = KernelReport(selected_kernels(cfg, device, liger=liger), [], 0.0, checked=False, note=note)
+        report = KernelReport(selected_kernels(cfg, device, liger=liger, dtype=dtype), [], 0.0, checked=False,
+                              note=note)
         _finish(report, rank, say, tag)
         return report
     if paths is None:
-        paths = default_paths(cfg, liger=liger)
+        paths = default_paths(cfg, liger=liger, dtype=dtype)
 
     results: list[tuple[FastPath, Kernel, KernelFailure | None]] = []
     errors = {}
@@ -271,7 +280,7 @@ def check_kernels(cfg, device, *, mode: str = "check", dtype: torch.dtype = torc
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    first_failed = _agree([f is not None for _, _, f in results])
+    first_failed = _agree([f is not None for _, _, f in results], device)
     world = _world()
     in_use, failures = {}, []
     for path in paths:
