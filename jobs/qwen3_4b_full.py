@@ -34,8 +34,8 @@ def recipe() -> Recipe:
                           schedule="linear", max_steps=50, micro_batch_size=1, grad_accum=8,
                           gradient_checkpointing=True, log_every=10, eval_every=25, checkpoint_every=25,
                           keep_checkpoints=2, load_best_at_end=True, use_liger=True,
-                          # as the notebook: bf16 weights (fp32 master weights: 74.4 GiB planned without
-                          # Liger, 70.4 with it, of an H100's 71.2 GiB budget: raytune-ft plan)
+                          # as the notebook: bf16 weights (fp32 master weights do not fit an H100:
+                          # `raytune-ft plan` shows the budget)
                           master_weights="bf16"),
         scaling=ScalingConfig(num_workers=NUM_GPUS, use_gpu=True, gpus_per_node=1, cpus_per_worker=8),
         tracking=TrackingConfig(run_name="qwen3-4b-capybara-full", experiment="raytune_ft"),

@@ -14,9 +14,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from raytune_ft.typed_values import RecipeError, check_range, check_value, coerce
 
-class RecipeError(ValueError):
-    """A recipe that cannot run; the message names the field and what it allows."""
+__all__ = ["RecipeError", "Recipe", "ModelConfig", "DataConfig", "TrainConfig", "ScalingConfig", "TrackingConfig",
+           "RegistryConfig", "validate", "apply_overrides", "recipe_from_dict", "absolute_local_paths",
+           "on_local_cpu", "validate_registry_name"]
 
 
 @dataclass
@@ -35,6 +37,16 @@ class ModelConfig:
     max_position_embeddings: int | None = None  # read from the model config when None
     chat_template: str | None = None         # a jinja file to use instead of the tokenizer's own
 
+    def validate(self) -> None:
+        if not self.name.strip():
+            raise RecipeError("model.name: must not be empty")
+        if self.family not in ("qwen3_5", "qwen3", "qwen2"):
+            raise RecipeError(f"model.family: {self.family!r} is not one of 'qwen3_5', 'qwen3', 'qwen2'")
+        if self.revision is not None and not re.fullmatch(r"[0-9a-f]{7,40}|[A-Za-z0-9._/-]+", self.revision):
+            raise RecipeError(f"model.revision: {self.revision!r} is not a commit hash or branch name")
+        if self.chat_template is not None and not os.path.isfile(os.path.expanduser(self.chat_template)):
+            raise RecipeError(f"model.chat_template: {self.chat_template!r} is not a file")
+
 
 @dataclass
 class DataConfig:
@@ -51,6 +63,30 @@ class DataConfig:
     overlong: Literal["split", "drop"] = "split"
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     num_cpus_per_op: float = 0.25            # fractional CPUs for Ray Data operators (no deadlock on small hosts)
+
+    def validate(self, model: ModelConfig) -> None:
+        if not self.source.strip():
+            raise RecipeError("data.source: must not be empty")
+        if self.source.startswith("builtin:"):
+            from raytune_ft.data.builtin import builtin_source
+
+            try:
+                builtin_source(self.source)
+            except ValueError as e:
+                raise RecipeError(f"data.source: {e}") from None
+        elif not self.source.startswith("hf://"):
+            if not os.path.exists(os.path.expanduser(self.source)):
+                raise RecipeError(f"data.source: {self.source!r} does not exist (a local file or folder, "
+                                  "hf://org/dataset or builtin:chat)")
+        check_range("data.seq_len", self.seq_len, 16, 1 << 20)
+        if model.max_position_embeddings is not None and self.seq_len > model.max_position_embeddings:
+            raise RecipeError(f"data.seq_len: {self.seq_len} exceeds the model context "
+                              f"model.max_position_embeddings={model.max_position_embeddings}")
+        check_range("data.validation_fraction", self.validation_fraction, 0.0, 0.5)
+        if self.max_rows is not None:
+            check_range("data.max_rows", self.max_rows, 1)
+        check_range("data.pack_window", self.pack_window, 1, 1_000_000)
+        check_range("data.num_cpus_per_op", self.num_cpus_per_op, 0.0, 64, lo_open=True)
 
 
 @dataclass
@@ -91,6 +127,45 @@ class TrainConfig:
     packing: bool = True                     # TRL: feed packed blocks from the project's pipeline
     merge_adapter: bool = True
 
+    def validate(self, data: DataConfig, registry: RegistryConfig) -> None:
+        check_range("train.lr", self.lr, 0.0, 1.0, lo_open=True)
+        b1, b2 = self.betas
+        check_range("train.betas[0]", b1, 0.0, 1.0)
+        check_range("train.betas[1]", b2, 0.0, 1.0)
+        if not (b1 < 1.0 and b2 < 1.0):
+            raise RecipeError(f"train.betas: {self.betas!r} out of range (allowed: each in [0, 1))")
+        check_range("train.weight_decay", self.weight_decay, 0.0, 1.0)
+        check_range("train.warmup_steps", self.warmup_steps, 0)
+        check_range("train.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        if self.max_steps is not None:
+            check_range("train.max_steps", self.max_steps, 1)
+            if self.warmup_steps > self.max_steps:
+                raise RecipeError(f"train.warmup_steps: {self.warmup_steps} exceeds train.max_steps={self.max_steps}")
+        check_range("train.epochs", self.epochs, 1, 1000)
+        check_range("train.micro_batch_size", self.micro_batch_size, 1, 4096)
+        check_range("train.grad_accum", self.grad_accum, 1, 4096)
+        check_range("train.max_grad_norm", self.max_grad_norm, 0.0)
+        check_range("train.log_every", self.log_every, 1)
+        check_range("train.checkpoint_every", self.checkpoint_every, 1)
+        if self.eval_every is not None:
+            check_range("train.eval_every", self.eval_every, 1)
+        check_range("train.keep_checkpoints", self.keep_checkpoints, 1, 1000)
+        if not self.save_final and registry.enabled:
+            raise RecipeError("train.save_final: false leaves no final model to register; "
+                              "set registry.enabled=false too")
+        check_range("train.lora_r", self.lora_r, 0, 4096)
+        check_range("train.lora_dropout", self.lora_dropout, 0.0, 1.0)
+        check_range("train.lora_lr_multiplier", self.lora_lr_multiplier, 0.0, 1e4, lo_open=True)
+        if self.lora_r and self.loop != "trl":
+            raise RecipeError("train.lora_r: LoRA is offered by the TRL loop only (train.loop='trl')")
+        if self.load_best_at_end and not self.eval_every:
+            raise RecipeError("train.load_best_at_end: needs train.eval_every and a validation set")
+        if self.eval_every and data.validation_fraction == 0.0 and data.validation_split is None:
+            raise RecipeError("train.eval_every: no validation data (set data.validation_fraction or "
+                              "data.validation_split)")
+        if self.max_length is not None:
+            check_range("train.max_length", self.max_length, 16, 1 << 20)
+
 
 @dataclass
 class ScalingConfig:
@@ -104,6 +179,30 @@ class ScalingConfig:
     accelerator_type: str | None = None
     max_failures: int = 3
 
+    def validate(self) -> None:
+        check_range("scaling.num_workers", self.num_workers, 1, 100_000)
+        check_range("scaling.gpus_per_node", self.gpus_per_node, 1, 64)
+        check_range("scaling.cpus_per_worker", self.cpus_per_worker, 0.0, 1024, lo_open=True)
+        check_range("scaling.max_failures", self.max_failures, -1, 10_000)
+        if self.use_gpu and self.num_workers > self.gpus_per_node and self.num_workers % self.gpus_per_node:
+            raise RecipeError(
+                f"scaling.num_workers: {self.num_workers} workers do not fill whole nodes of "
+                f"scaling.gpus_per_node={self.gpus_per_node} GPUs (allowed: up to {self.gpus_per_node}, "
+                f"or a multiple of it)")
+        if self.backend == "nccl" and not self.use_gpu:
+            raise RecipeError("scaling.backend: 'nccl' needs scaling.use_gpu=true (use 'gloo' or 'auto' on CPU)")
+        for k, v in self.resources_per_worker.items():
+            if not isinstance(v, (int, float)) or v < 0:
+                raise RecipeError(f"scaling.resources_per_worker.{k}: {v!r} must be a number >= 0")
+        # CPU/GPU here would silently override cpus_per_worker / the loops' one-GPU-per-worker layout
+        if "CPU" in self.resources_per_worker:
+            raise RecipeError("scaling.resources_per_worker.CPU: set scaling.cpus_per_worker instead")
+        if "GPU" in self.resources_per_worker:
+            raise RecipeError("scaling.resources_per_worker.GPU: each worker drives one GPU; "
+                              "set scaling.use_gpu=true and scaling.num_workers instead")
+        if self.accelerator_type is not None and not self.use_gpu:
+            raise RecipeError(f"scaling.accelerator_type: {self.accelerator_type!r} needs scaling.use_gpu=true")
+
 
 @dataclass
 class TrackingConfig:
@@ -111,6 +210,18 @@ class TrackingConfig:
     run_name: str = "qwen27b-ultrachat"      # re-submitting the same name resumes it
     tracking_uri: str | None = None          # None: sqlite file under the run's folder
     experiment: str = "raytune_ft"
+
+    def validate(self) -> None:
+        if not self.experiment.strip():
+            raise RecipeError("tracking.experiment: must not be empty")
+        if not self.storage_path.strip():
+            raise RecipeError("tracking.storage_path: must not be empty")
+        if not _RUN_NAME.match(self.run_name):
+            raise RecipeError(f"tracking.run_name: {self.run_name!r} (allowed: letters, digits, '.', '_', '-')")
+        if self.tracking_uri is not None and not re.match(r"^(sqlite:///|file:|https?://|databricks)",
+                                                          self.tracking_uri):
+            raise RecipeError(f"tracking.tracking_uri: {self.tracking_uri!r} (allowed: sqlite:///path, "
+                              "file:path, http(s)://host, databricks)")
 
 
 @dataclass
@@ -121,6 +232,17 @@ class RegistryConfig:
     timeout_s: float = 1800.0
     num_cpus: float = 1.0
     memory_gb: float | None = None
+
+    def validate(self) -> None:
+        validate_registry_name(self.name)
+        if self.registry_uri is not None and not (
+                self.registry_uri == "databricks-uc" or self.registry_uri.startswith(
+                    ("uc:http://", "uc:https://", "databricks-uc://", "sqlite:///", "http://", "https://",
+                     "file:"))):
+            raise RecipeError(f"registry.registry_uri: {self.registry_uri!r} (allowed: databricks-uc, "
+                              "uc:http://host:port, an MLflow tracking URI, or unset for the run's own store)")
+        check_range("registry.timeout_s", self.timeout_s, 0.0, lo_open=True)
+        check_range("registry.num_cpus", self.num_cpus, 0.0, 1024, lo_open=True)
 
 
 @dataclass
@@ -160,64 +282,6 @@ def _section_classes() -> dict[str, type]:
     return {name: hints[name] for name in SECTIONS}
 
 
-def _coerce(path: str, raw: str, tp: Any) -> Any:
-    """Parse the text of `--set path=raw` into the annotated type `tp`."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin is typing.Union or str(origin) == "types.UnionType" or type(tp).__name__ == "UnionType":
-        non_none = [a for a in args if a is not type(None)]
-        if raw.lower() in ("none", "null", ""):
-            if type(None) in args:
-                return None
-        return _coerce(path, raw, non_none[0])
-    if origin is Literal:
-        if raw not in args:
-            raise RecipeError(f"{path}: {raw!r} is not one of {', '.join(map(repr, args))}")
-        return raw
-    if tp is bool:
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise RecipeError(f"{path}: {raw!r} is not a boolean (true/false)")
-    if tp is int:
-        try:
-            return int(raw.replace("_", ""))
-        except ValueError:
-            raise RecipeError(f"{path}: {raw!r} is not an integer") from None
-    if tp is float:
-        try:
-            return float(raw)
-        except ValueError:
-            raise RecipeError(f"{path}: {raw!r} is not a number") from None
-    if tp is str:
-        return raw
-    # lists, tuples, dicts: JSON, or comma-separated for lists/tuples
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        if origin in (list, tuple):
-            value = [v.strip() for v in raw.split(",") if v.strip()]
-        else:
-            raise RecipeError(f"{path}: {raw!r} is not valid JSON for {tp}") from None
-    if origin in (list, tuple):
-        if not isinstance(value, list):
-            raise RecipeError(f"{path}: expected a list, got {raw!r}")
-        inner = args[0] if args else str
-        if origin is tuple and len(args) >= 2 and args[1] is not Ellipsis:
-            if len(value) != len(args):
-                raise RecipeError(f"{path}: expected {len(args)} values, got {len(value)}")
-            return tuple(_coerce(f"{path}[{i}]", str(v), a) for i, (v, a) in enumerate(zip(value, args)))
-        items = [_coerce(f"{path}[{i}]", v if isinstance(v, str) else json.dumps(v), inner)
-                 for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise RecipeError(f"{path}: expected a JSON object, got {raw!r}")
-        return value
-    return value
-
-
 def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
     """Apply `section.field=value` strings in order; unknown names fail with the allowed ones."""
     classes = _section_classes()
@@ -235,7 +299,7 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
         hints = typing.get_type_hints(cls)
         if name not in hints:
             raise RecipeError(f"{key}: unknown field {name!r} of {section} (fields: {', '.join(hints)})")
-        setattr(getattr(recipe, section), name, _coerce(key, raw.strip(), hints[name]))
+        setattr(getattr(recipe, section), name, coerce(key, raw.strip(), hints[name]))
     return recipe
 
 
@@ -252,53 +316,7 @@ def _check_types(recipe: Recipe) -> None:
         if not isinstance(obj, cls):
             raise RecipeError(f"{section}: expected {cls.__name__}, got {type(obj).__name__}")
         for name, tp in typing.get_type_hints(cls).items():
-            _check_value(f"{section}.{name}", getattr(obj, name), tp)
-
-
-def _check_value(path: str, value: Any, tp: Any) -> None:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if type(tp).__name__ == "UnionType" or origin is typing.Union:
-        if value is None and type(None) in args:
-            return
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                _check_value(path, value, a)
-                return
-            except RecipeError:
-                continue
-        raise RecipeError(f"{path}: {value!r} has the wrong type (expected {tp})")
-    if origin is Literal:
-        if value not in args:
-            raise RecipeError(f"{path}: {value!r} is not one of {', '.join(map(repr, args))}")
-        return
-    if tp is bool:
-        ok = isinstance(value, bool)
-    elif tp is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif tp is str:
-        ok = isinstance(value, str)
-    elif origin in (list, tuple):
-        ok = isinstance(value, (list, tuple))
-    elif origin is dict:
-        ok = isinstance(value, dict)
-    else:
-        ok = True
-    if not ok:
-        raise RecipeError(f"{path}: {value!r} has the wrong type (expected {getattr(tp, '__name__', tp)})")
-
-
-def _range(path: str, value: float, lo: float | None = None, hi: float | None = None,
-           lo_open: bool = False) -> None:
-    bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi)
-    if bad:
-        lo_txt = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
-        hi_txt = "" if hi is None else f"<= {hi}"
-        allowed = " and ".join(t for t in (lo_txt, hi_txt) if t)
-        raise RecipeError(f"{path}: {value!r} is out of range (allowed: {allowed})")
+            check_value(f"{section}.{name}", getattr(obj, name), tp)
 
 
 def validate_registry_name(name: str, path: str = "registry.name") -> None:
@@ -312,119 +330,12 @@ def validate_registry_name(name: str, path: str = "registry.name") -> None:
 def validate(recipe: Recipe) -> Recipe:
     """Check every field for type and range; raise RecipeError naming the first bad one."""
     _check_types(recipe)
-    m, d, t, s, tr, r = recipe.model, recipe.data, recipe.train, recipe.scaling, recipe.tracking, recipe.registry
-    if not m.name.strip():
-        raise RecipeError("model.name: must not be empty")
-    if m.family not in ("qwen3_5", "qwen3", "qwen2"):
-        raise RecipeError(f"model.family: {m.family!r} is not one of 'qwen3_5', 'qwen3', 'qwen2'")
-    if m.revision is not None and not re.fullmatch(r"[0-9a-f]{7,40}|[A-Za-z0-9._/-]+", m.revision):
-        raise RecipeError(f"model.revision: {m.revision!r} is not a commit hash or branch name")
-    if m.chat_template is not None and not os.path.isfile(os.path.expanduser(m.chat_template)):
-        raise RecipeError(f"model.chat_template: {m.chat_template!r} is not a file")
-
-    if not d.source.strip():
-        raise RecipeError("data.source: must not be empty")
-    if d.source.startswith("builtin:"):
-        from raytune_ft.data.builtin import builtin_source
-
-        try:
-            builtin_source(d.source)
-        except ValueError as e:
-            raise RecipeError(f"data.source: {e}") from None
-    elif not d.source.startswith("hf://"):
-        if not os.path.exists(os.path.expanduser(d.source)):
-            raise RecipeError(f"data.source: {d.source!r} does not exist (a local file or folder, "
-                              "hf://org/dataset or builtin:chat)")
-    _range("data.seq_len", d.seq_len, 16, 1 << 20)
-    if m.max_position_embeddings is not None and d.seq_len > m.max_position_embeddings:
-        raise RecipeError(f"data.seq_len: {d.seq_len} exceeds the model context "
-                          f"model.max_position_embeddings={m.max_position_embeddings}")
-    _range("data.validation_fraction", d.validation_fraction, 0.0, 0.5)
-    if d.max_rows is not None:
-        _range("data.max_rows", d.max_rows, 1)
-    _range("data.pack_window", d.pack_window, 1, 1_000_000)
-    _range("data.num_cpus_per_op", d.num_cpus_per_op, 0.0, 64, lo_open=True)
-
-    _range("train.lr", t.lr, 0.0, 1.0, lo_open=True)
-    b1, b2 = t.betas
-    _range("train.betas[0]", b1, 0.0, 1.0)
-    _range("train.betas[1]", b2, 0.0, 1.0)
-    if not (b1 < 1.0 and b2 < 1.0):
-        raise RecipeError(f"train.betas: {t.betas!r} out of range (allowed: each in [0, 1))")
-    _range("train.weight_decay", t.weight_decay, 0.0, 1.0)
-    _range("train.warmup_steps", t.warmup_steps, 0)
-    _range("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0)
-    if t.max_steps is not None:
-        _range("train.max_steps", t.max_steps, 1)
-        if t.warmup_steps > t.max_steps:
-            raise RecipeError(f"train.warmup_steps: {t.warmup_steps} exceeds train.max_steps={t.max_steps}")
-    _range("train.epochs", t.epochs, 1, 1000)
-    _range("train.micro_batch_size", t.micro_batch_size, 1, 4096)
-    _range("train.grad_accum", t.grad_accum, 1, 4096)
-    _range("train.max_grad_norm", t.max_grad_norm, 0.0)
-    _range("train.log_every", t.log_every, 1)
-    _range("train.checkpoint_every", t.checkpoint_every, 1)
-    if t.eval_every is not None:
-        _range("train.eval_every", t.eval_every, 1)
-    _range("train.keep_checkpoints", t.keep_checkpoints, 1, 1000)
-    if not t.save_final and recipe.registry.enabled:
-        raise RecipeError("train.save_final: false leaves no final model to register; "
-                          "set registry.enabled=false too")
-    _range("train.lora_r", t.lora_r, 0, 4096)
-    _range("train.lora_dropout", t.lora_dropout, 0.0, 1.0)
-    _range("train.lora_lr_multiplier", t.lora_lr_multiplier, 0.0, 1e4, lo_open=True)
-    if t.lora_r and t.loop != "trl":
-        raise RecipeError("train.lora_r: LoRA is offered by the TRL loop only (train.loop='trl')")
-    if t.load_best_at_end and not t.eval_every:
-        raise RecipeError("train.load_best_at_end: needs train.eval_every and a validation set")
-    if t.eval_every and d.validation_fraction == 0.0 and d.validation_split is None:
-        raise RecipeError("train.eval_every: no validation data (set data.validation_fraction or "
-                          "data.validation_split)")
-    if t.max_length is not None:
-        _range("train.max_length", t.max_length, 16, 1 << 20)
-
-    _range("scaling.num_workers", s.num_workers, 1, 100_000)
-    _range("scaling.gpus_per_node", s.gpus_per_node, 1, 64)
-    _range("scaling.cpus_per_worker", s.cpus_per_worker, 0.0, 1024, lo_open=True)
-    _range("scaling.max_failures", s.max_failures, -1, 10_000)
-    if s.use_gpu and s.num_workers > s.gpus_per_node and s.num_workers % s.gpus_per_node:
-        raise RecipeError(
-            f"scaling.num_workers: {s.num_workers} workers do not fill whole nodes of "
-            f"scaling.gpus_per_node={s.gpus_per_node} GPUs (allowed: up to {s.gpus_per_node}, "
-            f"or a multiple of it)")
-    if s.backend == "nccl" and not s.use_gpu:
-        raise RecipeError("scaling.backend: 'nccl' needs scaling.use_gpu=true (use 'gloo' or 'auto' on CPU)")
-    for k, v in s.resources_per_worker.items():
-        if not isinstance(v, (int, float)) or v < 0:
-            raise RecipeError(f"scaling.resources_per_worker.{k}: {v!r} must be a number >= 0")
-    # CPU/GPU here would silently override cpus_per_worker / the loops' one-GPU-per-worker layout
-    if "CPU" in s.resources_per_worker:
-        raise RecipeError("scaling.resources_per_worker.CPU: set scaling.cpus_per_worker instead")
-    if "GPU" in s.resources_per_worker:
-        raise RecipeError("scaling.resources_per_worker.GPU: each worker drives one GPU; "
-                          "set scaling.use_gpu=true and scaling.num_workers instead")
-    if s.accelerator_type is not None and not s.use_gpu:
-        raise RecipeError(f"scaling.accelerator_type: {s.accelerator_type!r} needs scaling.use_gpu=true")
-
-    if not tr.experiment.strip():
-        raise RecipeError("tracking.experiment: must not be empty")
-    if not tr.storage_path.strip():
-        raise RecipeError("tracking.storage_path: must not be empty")
-    if not _RUN_NAME.match(tr.run_name):
-        raise RecipeError(f"tracking.run_name: {tr.run_name!r} (allowed: letters, digits, '.', '_', '-')")
-    if tr.tracking_uri is not None and not re.match(r"^(sqlite:///|file:|https?://|databricks)", tr.tracking_uri):
-        raise RecipeError(f"tracking.tracking_uri: {tr.tracking_uri!r} (allowed: sqlite:///path, file:path, "
-                          "http(s)://host, databricks)")
-
-    validate_registry_name(r.name)
-    if r.registry_uri is not None and not (r.registry_uri == "databricks-uc" or
-                                           r.registry_uri.startswith(("uc:http://", "uc:https://",
-                                                                      "databricks-uc://", "sqlite:///",
-                                                                      "http://", "https://", "file:"))):
-        raise RecipeError(f"registry.registry_uri: {r.registry_uri!r} (allowed: databricks-uc, "
-                          "uc:http://host:port, an MLflow tracking URI, or unset for the run's own store)")
-    _range("registry.timeout_s", r.timeout_s, 0.0, lo_open=True)
-    _range("registry.num_cpus", r.num_cpus, 0.0, 1024, lo_open=True)
+    recipe.model.validate()
+    recipe.data.validate(recipe.model)
+    recipe.train.validate(recipe.data, recipe.registry)
+    recipe.scaling.validate()
+    recipe.tracking.validate()
+    recipe.registry.validate()
     return recipe
 
 

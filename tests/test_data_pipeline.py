@@ -66,9 +66,9 @@ def test_validation_fraction_and_resume(ray_local, tok_path):
 def _worker_loop(config):
     """Each rank: pack its shard, equalise steps, record what it trained on."""
     import ray.train
-    import torch
 
-    from raytune_ft.data.pipeline import equalize_steps, gather_counters, iter_blocks
+    from raytune_ft.data.pipeline import gather_counters, iter_blocks
+    from raytune_ft.train.batch import StepFeed
 
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
@@ -76,10 +76,9 @@ def _worker_loop(config):
     counters = DataCounters()
     blocks = iter_blocks(ray.train.get_dataset_shard("train"), data, counters=counters)
     steps, convs, padding_steps = 0, [], 0
-    for block, is_padding in equalize_steps(blocks, seq_len=data.seq_len, counters=counters,
-                                            device=torch.device("cpu")):
+    for block in StepFeed(blocks, per_step=1, seq_len=data.seq_len, counters=counters, rank=rank):
         steps += 1
-        padding_steps += is_padding
+        padding_steps += not block["input_ids"].any()
         cu = block["cu_seqlens"]
         for a, b in zip(cu[:-1], cu[1:]):
             if block["input_ids"][a] != 0:

@@ -16,7 +16,8 @@ from raytune_ft.models import attention as attn_mod
 from raytune_ft.models.build import load_causal_lm
 from raytune_ft.models.gated_delta import (enable_packing, is_packing_enabled, packed_forward_kwargs,
                                            segment_causal_conv1d, segment_gated_delta_rule)
-from raytune_ft.models.loss import chunked_cross_entropy, enable_chunked_loss
+from raytune_ft.models.loss import chunked_cross_entropy
+from tests.loss_helpers import enable_chunked_loss
 from raytune_ft.recipe import ModelConfig
 
 # Lengths cross the gated-delta-net's 64-token chunk and include a one-token conversation.

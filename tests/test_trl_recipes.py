@@ -58,7 +58,7 @@ def _eval_loss(hf_dir: str, blocks: list[dict]) -> float:
     from transformers import AutoModelForCausalLM
 
     from raytune_ft.models.gated_delta import enable_packing
-    from raytune_ft.train.trl_loop import collate_blocks
+    from raytune_ft.train.batch import collate_blocks
 
     model = enable_packing(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)).eval()
     losses = []

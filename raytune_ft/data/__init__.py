@@ -3,7 +3,7 @@
     sources.to_messages     raw row -> chat messages, or the reason to skip it
     sft.render_sft          messages -> (token ids, assistant mask) for any Qwen chat template
     packing.pack_blocks     (ids, mask) stream -> fixed seq_len blocks with block-diagonal signals
-    pipeline.build_dataset  a Ray Dataset of tokenized rows; iter_blocks / equalize_steps in workers
+    pipeline.build_dataset  a Ray Dataset of tokenized rows; iter_blocks in workers (equal steps: train/batch.py)
 """
 from raytune_ft.data.builtin import builtin_chat
 from raytune_ft.data.packing import DataCounters, block_from_segments, pack_blocks, padding_block

@@ -11,16 +11,14 @@ Driver side (before `TorchTrainer.fit`):
 Worker side (inside the train loop):
 
     counters = DataCounters()
-    blocks = iter_blocks(ray.train.get_dataset_shard("train"), data, counters=counters,
-                         skip_blocks=blocks_done_before_resume)
-    for block, is_padding in equalize_steps(blocks, seq_len=data.seq_len, counters=counters, device=dev):
-        ...
+    blocks = iter_blocks(ray.train.get_dataset_shard("train"), data, counters=counters)
+    feed = StepFeed(blocks, ...)       # raytune_ft.train.batch: equal steps on every rank
     metrics.update(gather_counters(counters).as_metrics())   # every rank calls it (a collective)
 
 Sharding. `train_data_config()` splits the train dataset with `streaming_split(equal=False)`:
 Ray Train's default (`equal=True`) makes the shares equal by dropping rows, silently. Unequal shares
-are instead evened out at the block level by `equalize_steps`: a rank that runs dry runs all-padding
-blocks (labels all -100, no gradient signal) until every rank is dry, and counts them in
+are instead evened out at the block level by the loops' `StepFeed`: a rank that runs dry runs
+all-padding blocks (labels all -100, no gradient signal) until every rank is dry, and counts them in
 `equalisation_padding_blocks`. With `preserve_order=True` and no locality hints, Ray's splitter hands
 each bundle to the consumer with the fewest rows so far, so the shares are deterministic for a given
 source and block layout; that is what makes "skip the first N blocks" an exact resume.
@@ -41,11 +39,11 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from raytune_ft.data.builtin import builtin_source
-from raytune_ft.data.packing import DataCounters, pack_blocks, padding_block
+from raytune_ft.data.packing import DataCounters, pack_blocks
 from raytune_ft.data.sft import SpanNotFound, render_sft
 from raytune_ft.data.sources import to_messages
 
-__all__ = ["DataCounters", "build_dataset", "iter_blocks", "equalize_steps", "gather_counters",
+__all__ = ["DataCounters", "build_dataset", "iter_blocks", "gather_counters",
            "train_data_config", "resolve_hf_parquet", "HF_ROOT_ENV"]
 
 # Offline stand-in for the hub: hf://org/name reads <root>/org/name/, laid out as the hub repo is
@@ -282,14 +280,12 @@ def _iter_rows(shard: Any, batch_size: int = 256) -> Iterator[tuple[Any, Any, st
             yield row["input_ids"], row["mask"], row.get("skip_reason") or ""
 
 
-def iter_blocks(shard: Any, data, *, world_size: int = 1, rank: int = 0,
-                counters: DataCounters | None = None, skip_blocks: int = 0, pad_id: int = 0,
-                split_rows: bool = False) -> Iterator[dict[str, np.ndarray]]:
+def iter_blocks(shard: Any, data, *, counters: DataCounters | None = None, skip_blocks: int = 0,
+                pad_id: int = 0) -> Iterator[dict[str, np.ndarray]]:
     """Pack this worker's rows into `data.seq_len` blocks (see `pack_blocks`), counting as it goes.
 
     `shard` is `ray.train.get_dataset_shard("train")` (already this rank's share), a Dataset, or an
-    iterable of row dicts. With `split_rows=True` the shard is the whole stream and this rank keeps
-    rows `rank, rank + world_size, ...` (for a dataset not split by Ray Train).
+    iterable of row dicts.
 
     Resume: `skip_blocks=N` re-reads and re-packs the first N blocks without yielding them (their
     tokenization is paid again; nothing is trained twice), then continues. Exact when the rank sees
@@ -299,9 +295,7 @@ def iter_blocks(shard: Any, data, *, world_size: int = 1, rank: int = 0,
     c = counters if counters is not None else DataCounters()
 
     def examples():
-        for i, (ids, mask, reason) in enumerate(_iter_rows(shard)):
-            if split_rows and i % world_size != rank:
-                continue
+        for ids, mask, reason in _iter_rows(shard):
             c.rows_read += 1
             if reason:
                 c.skip(reason)
@@ -318,42 +312,6 @@ def _dist():
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def equalize_steps(blocks: Iterable[dict[str, np.ndarray]], *, seq_len: int, pad_id: int = 0,
-                   group: Any = None, device: Any = None, counters: DataCounters | None = None
-                   ) -> Iterator[tuple[dict[str, np.ndarray], bool]]:
-    """Yield `(block, is_padding)` until every rank's blocks are exhausted, so all ranks step equally.
-
-    One all-reduce (MAX) of a one-element flag per block, on `device` (CUDA for NCCL, CPU for gloo).
-    A rank that has run dry yields all-padding blocks (labels all -100: zero loss, zero supervised
-    tokens) and counts each in `counters.equalisation_padding_blocks`; when every rank is dry, all stop
-    together. Padding rather than dropping: the other ranks' tail rows are trained on, and the cost is
-    visible in the counters. Without torch.distributed initialised it passes blocks through.
-    """
-    dist = _dist()
-    it = iter(blocks)
-    c = counters if counters is not None else DataCounters()
-    if dist is None:
-        for block in it:
-            yield block, False
-        return
-    import torch
-
-    flag = torch.zeros(1, dtype=torch.int32, device=device)
-    while True:
-        block = next(it, None)
-        flag.fill_(0 if block is None else 1)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if int(flag.item()) == 0:
-            return
-        if block is None:
-            c.equalisation_padding_blocks += 1
-            c.blocks += 1
-            c.padding_tokens += seq_len
-            yield padding_block(seq_len, pad_id), True
-        else:
-            yield block, False
 
 
 def gather_counters(counters: DataCounters, group: Any = None) -> DataCounters:

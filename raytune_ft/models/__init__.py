@@ -11,15 +11,12 @@ Submodules import transformers lazily where they can; import what you need from 
 from raytune_ft.models.attention import ATTN_NAME, select_attention_backend
 from raytune_ft.models.build import (decoder_layers, load_causal_lm, load_pretrained_weights_sharded,
                                      materialize_model, tokenizer_for)
-from raytune_ft.hardware import flops_per_block, gpu_peak_tflops, matmul_params
-from raytune_ft.models.gated_delta import enable_packing, packed_forward_kwargs, patch_packed_model
-from raytune_ft.models.loss import chunked_cross_entropy, enable_chunked_loss, hidden_states
+from raytune_ft.models.gated_delta import enable_packing, packed_forward_kwargs
+from raytune_ft.models.loss import chunked_cross_entropy
 from raytune_ft.models.tiny import local_tokenizer, real_config, tiny_config
 
 __all__ = [
     "ATTN_NAME", "select_attention_backend", "decoder_layers", "load_causal_lm",
-    "load_pretrained_weights_sharded", "materialize_model", "tokenizer_for", "flops_per_block",
-    "gpu_peak_tflops", "matmul_params", "enable_packing", "packed_forward_kwargs", "patch_packed_model",
-    "chunked_cross_entropy", "enable_chunked_loss", "hidden_states", "local_tokenizer", "real_config",
-    "tiny_config",
+    "load_pretrained_weights_sharded", "materialize_model", "tokenizer_for", "enable_packing",
+    "packed_forward_kwargs", "chunked_cross_entropy", "local_tokenizer", "real_config", "tiny_config",
 ]

@@ -96,7 +96,7 @@ def _shifted_conv_silu(x_TC: torch.Tensor, w_KC: torch.Tensor, bias_C: torch.Ten
     ksize = w_KC.shape[0]
     y = x_TC * w_KC[ksize - 1]
     for i in range(1, ksize):
-        shifted = F.pad(x_TC[:-i], (0, 0, i, 0))
+        shifted = F.pad(x_TC, (0, 0, i, 0))[:x_TC.shape[0]]     # x[t - i], zeros before the start (any T)
         y = y + shifted * w_KC[ksize - 1 - i] * (pos_T >= i).unsqueeze(-1).to(x_TC.dtype)
     if bias_C is not None:
         y = y + bias_C
@@ -182,9 +182,9 @@ def segment_gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor, backend
     ref = _torch_reference_gated_delta_rule()
     rep = v.shape[2] // q.shape[2]
     if rep > 1:
-        # Qwen3.5 has more value heads than key heads (48 / 16). transformers 5.17's reference (the GPU
-        # image's) wants q/k per value head and fails otherwise (seen on the H200, 2026-11-29); 5.2x
-        # repeat_interleaves inside, so doing it here gives the same result on both.
+        # Qwen3.5 has more value heads than key heads (48 / 16). Some transformers releases' reference
+        # wants q/k per value head and fails otherwise (bench/NOTES.md); others repeat_interleave
+        # inside, so doing it here gives the same result on both.
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
     bounds = cu_seqlens.tolist()
     outs = []
@@ -300,9 +300,6 @@ def enable_packing(model: torch.nn.Module, attn_implementation: str | None = ATT
     if n:
         log.info("raytune_ft: %d gated-delta-net layers patched for packing", n)
     return model
-
-
-patch_packed_model = enable_packing
 
 
 def is_packing_enabled(model: torch.nn.Module) -> bool:

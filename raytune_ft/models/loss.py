@@ -1,25 +1,17 @@
 """Causal LM cross-entropy without materialising the full logits.
 
-At 32,768 tokens x 248,320 vocab the fp32 logits alone are 30 GiB (the seed loop ran out of memory on an
-H200 there). `chunked_cross_entropy` walks the tokens in chunks of `chunk_size`: per chunk it computes the
+At 32,768 tokens x 248,320 vocab the fp32 logits alone are 30 GiB, more than a training step can spare. `chunked_cross_entropy` walks the tokens in chunks of `chunk_size`: per chunk it computes the
 logits, the loss, and, when a backward will follow, the gradients for the hidden states and the lm_head
 weight right away (so backward only scales them and no chunk's logits are ever recomputed or kept).
 Peak extra memory: one chunk of fp32 logits (4096 x 248,320 x 4 B = 4 GiB) plus an fp32 accumulator
 for the lm_head gradient (V x D).
 
 Under FSDP2 the lm_head weight is only gathered while the root module runs its forward, so the loss must
-be computed inside that forward: `enable_chunked_loss(model)` makes `model(..., labels=labels)` return
-`loss_sum`/`n_tokens` computed this way (and no logits). Without FSDP, `hidden_states(model, **kw)` plus
-`chunked_cross_entropy(h, model.lm_head.weight, labels)` does the same by hand.
+be computed inside that forward: the FSDP2 loop's `PackedCausalLM` wraps the model for that.
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 IGNORE_INDEX = -100
 
@@ -94,59 +86,3 @@ def chunked_cross_entropy(hidden_BTD: torch.Tensor, lm_head_weight: torch.Tensor
     if reduction == "mean":
         return loss_sum / n_tokens.clamp(min=1), n_tokens
     return loss_sum, n_tokens
-
-
-def hidden_states(model: torch.nn.Module, **forward_kwargs) -> torch.Tensor:
-    """The final normed hidden states (B, T, D) of a CausalLM, without running its lm_head.
-
-    Not for FSDP-wrapped models (the root's parameters are gathered only inside the root's forward):
-    use `enable_chunked_loss` there."""
-    from raytune_ft.models.gated_delta import base_model
-
-    forward_kwargs.pop("labels", None)
-    return base_model(model)(**forward_kwargs).last_hidden_state
-
-
-@dataclass
-class ChunkedLossOutput(CausalLMOutputWithPast):
-    """`loss` is the mean over supervised tokens; `loss_sum` and `n_tokens` let a loop normalise by the
-    global token count across micro-batches and ranks."""
-    loss_sum: torch.Tensor | None = None
-    n_tokens: torch.Tensor | None = None
-
-
-def _chunked_loss_forward(self, input_ids=None, labels=None, **kwargs):
-    if labels is None:
-        return self._raytune_forward_with_logits(input_ids=input_ids, **kwargs)
-    kwargs.pop("logits_to_keep", None)
-    kwargs.pop("num_items_in_batch", None)
-    out = self.model(input_ids=input_ids, **kwargs)
-    loss_sum, n_tokens = chunked_cross_entropy(out.last_hidden_state, self.lm_head.weight, labels,
-                                               chunk_size=self._raytune_loss_chunk)
-    return ChunkedLossOutput(loss=loss_sum / n_tokens.clamp(min=1), loss_sum=loss_sum, n_tokens=n_tokens)
-
-
-@functools.lru_cache(maxsize=None)
-def _chunked_loss_class(cls: type) -> type:
-    return type(f"ChunkedLoss{cls.__name__}", (cls,), {
-        "forward": _chunked_loss_forward,
-        "_raytune_forward_with_logits": cls.forward,
-        "_raytune_chunked_loss": True,
-    })
-
-
-def enable_chunked_loss(model: torch.nn.Module, chunk_size: int = 4096) -> torch.nn.Module:
-    """Make `model(..., labels=labels)` compute the shifted loss in chunks inside the model's forward
-    (safe under FSDP2) and return ChunkedLossOutput(loss, loss_sum, n_tokens) with no logits.
-    Without labels the model behaves as before. Idempotent; call before FSDP wrapping."""
-    if not getattr(model, "_raytune_chunked_loss", False):
-        model.__class__ = _chunked_loss_class(type(model))
-    model._raytune_loss_chunk = int(chunk_size)
-    return model
-
-
-def reference_cross_entropy(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain shifted F.cross_entropy on full logits (sum, count): the definition chunked_cross_entropy matches."""
-    lg = logits_BTV[:, :-1].reshape(-1, logits_BTV.shape[-1]).float()
-    tg = labels_BT[:, 1:].reshape(-1)
-    return F.cross_entropy(lg, tg, ignore_index=IGNORE_INDEX, reduction="sum"), (tg != IGNORE_INDEX).sum()

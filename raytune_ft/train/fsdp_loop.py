@@ -14,20 +14,16 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from raytune_ft.data.packing import DataCounters
 from raytune_ft.recipe import Recipe
 from raytune_ft.train import checkpoint as ckpt_io
-from raytune_ft.train.common import (
-    WorkerLog,
-    lr_at,
-    recipe_from_config,
-    report,
-)
+from raytune_ft.train.batch import StepBatch, StepFeed, feed_owned_counts, worker_blocks
+from raytune_ft.train.common import WorkerLog, lr_at, recipe_from_config, report
 
 
 class PackedCausalLM(nn.Module):
@@ -47,38 +43,6 @@ class PackedCausalLM(nn.Module):
 
         hidden = self.lm.model(**packed_kwargs).last_hidden_state
         return chunked_cross_entropy(hidden, self.lm.lm_head.weight, labels, chunk_size=self.loss_chunk)
-
-
-@dataclass
-class StepBatch:
-    """A micro-batch: its blocks laid end to end as one row, with merged boundaries (on the device)."""
-    kwargs: dict
-    labels: torch.Tensor
-    n_supervised: int
-    n_real: int
-    seq_lens: list[int] = field(default_factory=list)
-
-    @classmethod
-    def from_blocks(cls, blocks: list[dict], device: torch.device) -> "StepBatch":
-        import numpy as np
-
-        from raytune_ft.models.gated_delta import packed_forward_kwargs
-
-        stack = {k: np.stack([b[k] for b in blocks]) for k in ("input_ids", "labels", "position_ids", "seq_idx")}
-        stack["cu_seqlens"] = [b["cu_seqlens"] for b in blocks]
-        kwargs = packed_forward_kwargs(stack, device=device)
-        seq_lens, n_real = [], 0
-        for b in blocks:
-            lens = np.diff(b["cu_seqlens"].astype(np.int64)).tolist()
-            last = int(b["cu_seqlens"][-2])
-            # the block's padding: a trailing segment of pad ids (0) with no supervised token
-            if not (b["labels"][last:] != -100).any() and not b["input_ids"][last:].any():
-                lens = lens[:-1]
-            seq_lens.extend(lens)
-            n_real += int(sum(lens))
-        labels = torch.from_numpy(stack["labels"].reshape(1, -1)).to(device, non_blocking=True)
-        n_sup = int((stack["labels"][:, 1:] != -100).sum())
-        return cls(kwargs, labels, n_sup, n_real, seq_lens)
 
 
 def _device() -> torch.device:
@@ -113,9 +77,9 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
 
 def compile_pointwise(lm: nn.Module) -> None:
     """torch.compile the memory-bound pieces of each decoder layer: SwiGLU MLP and the fp32 RMSNorms
-    (and the gated norm of gated-delta-net layers). A profile on the H200 put ~half the step in such
-    element-wise kernels; fused, the 27B cut gained 8% (bench/NOTES.md). Blocks have a fixed length,
-    so each module kind compiles one graph."""
+    (and the gated norm of gated-delta-net layers): unfused, these element-wise kernels take a large
+    share of the step (bench/NOTES.md has the profile). Blocks have a fixed length, so each module kind
+    compiles one graph."""
     from raytune_ft.models.build import decoder_layers
 
     for layer in decoder_layers(lm):
@@ -188,8 +152,6 @@ def train_fsdp(config: dict) -> None:
     """Ray Train worker entry point for the FSDP2 loop."""
     import ray.train
 
-    from raytune_ft.train.feed import StepFeed
-
     recipe = recipe_from_config(config)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -201,126 +163,167 @@ def train_fsdp(config: dict) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=t_cfg.lr, betas=tuple(t_cfg.betas), weight_decay=t_cfg.weight_decay,
                             fused=device.type == "cuda")
-
-    state = {"step": 0, "blocks_consumed": 0, "history": [], "counters": {}}
-    resume = ray.train.get_checkpoint()
-    if resume is not None:
-        with resume.as_directory() as d:
-            state = ckpt_io.load_train_checkpoint(d, model, opt, rank)
-        # where each restart (Ray's, after a worker died, or a re-submit) picked the run up
-        state.setdefault("resumed_from", []).append(state["step"])
-        log.info(f"resumed from checkpoint at step {state['step']} ({state['blocks_consumed']} blocks consumed "
-                 f"on rank {rank})")
-
+    state = _resume_state(model, opt, rank, log)
     total_steps = int(config.get("total_steps") or t_cfg.max_steps or 0)
-    # `blocks_by_rank` (tests, benchmarks): fixed blocks per rank instead of the Ray Data shard
-    fixed = (config.get("blocks_by_rank") or {}).get(rank)
-    if fixed is not None:
-        fixed = fixed[state["blocks_consumed"]:]
-    feed = StepFeed(recipe, rank=rank, world=world, device=device, skip_blocks=state["blocks_consumed"],
-                    counters_state=state.get("counters"), blocks=fixed,
-                    fingerprint=state.get("data_fingerprint"))
-    from raytune_ft.hardware import flops_per_block, gpu_peak_tflops
-
-    peak_flops = gpu_peak_tflops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu") * 1e12
-    n_layers_cfg = lm.config
+    feed = _open_feed(recipe, config, state, rank=rank, world=world, device=device)
+    window = _Window(device, lm.config, world)
+    log.info(f"MFU basis: {window.mfu_basis}")
 
     step = state["step"]
-    bad = torch.zeros((), dtype=torch.bool, device=device)
-    pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, float]] = []
-    window_tokens, window_flops, window_t0 = 0, 0.0, time.perf_counter()
     run_t0 = time.perf_counter()
     last_metrics: dict = {}
-
     while total_steps == 0 or step < total_steps:
-        micro_batches = feed.next_step()
-        if micro_batches is None:  # every rank's data is spent
+        blocks = feed.next_blocks()
+        if blocks is None:  # every rank's data is spent
             break
+        mbs = t_cfg.micro_batch_size
+        micro_batches = [StepBatch.from_blocks(blocks[i:i + mbs], device) for i in range(0, len(blocks), mbs)]
         loss_sum, denom = forward_backward(model, micro_batches, world, device)
-        for mb in micro_batches:
-            window_tokens += mb.n_real
-            window_flops += flops_per_block(n_layers_cfg, mb.seq_lens)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, t_cfg.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        bad |= ~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)
         lr = t_cfg.lr * lr_at(step, t_cfg, total_steps)
         for g in opt.param_groups:
             g["lr"] = lr
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        pending.append((step, loss_sum, denom, grad_norm.detach(), lr))
+        window.add(step, loss_sum, denom, grad_norm.detach(), lr, micro_batches)
 
         at_log = step % t_cfg.log_every == 0 or step == total_steps
         at_ckpt = step % t_cfg.checkpoint_every == 0 and step != total_steps
         if not (at_log or at_ckpt):
             continue
-        # host sync point: losses of the window, the non-finite flag, throughput
-        losses = torch.stack([p[1] for p in pending])
-        dist.all_reduce(losses)
-        if bool(bad.item()):
-            raise FloatingPointError(
-                f"non-finite loss or gradient norm within steps {pending[0][0]}..{step} "
-                f"(rank {rank}); stopping without saving: the last good checkpoint is kept. "
-                "Lower train.lr, check the data, or use train.master_weights=fp32.")
-        dt = time.perf_counter() - window_t0
-        tokens_all = torch.tensor(float(window_tokens), device=device)
-        dist.all_reduce(tokens_all)
-        state["tokens_total"] = state.get("tokens_total", 0) + int(tokens_all.item())
-        for (s, _, d, gn, lr_s), l in zip(pending, losses.tolist()):
-            state["history"].append({"step": s, "loss": l / float(d), "lr": lr_s, "grad_norm": float(gn)})
-        tps = float(tokens_all) / max(dt, 1e-9)
-        mfu = (window_flops / max(dt, 1e-9)) / peak_flops if peak_flops else 0.0
-        last_metrics = {
-            "step": step, "loss": state["history"][-1]["loss"], "lr": pending[-1][4],
-            "grad_norm": state["history"][-1]["grad_norm"], "tokens_per_s": tps,
-            "tokens_per_s_per_worker": tps / world, "mfu": mfu, "tokens": state["tokens_total"],
-            "epoch_progress": step / total_steps if total_steps else 0.0,
-        }
-        if device.type == "cuda":
-            last_metrics["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        last_metrics = window.close(state, rank)
+        last_metrics["epoch_progress"] = step / total_steps if total_steps else 0.0
+        _record_position(state, step, feed)
         log.progress(last_metrics, total_steps, time.perf_counter() - run_t0)
-        pending.clear()
-        state["step"] = step
-        state["blocks_consumed"] = feed.blocks_consumed
-        state["counters"] = feed.counters_state()
-        state["data_fingerprint"] = feed.fingerprint
         if at_ckpt:
             _save_and_report(recipe, model, opt, rank, state, last_metrics, log, final=False)
         else:
-            report(last_metrics | feed.data_metrics())
-        # the next throughput window starts after the report/checkpoint, so saving is not counted as training
-        window_tokens, window_flops, window_t0 = 0, 0.0, time.perf_counter()
+            report(last_metrics | feed.counters.as_metrics())
+        # the next window starts after the report/checkpoint, so saving is not counted as training
+        window.restart()
 
-    # end of the run: the step count, counters and history go into the final checkpoint
-    rest = torch.tensor(float(window_tokens), device=device)
-    dist.all_reduce(rest)
-    state["tokens_total"] = state.get("tokens_total", 0) + int(rest.item())
-    if pending:  # steps after the last log (the data ran out before total_steps)
-        losses = torch.stack([p[1] for p in pending])
-        dist.all_reduce(losses)
-        if bool(bad.item()):
-            raise FloatingPointError(f"non-finite loss or gradient norm within the last steps (rank {rank})")
-        for (s, _, d, gn, lr_s), l in zip(pending, losses.tolist()):
-            state["history"].append({"step": s, "loss": l / float(d), "lr": lr_s, "grad_norm": float(gn)})
+    _finish(recipe, model, opt, lm, tok, rank, state, step, feed, window, last_metrics, log,
+            time.perf_counter() - run_t0)
+
+
+def _resume_state(model, opt, rank: int, log: WorkerLog) -> dict:
+    """The train state of the checkpoint Ray hands this attempt (model and optimizer loaded), or a fresh one."""
+    import ray.train
+
+    state = {"step": 0, "blocks_consumed": 0, "history": [], "counters": {}}
+    resume = ray.train.get_checkpoint()
+    if resume is None:
+        return state
+    with resume.as_directory() as d:
+        state = ckpt_io.load_train_checkpoint(d, model, opt, rank)
+    # where each restart (Ray's, after a worker died, or a re-submit) picked the run up
+    state.setdefault("resumed_from", []).append(state["step"])
+    log.info(f"resumed from checkpoint at step {state['step']} ({state['blocks_consumed']} blocks consumed "
+             f"on rank {rank})")
+    return state
+
+
+def _open_feed(recipe: Recipe, config: dict, state: dict, *, rank: int, world: int,
+               device: torch.device) -> StepFeed:
+    """This rank's feed of blocks, past the blocks the checkpoint had consumed."""
+    # `blocks_by_rank` (tests, benchmarks): fixed blocks per rank instead of the Ray Data shard
+    fixed = (config.get("blocks_by_rank") or {}).get(rank)
+    saved = DataCounters.from_dict(state["counters"]) if state.get("counters") else DataCounters()
+    counters = feed_owned_counts(saved, recipe.data.seq_len) if state["blocks_consumed"] else saved
+    blocks = fixed if fixed is not None else worker_blocks(recipe, counters=counters)
+    # the step flag travels on a CPU (gloo) group, so the GPU never waits for it
+    group = dist.new_group(backend="gloo") if dist.is_initialized() and device.type == "cuda" else None
+    return StepFeed(blocks, per_step=recipe.train.grad_accum * recipe.train.micro_batch_size,
+                    seq_len=recipe.data.seq_len, counters=counters, rank=rank,
+                    skip_blocks=state["blocks_consumed"], fingerprint=state.get("data_fingerprint"),
+                    group=group)
+
+
+def _record_position(state: dict, step: int, feed: StepFeed) -> None:
+    """Where the run stands, for the next checkpoint: step, blocks consumed, counters, data fingerprint."""
     state["step"] = step
     state["blocks_consumed"] = feed.blocks_consumed
-    state["counters"] = feed.counters_state()
+    state["counters"] = feed.counters.to_dict()
     state["data_fingerprint"] = feed.fingerprint
+
+
+class _Window:
+    """The steps since the last log: their losses (kept on the device until the host syncs anyway),
+    tokens and model FLOPs, and a non-finite flag checked at each sync."""
+
+    def __init__(self, device: torch.device, model_config, world: int):
+        from raytune_ft.hardware import mfu_basis
+
+        self.device, self.model_config, self.world = device, model_config, world
+        self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        self.mfu_basis = mfu_basis(self.device_name)
+        self.bad = torch.zeros((), dtype=torch.bool, device=device)
+        self.restart()
+
+    def restart(self) -> None:
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, float]] = []
+        self.tokens, self.flops, self.t0 = 0, 0.0, time.perf_counter()
+
+    def add(self, step: int, loss_sum, denom, grad_norm, lr: float, micro_batches: list[StepBatch]) -> None:
+        from raytune_ft.hardware import flops_per_block
+
+        self.bad |= ~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)
+        self.pending.append((step, loss_sum, denom, grad_norm, lr))
+        for mb in micro_batches:
+            self.tokens += mb.n_real
+            self.flops += flops_per_block(self.model_config, mb.seq_lens)
+
+    def close(self, state: dict, rank: int) -> dict:
+        """Host sync: all-reduce the window's losses and tokens (a collective), stop on a non-finite
+        value, append the steps to `state["history"]`, and return the window's metrics."""
+        from raytune_ft.hardware import mfu_metrics
+
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        if self.pending:
+            losses = torch.stack([p[1] for p in self.pending])
+            dist.all_reduce(losses)
+            if bool(self.bad.item()):
+                raise FloatingPointError(
+                    f"non-finite loss or gradient norm within steps {self.pending[0][0]}..{self.pending[-1][0]} "
+                    f"(rank {rank}); stopping without saving: the last good checkpoint is kept. "
+                    "Lower train.lr, check the data, or use train.master_weights=fp32.")
+            for (s, _, d, gn, lr_s), loss in zip(self.pending, losses.tolist()):
+                state["history"].append({"step": s, "loss": loss / float(d), "lr": lr_s, "grad_norm": float(gn)})
+        tokens_all = torch.tensor(float(self.tokens), device=self.device)
+        dist.all_reduce(tokens_all)
+        state["tokens_total"] = state.get("tokens_total", 0) + int(tokens_all.item())
+        if not self.pending:
+            return {}
+        tps = float(tokens_all) / dt
+        last = state["history"][-1]
+        m = {"step": last["step"], "loss": last["loss"], "lr": last["lr"], "grad_norm": last["grad_norm"],
+             "tokens_per_s": tps, "tokens_per_s_per_worker": tps / self.world, "tokens": state["tokens_total"],
+             **mfu_metrics(self.flops / dt, self.device_name)}
+        if self.device.type == "cuda":
+            m["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self.pending = []
+        return m
+
+
+def _finish(recipe: Recipe, model, opt, lm, tok, rank: int, state: dict, step: int, feed: StepFeed,
+            window: _Window, last_metrics: dict, log: WorkerLog, seconds: float) -> None:
+    """End of the run: the steps since the last log go into the history, then the final checkpoint
+    (with the hf/ export) or, with train.save_final=false, only the final metrics."""
+    window.close(state, rank)
+    _record_position(state, step, feed)
     final = dict(last_metrics)
     final.update({"step": step, "loss": state["history"][-1]["loss"] if state["history"] else float("nan"),
-                  "train_seconds": time.perf_counter() - run_t0, "tokens": state["tokens_total"], "done": True})
-    if t_cfg.save_final:
-        _save_and_report(recipe, model, opt, rank, state, final | feed.data_metrics(), log, final=True,
-                         lm=lm, tokenizer=tok)
+                  "train_seconds": seconds, "tokens": state["tokens_total"], "done": True})
+    final |= feed.counters.as_metrics()
+    if recipe.train.save_final:
+        _save_and_report(recipe, model, opt, rank, state, final, log, final=True, lm=lm, tokenizer=tok)
     else:
-        import ray.train
-
         log.info("train.save_final=false: no final checkpoint or hf/ export")
-        final_metrics = final | feed.data_metrics()
-        log.log_metrics(final_metrics, step)   # the summary reads the end of the run from MLflow
-        ray.train.report({k: v for k, v in final_metrics.items() if isinstance(v, (int, float, str, bool))})
+        log.log_metrics(final, step)   # the summary reads the end of the run from MLflow
+        report(final)
     log.close()
 
 

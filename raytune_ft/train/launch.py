@@ -32,7 +32,7 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, total_steps: int
     if recipe.train.loop == "fsdp2":
         from raytune_ft.train.fsdp_loop import train_fsdp as loop
     else:
-        from raytune_ft.train.trl_loop import train_trl as loop
+        from raytune_ft.train.trl.loop import train_trl as loop
     backend = s.backend if s.backend != "auto" else ("nccl" if s.use_gpu else "gloo")
     resources = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
     if s.use_gpu:
@@ -71,7 +71,7 @@ def build_datasets(recipe: Recipe):
     return datasets, train_data_config(("train",))
 
 
-# best-fit-decreasing fills about this share of each block (bench/RESULTS.md: 99.87% at 32k)
+# best-fit-decreasing fills about this share of each block (bench/RESULTS.md has the measurement)
 PACKING_EFFICIENCY = 0.995
 
 

@@ -1,0 +1,213 @@
+"""Packed blocks into training steps, the same number of steps on every rank: used by both loops.
+
+Each rank streams its own disjoint share of the data (see `raytune_ft.data.pipeline`), packs it into
+blocks, and `StepFeed` groups the blocks into optimizer steps. All ranks must run the same number of
+steps or a collective hangs: when one rank's share runs dry before the others, it feeds all-padding
+blocks (no supervised token, so no gradient) until every rank is dry, and every step is whole;
+those blocks are counted. One tiny all-reduce per step decides (on a CPU gloo group when the loop
+passes one, so the GPU never waits for it).
+
+Resume: the order of a rank's blocks is deterministic, so a resumed run replays the blocks it had
+consumed at the checkpoint (re-read and re-packed, not trained on) and continues with the next unseen
+one. A running CRC32 of the token ids of every block a rank has trained on is kept in the checkpoint;
+the replayed blocks must reproduce it, or the resume stops with `DataOrderChanged` instead of training
+rows twice or skipping them (the layout of the shards depends on the source, the data settings and
+the number of workers: keep them fixed to resume).
+
+`StepBatch` is the FSDP2 loop's micro-batch on the device; `collate_blocks` the TRL loop's. Both lay
+the blocks end to end as one row with merged boundaries (`stack_blocks`).
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from raytune_ft.data.packing import DataCounters, padding_block
+from raytune_ft.recipe import Recipe
+
+_STACKED = ("input_ids", "labels", "position_ids", "seq_idx")
+
+
+class DataOrderChanged(RuntimeError):
+    """The blocks replayed on resume are not the ones the checkpointed run trained on."""
+
+
+def block_crc(block: dict, crc: int = 0) -> int:
+    return zlib.crc32(np.ascontiguousarray(block["input_ids"]).tobytes(), crc)
+
+
+def real_seq_lens(block: dict) -> np.ndarray:
+    """Lengths of a block's conversations: the trailing padding segment (pad ids, nothing
+    supervised), if any, is not one."""
+    cu = np.asarray(block["cu_seqlens"]).astype(np.int64)
+    last = int(cu[-2]) if len(cu) > 1 else 0
+    if not (block["labels"][last:] != -100).any() and not block["input_ids"][last:].any():
+        cu = cu[:-1]
+    return np.diff(cu)
+
+
+def stack_blocks(blocks: list[dict]) -> dict[str, Any]:
+    """The blocks' arrays stacked (B, T), and their per-block `cu_seqlens` as a list."""
+    stack: dict[str, Any] = {k: np.stack([b[k] for b in blocks]) for k in _STACKED}
+    stack["cu_seqlens"] = [b["cu_seqlens"] for b in blocks]
+    return stack
+
+
+@dataclass
+class StepBatch:
+    """A micro-batch: its blocks laid end to end as one row, with merged boundaries (on the device)."""
+    kwargs: dict
+    labels: torch.Tensor
+    n_supervised: int
+    n_real: int
+    seq_lens: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_blocks(cls, blocks: list[dict], device: torch.device) -> "StepBatch":
+        from raytune_ft.models.gated_delta import packed_forward_kwargs
+
+        stack = stack_blocks(blocks)
+        kwargs = packed_forward_kwargs(stack, device=device)
+        seq_lens = [int(n) for b in blocks for n in real_seq_lens(b)]
+        labels = torch.from_numpy(stack["labels"].reshape(1, -1)).to(device, non_blocking=True)
+        n_sup = int((stack["labels"][:, 1:] != -100).sum())
+        return cls(kwargs, labels, n_sup, int(sum(seq_lens)), seq_lens)
+
+
+def collate_blocks(blocks: list[dict]) -> dict[str, Any]:
+    """A micro-batch of packed blocks -> one row in TRL's padding-free format.
+
+    input_ids / labels / position_ids (1, B*T); cu_seq_lens_q/k (int32 global boundaries),
+    max_length_q/k, seq_idx (1, B*T): what varlen attention and the gated-delta-net layers need.
+    Labels stay unshifted (the model shifts); each conversation's first label is already -100.
+    """
+    from raytune_ft.models.gated_delta import packed_forward_kwargs
+
+    stack = stack_blocks(blocks)
+    batch = packed_forward_kwargs(stack)
+    batch.pop("use_cache", None)               # TRL sets it per call
+    batch["labels"] = torch.from_numpy(stack["labels"].astype(np.int64).reshape(1, -1))
+    return batch
+
+
+class StepFeed:
+    """One pass over this rank's blocks, `per_step` at a time, equalised across ranks.
+
+    `blocks` is the pass from its start; `skip_blocks` of them were trained before a resume and are
+    replayed (checked against `fingerprint`, the CRC the checkpoint holds). `counters` receives the
+    equalisation padding this feed adds. Attributes the loops read and checkpoint: `blocks_consumed`
+    (real blocks of this pass, replayed ones included) and `fingerprint`.
+    """
+
+    def __init__(self, blocks: Iterable[dict], *, per_step: int, seq_len: int, counters: DataCounters,
+                 rank: int = 0, skip_blocks: int = 0, fingerprint: int | None = None,
+                 flag_device: torch.device | None = None, group: Any = None):
+        self.per_step, self.seq_len, self.counters, self.rank = per_step, seq_len, counters, rank
+        self.flag_device = flag_device or torch.device("cpu")
+        self.group = group
+        self._it = iter(blocks)
+        self._dry = False
+        self.blocks_consumed = 0
+        self.fingerprint = 0
+        self._replay(skip_blocks, fingerprint)
+
+    def _replay(self, n: int, expected: int | None) -> None:
+        """Read past the `n` blocks trained before the checkpoint, checking they are the same blocks."""
+        for i in range(n):
+            block = next(self._it, None)
+            if block is None:
+                raise DataOrderChanged(
+                    f"rank {self.rank}: the data has {i} blocks but the checkpoint had consumed {n}; "
+                    "the source or the number of workers changed since the checkpoint")
+            self.fingerprint = block_crc(block, self.fingerprint)
+        self.blocks_consumed = n
+        if n and expected is not None and self.fingerprint != expected:
+            raise DataOrderChanged(
+                f"rank {self.rank}: the {n} blocks replayed on resume differ from those the checkpointed run "
+                "trained on (data fingerprint mismatch): the source, its revision, data.* settings or "
+                "scaling.num_workers changed. Resuming would train some conversations twice and skip "
+                "others; start a new run name instead, or restore the original settings.")
+
+    def _take(self) -> list[dict]:
+        out = []
+        while not self._dry and len(out) < self.per_step:
+            block = next(self._it, None)
+            if block is None:
+                self._dry = True
+            else:
+                out.append(block)
+        return out
+
+    def next_blocks(self) -> list[dict] | None:
+        """The next step's `per_step` blocks (padded once this rank is dry), or None once every rank is."""
+        got = self._take()
+        if not any_rank_has(len(got), self.flag_device, self.group):
+            return None
+        self.blocks_consumed += len(got)
+        for b in got:
+            self.fingerprint = block_crc(b, self.fingerprint)
+        n_fill = self.per_step - len(got)
+        if n_fill:
+            self.counters.equalisation_padding_blocks += n_fill
+            self.counters.blocks += n_fill
+            self.counters.padding_tokens += n_fill * self.seq_len
+            got = got + [padding_block(self.seq_len)] * n_fill
+        return got
+
+    def __iter__(self) -> Iterator[dict]:
+        """The pass block by block (the TRL loop's dataset), whole steps on every rank."""
+        while (step := self.next_blocks()) is not None:
+            yield from step
+
+
+def any_rank_has(n: int, device: torch.device, group: Any = None) -> bool:
+    """True when `n` > 0 on any rank (a collective when torch.distributed is initialised)."""
+    if not dist.is_initialized():
+        return n > 0
+    flag = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag.item()) > 0
+
+
+def max_over_ranks(n: int, device: torch.device, group: Any = None) -> int:
+    if not dist.is_initialized():
+        return n
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def feed_owned_counts(saved: DataCounters, seq_len: int) -> DataCounters:
+    """Fresh counters holding only the all-padding blocks a feed added to `saved`.
+
+    A resumed pass is re-read from its start and counted again as it is replayed; only what the feed
+    counted itself (equalisation padding) is kept from the checkpoint, or every resume would count
+    the replayed rows twice."""
+    n = saved.equalisation_padding_blocks
+    return DataCounters(equalisation_padding_blocks=n, blocks=n, padding_tokens=n * seq_len)
+
+
+def worker_blocks(recipe: Recipe, *, counters: DataCounters, split: str = "train") -> Iterator[dict]:
+    """This worker's packed blocks of `split`, from its Ray Train dataset shard (one pass)."""
+    import ray.train
+
+    from raytune_ft.data.pipeline import iter_blocks
+
+    shard = ray.train.get_dataset_shard(split)
+    return iter_blocks(shard, recipe.data, counters=counters)
+
+
+def count_steps(recipe: Recipe, *, flag_device: torch.device | None = None,
+                group: Any = None) -> int:
+    """Optimizer steps of one pass over the data, as `StepFeed` will run them: a full extra pass
+    (tokenize + pack, no training) whose block count, the largest of any rank, sets the steps."""
+    import math
+
+    n = sum(1 for _ in worker_blocks(recipe, counters=DataCounters()))
+    per_step = recipe.train.grad_accum * recipe.train.micro_batch_size
+    return max(1, math.ceil(max_over_ranks(n, flag_device or torch.device("cpu"), group) / per_step))

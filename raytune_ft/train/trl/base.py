@@ -1,0 +1,67 @@
+"""What every part of the TRL loop shares: file names, schedule names, train-state files, reporting.
+
+Imports no sibling, so each part can read it without an import circle.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+# Files of a Hugging Face checkpoint folder that are trainer state rather than model or tokenizer.
+TRAINER_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", "training_args.bin",
+                 "rng_state.pth")
+
+# Fault injection for tests/test_trl_resume.py: "STEP:RANK" SIGKILLs that rank's worker at the end of
+# optimizer step STEP, in an attempt that did not resume (so the restarted worker runs on), once Ray has
+# registered a checkpoint of the run (its controller takes reports in asynchronously: a worker dying
+# right after reporting can lose that report, as a real crash would).
+FAULT_AT_STEP_ENV = "RAYTUNE_FAULT_AT_STEP"
+
+
+@contextlib.contextmanager
+def not_training(pause: dict):
+    """Add the time spent inside to pause["s"]: evaluation and checkpointing, left out of tokens/s."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        pause["s"] += time.perf_counter() - t0
+
+
+def write_train_state(d: str, rank: int, state: dict) -> None:
+    """train_state/rank{R}.json: step, epoch, blocks this rank consumed in it, data fingerprint, counters."""
+    os.makedirs(os.path.join(d, "train_state"), exist_ok=True)
+    with open(os.path.join(d, "train_state", f"rank{rank}.json"), "w") as f:
+        json.dump(state, f)
+
+
+def read_train_state(d: str, rank: int) -> dict | None:
+    path = os.path.join(d, "train_state", f"rank{rank}.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def ray_report(metrics: dict, checkpoint_dir: str | None) -> None:
+    """ray.train.report of the scalar metrics, with the folder as a checkpoint when given."""
+    import ray.train
+
+    ckpt = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
+    ray.train.report({k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))},
+                     checkpoint=ckpt)
+
+
+def sum_over_ranks(x: float) -> float:
+    """`x` summed over all ranks (a collective when torch.distributed is initialised)."""
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        t = t.cuda()
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return float(t.item())

@@ -1,0 +1,113 @@
+"""This rank's packed blocks as the trainer's dataset, and the one-row facade SFTTrainer inspects.
+
+The trainer never tokenizes or packs: each worker reads its share of the packed blocks the FSDP2
+recipe trains on (same masks, same best-fit-decreasing packing), through the same `StepFeed`
+(`raytune_ft.train.batch`), so every rank runs the same number of whole optimizer steps and Hugging
+Face's accumulation never leaves a partial step behind. `collate_blocks` lays a micro-batch's blocks
+end to end as one row with the varlen signals, TRL's padding-free format.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Iterator
+
+import torch
+
+from raytune_ft.data.packing import DataCounters
+from raytune_ft.recipe import Recipe
+from raytune_ft.train.batch import StepFeed, real_seq_lens, worker_blocks
+
+
+class RankBlocks(torch.utils.data.IterableDataset):
+    """This rank's packed training blocks, one pass per iteration, whole steps and the same count on
+    every rank (a `StepFeed` per pass).
+
+    The first pass of a resumed attempt replays the blocks the checkpoint had consumed and checks their
+    fingerprint (`DataOrderChanged` when the data no longer lays out the same blocks). `peek()` starts
+    the first pass and keeps its first block; the next iteration replays it, so TRL's look at a sample
+    costs no data.
+    """
+
+    def __init__(self, recipe: Recipe, *, rank: int, flag_device: torch.device,
+                 skip_blocks: int = 0, fingerprint: int | None = None,
+                 blocks_fn: Callable[[], Iterator[dict]] | None = None):
+        self.recipe, self.rank, self.flag_device = recipe, rank, flag_device
+        self.counters = DataCounters()
+        self.per_step = recipe.train.micro_batch_size * recipe.train.grad_accum
+        self._resume = (skip_blocks, fingerprint)   # for the first pass only
+        self.real_tokens = 0
+        self.flops = 0.0                            # model FLOPs of the real blocks fed (set flops_config)
+        self.flops_config = None
+        self._blocks_fn = blocks_fn or self._worker_blocks
+        self._pending: tuple[dict, Iterator[dict]] | None = None
+        self._passes = 0
+        self._feed: StepFeed | None = None
+
+    @property
+    def blocks_consumed(self) -> int:
+        """Real blocks of this rank trained in the current pass (the replayed ones included)."""
+        return self._feed.blocks_consumed if self._feed is not None else self._resume[0]
+
+    @property
+    def fingerprint(self) -> int | None:
+        return self._feed.fingerprint if self._feed is not None else self._resume[1]
+
+    def _worker_blocks(self) -> Iterator[dict]:
+        return worker_blocks(self.recipe, counters=self.counters)
+
+    def _pass(self) -> Iterator[dict]:
+        from raytune_ft.hardware import flops_per_block
+
+        skip, fingerprint = self._resume if self._passes == 0 else (0, None)
+        self._passes += 1
+        self._feed = StepFeed(self._blocks_fn(), per_step=self.per_step, seq_len=self.recipe.data.seq_len,
+                              counters=self.counters, rank=self.rank, skip_blocks=skip,
+                              fingerprint=fingerprint, flag_device=self.flag_device)
+        for block in self._feed:
+            lens = real_seq_lens(block)
+            if len(lens):
+                self.real_tokens += int(lens.sum())
+                if self.flops_config is not None:
+                    self.flops += flops_per_block(self.flops_config, lens)
+            yield block
+
+    def peek(self) -> dict:
+        if self._pending is None:
+            it = self._pass()
+            first = next(it)
+            self._pending = (first, it)
+        return self._pending[0]
+
+    def __iter__(self) -> Iterator[dict]:
+        if self._pending is not None:
+            first, it = self._pending
+            self._pending = None
+            return itertools.chain([first], it)
+        return self._pass()
+
+
+_LIVE: dict[int, Any] = {}
+
+
+def _peek_rows(key: int):
+    """Generator behind the `datasets` facade TRL inspects: the peeked first block of a live stream."""
+    src = _LIVE[key]
+    block = src.peek() if isinstance(src, RankBlocks) else src[0]
+    yield {k: block[k].tolist() for k in ("input_ids", "labels", "position_ids")}
+
+
+def facade(src) -> Any:
+    """A one-row `datasets.IterableDataset` for SFTTrainer's type and format checks.
+
+    SFTTrainer accepts only `datasets` objects and looks at one row; training and evaluation read the
+    real streams through the trainer's overridden dataloaders, never through this facade.
+    """
+    import datasets
+
+    key = id(src)
+    _LIVE[key] = src
+    return datasets.IterableDataset.from_generator(_peek_rows, gen_kwargs={"key": key})
+
+
+def release_facades() -> None:
+    _LIVE.clear()

@@ -1,0 +1,216 @@
+"""`train_trl`: the Ray Train worker entry point of the TRL recipes (full fine-tune or LoRA).
+
+Steps are equal on every rank (see `raytune_ft.train.batch`). Without `train.max_steps` the number of
+steps is counted first (one extra pass over the data) so the LR schedule knows its length.
+
+Evaluation: every rank evaluates the whole validation set (the validation dataset reaches each worker
+unsplit). Ranks then agree on the eval loss without equalisation padding biasing it; the cost is
+duplicated evaluation work on multi-worker runs, small next to training for the recipes here.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from raytune_ft.data.packing import DataCounters
+from raytune_ft.recipe import Recipe
+from raytune_ft.train.batch import collate_blocks, count_steps, worker_blocks
+from raytune_ft.train.common import WorkerLog, recipe_from_config
+from raytune_ft.train.trl.base import ray_report
+from raytune_ft.train.trl.checkpoint import (finished_step, restore_hf_checkpoint, save_final, save_meta,
+                                             save_train_state)
+from raytune_ft.train.trl.data import RankBlocks, facade, release_facades
+from raytune_ft.train.trl.trainer import report_callback, trainer_class
+
+_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+def train_trl(config: dict) -> None:
+    """Ray Train worker entry point for the TRL recipes (full fine-tune or LoRA)."""
+    import ray.train
+    import ray.train.torch
+
+    from raytune_ft.models.build import load_causal_lm
+    from raytune_ft.models.gated_delta import enable_packing
+
+    recipe = recipe_from_config(config)
+    t = recipe.train
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    log = WorkerLog(rank, recipe, config.get("mlflow_run_id"))
+    finished = finished_step()
+    if finished is not None:
+        # a worker lost after the final checkpoint was registered, or the finished run submitted again
+        # under its name: the run is complete, and that final checkpoint stays its result
+        log.info(f"the run already ended at step {finished} (its final checkpoint is the latest): nothing "
+                 "to train; use a new tracking.run_name to train again")
+        ray_report({"step": finished, "done": True}, None)
+        return
+    on_gpu = recipe.scaling.use_gpu and torch.cuda.is_available()
+    lora = t.lora_r > 0
+    flag_device = torch.device("cuda", torch.cuda.current_device()) if (
+        dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
+
+    tok = _tokenizer(recipe, log)
+    # weights in bf16 only when the recipe asks for bf16 master weights; fp32 weights train under
+    # bf16 autocast (TrainingArguments(bf16=True)), so AdamW updates are not lost to bf16 rounding
+    compute_bf16 = on_gpu and recipe.model.dtype == "bfloat16"
+    dtype = torch.bfloat16 if (compute_bf16 and t.master_weights == "bf16") else torch.float32
+    torch.manual_seed(t.seed)
+    # built straight on the worker's GPU: a random init or a checkpoint read of a 4B model on the host
+    # takes minutes; the Trainer finds it already in place
+    build_device = ray.train.torch.get_device() if on_gpu else torch.device("cpu")
+    lm = load_causal_lm(recipe.model, tokenizer_vocab_size=len(tok), device=build_device, dtype=dtype,
+                        seed=t.seed)
+    enable_packing(lm)                             # idempotent: varlen attention + packed gated-delta-net
+    if not recipe.model.local_tiny:
+        lm.config._name_or_path = recipe.model.name  # what a LoRA adapter names as its base
+    lm.config.use_cache = False
+
+    out_dir = tempfile.mkdtemp(prefix=f"raytune_trl_rank{rank}_")
+    base_dir = None
+    if lora and (recipe.model.local_tiny or recipe.model.init == "random") and rank == 0:
+        # a random base (tiny, or init="random"): keep it, so the adapter can be loaded and merged later
+        base_dir = os.path.join(out_dir, "base")
+        lm.save_pretrained(base_dir)
+        tok.save_pretrained(base_dir)
+
+    resume_dir, resumed = restore_hf_checkpoint(out_dir, rank, log)
+    train_blocks = RankBlocks(recipe, rank=rank, flag_device=flag_device,
+                              skip_blocks=int(resumed.get("blocks_consumed", 0)),
+                              fingerprint=resumed.get("data_fingerprint"))
+    train_blocks.flops_config = lm.config
+    eval_blocks = _validation_blocks(recipe, log)
+
+    max_steps = int(config.get("total_steps") or t.max_steps or 0)
+    if not max_steps:
+        max_steps = count_steps(recipe, flag_device=flag_device) * t.epochs
+        log.info(f"counted {max_steps} optimizer steps for {t.epochs} epoch(s) (one extra pass over the "
+                 "data; set train.max_steps to skip it)")
+
+    pause = {"s": 0.0}
+    callback = report_callback(recipe, rank, log, train_blocks, lora, pause, world,
+                               resumed=resume_dir is not None)
+    trainer = trainer_class()(
+        model=lm, args=_sft_config(recipe, out_dir, max_steps, on_gpu=on_gpu, bf16=compute_bf16, log=log),
+        train_dataset=facade(train_blocks), eval_dataset=facade(eval_blocks) if eval_blocks else None,
+        processing_class=tok, data_collator=collate_blocks, peft_config=_peft_config(recipe),
+        callbacks=[callback])
+    trainer.raytune_train_blocks = train_blocks
+    trainer.raytune_eval_blocks = eval_blocks
+    trainer.raytune_recipe = recipe
+    trainer.raytune_pause = pause
+    if lora:
+        n_train = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        log.info(f"LoRA r={t.lora_r} alpha={t.lora_alpha} on {t.lora_target_modules or 'all-linear'}: "
+                 f"{n_train:,} trainable parameters, LR {t.lr:g} x {t.lora_lr_multiplier:g}")
+    log.info(f"TRL SFTTrainer: {max_steps} steps, {world} worker(s) x {t.micro_batch_size} blocks x "
+             f"{t.grad_accum} accumulation, {dtype}, gradient checkpointing {t.gradient_checkpointing}")
+
+    trainer.train(resume_from_checkpoint=resume_dir)
+    state = trainer.state
+    if t.load_best_at_end and state.best_global_step:
+        log.info(f"loaded the best checkpoint: step {state.best_global_step}, eval loss {state.best_metric:.4f}")
+
+    # the final checkpoint: the weights the trainer holds now (the best ones with load_best_at_end)
+    metrics = callback.metrics(state, train_blocks)
+    metrics["done"] = True
+    losses = [h["loss"] for h in state.log_history if "loss" in h]
+    if losses:
+        metrics["loss"] = losses[-1]
+    if not t.save_final:
+        log.info("train.save_final=false: no final checkpoint")
+        log.log_metrics(metrics, state.global_step)   # the summary reads the end of the run from MLflow
+        ray_report(metrics, None)
+    else:
+        with tempfile.TemporaryDirectory(prefix="raytune_trl_final_") as d:
+            if rank == 0:
+                save_final(trainer, tok, d, recipe, lora, base_dir, log)
+                save_meta(d, recipe, state, callback.last, final=True)
+            save_train_state(d, rank, state.global_step, train_blocks)
+            ray_report(metrics, d)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    release_facades()
+
+
+def _tokenizer(recipe: Recipe, log: WorkerLog):
+    from raytune_ft.models.build import tokenizer_for
+
+    tok = tokenizer_for(recipe.model)
+    if not tok.chat_template:
+        from raytune_ft.models.tiny import CHATML_TEMPLATE
+
+        tok.chat_template = CHATML_TEMPLATE
+        log.info("the tokenizer has no chat template: using ChatML")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token if tok.eos_token is not None else "<|endoftext|>"
+        log.info(f"the tokenizer has no pad token: using {tok.pad_token!r}")
+    return tok
+
+
+def _use_liger(recipe: Recipe, on_gpu: bool, log: WorkerLog) -> bool:
+    if not recipe.train.use_liger:
+        return False
+    if not on_gpu:
+        log.info("Liger kernels: off (no GPU here; they are Triton kernels). The same job runs without them.")
+        return False
+    if importlib.util.find_spec("liger_kernel") is None:
+        log.info("Liger kernels: off (liger-kernel is not installed; pip install 'raytune-ft[gpu]')")
+        return False
+    log.info("Liger kernels: on (GPU present)")
+    return True
+
+
+def _validation_blocks(recipe: Recipe, log: WorkerLog) -> list:
+    """The whole validation set as blocks (every rank evaluates all of it), when the recipe evaluates."""
+    if not recipe.train.eval_every:
+        return []
+    blocks = list(worker_blocks(recipe, counters=DataCounters(), split="validation"))
+    if not blocks:
+        raise RuntimeError("the validation split produced no blocks: nothing to evaluate on")
+    log.info(f"validation: {len(blocks)} blocks of {recipe.data.seq_len} tokens (every rank "
+             "evaluates all of them)")
+    return blocks
+
+
+def _peft_config(recipe: Recipe):
+    t = recipe.train
+    if not t.lora_r:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=t.lora_r, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout,
+                      target_modules=list(t.lora_target_modules) or "all-linear", task_type="CAUSAL_LM")
+
+
+def _sft_config(recipe: Recipe, out_dir: str, max_steps: int, *, on_gpu: bool, bf16: bool, log: WorkerLog):
+    """The SFTConfig of the recipe: its optimizer, schedule, logging, eval and save settings."""
+    from trl import SFTConfig
+
+    t = recipe.train
+    eval_steps = t.eval_every or None
+    floor = t.schedule == "cosine" and t.min_lr_ratio
+    return SFTConfig(
+        output_dir=out_dir, max_steps=max_steps, num_train_epochs=t.epochs,
+        per_device_train_batch_size=t.micro_batch_size, per_device_eval_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=t.grad_accum, learning_rate=t.lr, weight_decay=t.weight_decay,
+        adam_beta1=t.betas[0], adam_beta2=t.betas[1], max_grad_norm=t.max_grad_norm,
+        warmup_steps=t.warmup_steps,
+        lr_scheduler_type="cosine_with_min_lr" if floor else _SCHEDULES[t.schedule],
+        lr_scheduler_kwargs={"min_lr_rate": t.min_lr_ratio} if floor else None,
+        logging_steps=t.log_every, eval_strategy="steps" if eval_steps else "no", eval_steps=eval_steps,
+        save_strategy="steps", save_steps=t.checkpoint_every, save_total_limit=t.keep_checkpoints,
+        load_best_model_at_end=t.load_best_at_end, metric_for_best_model="eval_loss" if eval_steps else None,
+        greater_is_better=False if eval_steps else None,
+        bf16=bf16, use_cpu=not on_gpu,
+        gradient_checkpointing=t.gradient_checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False},
+        use_liger_kernel=_use_liger(recipe, on_gpu, log), seed=t.seed, report_to="none", disable_tqdm=True,
+        remove_unused_columns=False, dataset_kwargs={"skip_prepare_dataset": True}, packing=False,
+        padding_free=False, max_length=None, dataloader_num_workers=0, ignore_data_skip=True,
+        ddp_find_unused_parameters=False, save_only_model=False,
+    )

@@ -1,0 +1,176 @@
+"""The SFTTrainer subclass that reads pre-packed blocks, and the callback that logs and reports to Ray.
+
+Both classes are built by functions so that importing this module does not import TRL or transformers.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from raytune_ft.recipe import Recipe
+from raytune_ft.train.batch import collate_blocks
+from raytune_ft.train.common import WorkerLog
+from raytune_ft.train.trl.base import FAULT_AT_STEP_ENV, not_training, ray_report, sum_over_ranks
+from raytune_ft.train.trl.checkpoint import save_meta, save_train_state, stage_checkpoint
+from raytune_ft.train.trl.data import RankBlocks
+
+
+def trainer_class():
+    from torch.utils.data import DataLoader
+    from trl import SFTTrainer
+
+    class RayBlocksSFTTrainer(SFTTrainer):
+        """SFTTrainer reading pre-packed blocks: plain DataLoaders (no accelerate re-sharding: each rank's
+        stream is already its own share) and AdamW with a separate LR for LoRA parameters."""
+
+        raytune_train_blocks: RankBlocks
+        raytune_eval_blocks: list
+        raytune_recipe: Recipe
+
+        raytune_pause: dict           # seconds spent evaluating and saving (not training)
+
+        def evaluate(self, *args, **kwargs):
+            with not_training(self.raytune_pause):
+                return super().evaluate(*args, **kwargs)
+
+        def _save_checkpoint(self, *args, **kwargs):
+            with not_training(self.raytune_pause):
+                return super()._save_checkpoint(*args, **kwargs)
+
+        def get_train_dataloader(self) -> DataLoader:
+            return DataLoader(self.raytune_train_blocks, batch_size=self.args.per_device_train_batch_size,
+                              collate_fn=collate_blocks, num_workers=0)
+
+        def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
+            return DataLoader(self.raytune_eval_blocks, batch_size=self.args.per_device_eval_batch_size,
+                              collate_fn=collate_blocks, shuffle=False, num_workers=0)
+
+        def create_optimizer(self, model=None):
+            if self.optimizer is None:
+                t = self.raytune_recipe.train
+                decay = set(self.get_decay_parameter_names(self.model))
+                groups: dict[tuple[float, float], list] = {}
+                for name, p in self.model.named_parameters():
+                    if not p.requires_grad:
+                        continue
+                    lr = t.lr * (t.lora_lr_multiplier if "lora_" in name else 1.0)
+                    wd = t.weight_decay if name in decay else 0.0
+                    groups.setdefault((lr, wd), []).append(p)
+                params = [{"params": ps, "lr": lr, "weight_decay": wd} for (lr, wd), ps in groups.items()]
+                self.optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas),
+                                                   fused=self.args.device.type == "cuda")
+            return self.optimizer
+
+    return RayBlocksSFTTrainer
+
+
+def _die_for_test(recipe: Recipe, rank: int, step: int) -> None:
+    snapshot = os.path.join(recipe.run_dir, "checkpoint_manager_snapshot.json")
+    deadline = time.time() + 120
+    while not os.path.exists(snapshot) and time.time() < deadline:
+        time.sleep(0.1)
+    print(f"[raytune_ft] {FAULT_AT_STEP_ENV}: killing rank {rank} at step {step}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+_SHOWN = ("loss", "eval_loss", "learning_rate", "grad_norm", "mean_token_accuracy", "eval_mean_token_accuracy")
+
+
+def report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: RankBlocks, lora: bool,
+                    pause: dict, world: int, resumed: bool = False):
+    from transformers import TrainerCallback
+
+    from raytune_ft.hardware import current_device_name, mfu_basis, mfu_metrics
+
+    on_cuda = torch.cuda.is_available() and recipe.scaling.use_gpu
+    device_name = current_device_name() if on_cuda else None
+
+    class RayReportCallback(TrainerCallback):
+        """Logs to MLflow on rank 0 and reports every Hugging Face save to Ray Train as a checkpoint in
+        the project's layout (all ranks report: Ray merges their files into one checkpoint)."""
+
+        def __init__(self):
+            self.t0 = time.perf_counter()
+            self.last: dict[str, float] = {}
+            self.history: list[dict] = []
+            self.window = None             # (time, paused seconds, tokens, flops) at the last train log
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.window = (time.perf_counter(), pause["s"], train_blocks.real_tokens, train_blocks.flops)
+            log.info(f"MFU basis: {mfu_basis(device_name)}")
+
+        def throughput(self) -> dict[str, float]:
+            """tokens/s (all ranks), per worker, MFU and peak memory since the last train log; evaluation
+            and checkpoint time excluded. A collective: every rank calls it at the same log."""
+            t, paused, tokens, flops = self.window
+            now = time.perf_counter()
+            dt = max(now - t - (pause["s"] - paused), 1e-9)
+            both = torch.tensor([float(train_blocks.real_tokens - tokens), train_blocks.flops - flops],
+                                dtype=torch.float64, device=train_blocks.flag_device)
+            if dist.is_initialized():
+                dist.all_reduce(both)
+            self.window = (now, pause["s"], train_blocks.real_tokens, train_blocks.flops)
+            out = {"tokens_per_s": float(both[0]) / dt, "tokens_per_s_per_worker": float(both[0]) / dt / world}
+            if train_blocks.flops_config is not None:
+                out.update(mfu_metrics(float(both[1]) / dt, device_name, n_gpus=world))
+            if on_cuda:
+                out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            return out
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if not resumed and os.environ.get(FAULT_AT_STEP_ENV, "").strip() == f"{state.global_step}:{rank}":
+                _die_for_test(recipe, rank, state.global_step)
+            # Hugging Face saves at the end of training whatever save_steps says; with train.save_final
+            # false only the checkpoint_every saves are wanted
+            if (not recipe.train.save_final and state.global_step >= state.max_steps
+                    and state.global_step % recipe.train.checkpoint_every):
+                control.should_save = False
+            return control
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logs = {k: float(v) for k, v in (logs or {}).items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if "loss" in logs and self.window is not None:
+                logs.update(self.throughput())
+            self.last.update(logs)
+            self.history.append({"step": state.global_step, **logs})
+            if rank == 0 and logs:
+                log.log_metrics(logs, state.global_step)
+                shown = " | ".join(f"{k} {v:.4g}" for k, v in logs.items() if k in _SHOWN)
+                if "tokens_per_s" in logs:
+                    shown += f" | {logs['tokens_per_s']:,.0f} tok/s"
+                    if logs.get("mfu"):
+                        shown += f" | MFU {logs['mfu']:.1%}"
+                    if "peak_mem_gib" in logs:
+                        shown += f" | mem {logs['peak_mem_gib']:.1f} GiB"
+                if shown:
+                    log.info(f"step {state.global_step}/{state.max_steps} | {shown}")
+
+        def on_save(self, args, state, control, **kwargs):
+            with not_training(pause):                     # staging + upload: not training time
+                self._report_save(args, state)
+
+        def _report_save(self, args, state):
+            src = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            with tempfile.TemporaryDirectory(prefix="raytune_trl_ckpt_") as d:
+                stage_checkpoint(src, d, rank=rank, lora=lora)
+                save_train_state(d, rank, state.global_step, train_blocks)
+                if rank == 0:
+                    save_meta(d, recipe, state, self.last, final=False)
+                log.info(f"checkpoint at step {state.global_step}")
+                ray_report(self.metrics(state, train_blocks), d)
+
+        def metrics(self, state, blocks: RankBlocks) -> dict:
+            m = {k: v for k, v in self.last.items()}
+            m.update({"step": state.global_step, "train_seconds": time.perf_counter() - self.t0,
+                      "tokens": int(sum_over_ranks(blocks.real_tokens))})
+            if state.best_metric is not None:
+                m["best_eval_loss"] = float(state.best_metric)
+            return m
+
+    return RayReportCallback()
