@@ -84,7 +84,18 @@ def run(lm, mixer, kwargs, ids, lens):
 
 def separate(lm, mixer, ids, lens, dev, how: str):
     """Each conversation alone: through the packed path on the reference kernels ("reference"), or
-    through transformers' own unpacked forward ("transformers"). Gradients summed in fp32."""
+    through transformers' own unpacked forward ("transformers"). Gradients summed in fp32. The torch
+    conv runs eagerly here (compiled, every conversation length would be a new graph)."""
+    from raytune_ft.models import gated_delta as gd
+
+    compiled, gd._compiled_shifted = gd._compiled_shifted, gd._shifted_conv_silu
+    try:
+        return _separate(lm, mixer, ids, lens, dev, how)
+    finally:
+        gd._compiled_shifted = compiled
+
+
+def _separate(lm, mixer, ids, lens, dev, how):
     outs, toks, grads, s = [], [], {}, 0
     for n in lens:
         one = ids[s:s + n]
