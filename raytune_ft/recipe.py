@@ -102,7 +102,7 @@ class TrainConfig:
     epochs: int = 1
     micro_batch_size: int = 1                # packed blocks per micro-batch
     grad_accum: int = 1
-    max_grad_norm: float = 1.0
+    max_grad_norm: float | None = 1.0        # 0 or None: no clipping (both loops)
     activation_checkpointing: Literal["none", "full", "selective"] = "full"
     master_weights: Literal["fp32", "bf16"] = "fp32"
     log_every: int = 100
@@ -114,7 +114,14 @@ class TrainConfig:
     save_final: bool = True
     load_best_at_end: bool = False
     compile: bool = False
+    # fp8: the decoder layers' big matmuls in float8 through torchao (train/fp8.py), FSDP2 loop only, on
+    # GPUs with float8 matmuls (compute capability 8.9+, checked on the worker); mxfp8 needs Blackwell
+    precision: Literal["bf16", "fp8"] = "bf16"
+    fp8_recipe: Literal["tensorwise", "rowwise", "mxfp8"] = "tensorwise"
     seed: int = 0
+    # the start-up kernel check on each GPU worker (models/kernel_check.py): "check" switches a failing
+    # fast kernel off for the run and says so; "strict" stops the run instead; "off" skips the check
+    kernels: Literal["check", "strict", "off"] = "check"
     # TRL loop only
     lora_r: int = 0                          # 0: full fine-tune
     lora_alpha: int = 32
@@ -144,7 +151,6 @@ class TrainConfig:
         check_range("train.epochs", self.epochs, 1, 1000)
         check_range("train.micro_batch_size", self.micro_batch_size, 1, 4096)
         check_range("train.grad_accum", self.grad_accum, 1, 4096)
-        check_range("train.max_grad_norm", self.max_grad_norm, 0.0)
         check_range("train.log_every", self.log_every, 1)
         check_range("train.checkpoint_every", self.checkpoint_every, 1)
         if self.eval_every is not None:
@@ -158,6 +164,8 @@ class TrainConfig:
         check_range("train.lora_lr_multiplier", self.lora_lr_multiplier, 0.0, 1e4, lo_open=True)
         if self.lora_r and self.loop != "trl":
             raise RecipeError("train.lora_r: LoRA is offered by the TRL loop only (train.loop='trl')")
+        if self.precision == "fp8" and self.loop != "fsdp2":
+            raise RecipeError("train.precision: fp8 is offered by the FSDP2 loop only (train.loop='fsdp2')")
         if self.load_best_at_end and not self.eval_every:
             raise RecipeError("train.load_best_at_end: needs train.eval_every and a validation set")
         if self.eval_every and data.validation_fraction == 0.0 and data.validation_split is None:
@@ -334,6 +342,9 @@ def validate(recipe: Recipe) -> Recipe:
     recipe.data.validate(recipe.model)
     recipe.train.validate(recipe.data, recipe.registry)
     recipe.scaling.validate()
+    if recipe.train.precision == "fp8" and not recipe.scaling.use_gpu:
+        raise RecipeError("train.precision: fp8 needs GPUs with float8 matmuls (scaling.use_gpu=true); "
+                          "use train.precision=bf16 on CPU")
     recipe.tracking.validate()
     recipe.registry.validate()
     return recipe
@@ -362,10 +373,11 @@ def recipe_from_dict(d: dict[str, Any]) -> Recipe:
 
 
 def absolute_local_paths(recipe: Recipe) -> Recipe:
-    """Local files and folders named by the recipe, made absolute: Ray workers do not run in the
-    launching shell's folder, so `model.tokenizer=./tok` must reach them as /abs/path/tok. Hub ids
-    (Qwen/Qwen3-4B) and hf:// or builtin: sources are left alone; a relative path is only rewritten
-    when it exists here."""
+    """Every local path of the recipe made absolute, once, where the run is launched: Ray workers run in
+    folders of their own, so a relative path resolved there names another place (a second, empty
+    MLflow store, say). The storage path and a file-based tracking URI are always made absolute; the
+    model, tokenizer, template and data paths when they exist here (hub ids such as Qwen/Qwen3-4B and
+    hf:// or builtin: sources are left alone)."""
     def fix(value: str | None) -> str | None:
         if not value or "://" in value or value.startswith("builtin:"):
             return value
@@ -376,7 +388,20 @@ def absolute_local_paths(recipe: Recipe) -> Recipe:
     recipe.model.tokenizer = fix(recipe.model.tokenizer)
     recipe.model.chat_template = fix(recipe.model.chat_template)
     recipe.data.source = fix(recipe.data.source)
+    tr = recipe.tracking
+    if tr.storage_path.strip() and "://" not in tr.storage_path:
+        tr.storage_path = os.path.abspath(os.path.expanduser(tr.storage_path))
+    tr.tracking_uri = _absolute_store_uri(tr.tracking_uri)
     return recipe
+
+
+def _absolute_store_uri(uri: str | None) -> str | None:
+    """sqlite:///rel/mlflow.db and file:rel with the path made absolute; other URIs unchanged."""
+    if uri and uri.startswith("sqlite:///") and not uri[len("sqlite:///"):].startswith("/"):
+        return "sqlite:///" + os.path.abspath(os.path.expanduser(uri[len("sqlite:///"):]))
+    if uri and uri.startswith("file:") and not uri.startswith("file:/"):
+        return "file:" + os.path.abspath(os.path.expanduser(uri[len("file:"):]))
+    return uri
 
 
 def on_local_cpu(r: Recipe, *, workers: int, rows: int, seq_len: int, run_name: str, registry_name: str) -> Recipe:
@@ -390,6 +415,7 @@ def on_local_cpu(r: Recipe, *, workers: int, rows: int, seq_len: int, run_name: 
     r.data.seq_len = seq_len
     r.data.pack_window = 64 if rows < 400 else 256
     r.train.compile = False
+    r.train.precision = "bf16"     # float8 matmuls need a GPU
     r.scaling.num_workers = workers
     r.scaling.use_gpu = False
     r.scaling.cpus_per_worker = 1

@@ -315,3 +315,12 @@ def test_a_kernel_failing_on_one_rank_is_off_on_every_rank():
     assert [x for x in got[1][2] if "switched off" in x and "wrong values" in x] == got[1][2]
     assert len(got[1][2]) == 1
     assert got[0][2] == ["kernels in use (checked in " + got[0][2][0].split("checked in ")[1]]
+
+
+def test_recipe_field_defaults_to_check_and_is_validated():
+    from raytune_ft.recipe import Recipe, RecipeError, apply_overrides, validate
+
+    assert Recipe().train.kernels == "check"
+    assert apply_overrides(Recipe(), ["train.kernels=strict"]).train.kernels == "strict"
+    with pytest.raises(RecipeError, match=r"train.kernels: 'fast' is not one of 'check', 'strict', 'off'"):
+        validate(apply_overrides(Recipe(), ["train.kernels=fast"]))
