@@ -55,6 +55,7 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
     """Build (or load) the model, install the packed-sequence paths, and shard it with FSDP2."""
     from raytune_ft.models.attention import select_attention_backend
     from raytune_ft.models.build import load_causal_lm, materialize_model, tokenizer_for
+    from raytune_ft.models.kernel_check import check_on_worker
 
     tok = tokenizer_for(recipe.model)
     on_gpu = device.type == "cuda"
@@ -63,6 +64,8 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
     # Built on the meta device, sharded, then filled: each rank allocates and reads only its own
     # shard of the weights, so no rank ever holds the whole model in host or GPU memory.
     lm = load_causal_lm(recipe.model, tokenizer_vocab_size=len(tok), device="meta", dtype=param_dtype)
+    # every fast kernel proves itself on this GPU before the first step; a failing one is switched off
+    check_on_worker(lm.config, device, mode=recipe.train.kernels, dtype=compute_dtype, log=log)
     backend = select_attention_backend(device)
     log.info(f"attention backend: {backend}; params {param_dtype}, compute {compute_dtype}, "
              f"reduce fp32; activation checkpointing {recipe.train.activation_checkpointing}")

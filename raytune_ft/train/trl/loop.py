@@ -37,6 +37,7 @@ def train_trl(config: dict) -> None:
 
     from raytune_ft.models.build import load_causal_lm
     from raytune_ft.models.gated_delta import enable_packing
+    from raytune_ft.models.kernel_check import check_on_worker
 
     recipe = recipe_from_config(config)
     t = recipe.train
@@ -71,6 +72,9 @@ def train_trl(config: dict) -> None:
     if not recipe.model.local_tiny:
         lm.config._name_or_path = recipe.model.name  # what a LoRA adapter names as its base
     lm.config.use_cache = False
+    # every fast kernel, and Liger's fused loss where it would be used, proves itself on this GPU first
+    kernels = check_on_worker(lm.config, build_device, mode=t.kernels, log=log, liger=_use_liger(recipe, on_gpu, log),
+                              dtype=torch.bfloat16 if compute_bf16 else torch.float32)
 
     out_dir = tempfile.mkdtemp(prefix=f"raytune_trl_rank{rank}_")
     base_dir = None
@@ -97,7 +101,8 @@ def train_trl(config: dict) -> None:
     callback = report_callback(recipe, rank, log, train_blocks, lora, pause, world,
                                resumed=resume_dir is not None)
     trainer = trainer_class()(
-        model=lm, args=_sft_config(recipe, out_dir, max_steps, on_gpu=on_gpu, bf16=compute_bf16, log=log),
+        model=lm, args=_sft_config(recipe, out_dir, max_steps, on_gpu=on_gpu, bf16=compute_bf16, log=log,
+                                   liger=kernels.in_use.get("fused_ce") == "liger"),
         train_dataset=facade(train_blocks), eval_dataset=facade(eval_blocks) if eval_blocks else None,
         processing_class=tok, data_collator=collate_blocks, peft_config=_peft_config(recipe),
         callbacks=[callback])
@@ -188,7 +193,8 @@ def _peft_config(recipe: Recipe):
                       target_modules=list(t.lora_target_modules) or "all-linear", task_type="CAUSAL_LM")
 
 
-def _sft_config(recipe: Recipe, out_dir: str, max_steps: int, *, on_gpu: bool, bf16: bool, log: WorkerLog):
+def _sft_config(recipe: Recipe, out_dir: str, max_steps: int, *, on_gpu: bool, bf16: bool, log: WorkerLog,
+                liger: bool | None = None):
     """The SFTConfig of the recipe: its optimizer, schedule, logging, eval and save settings."""
     from trl import SFTConfig
 
@@ -209,7 +215,7 @@ def _sft_config(recipe: Recipe, out_dir: str, max_steps: int, *, on_gpu: bool, b
         greater_is_better=False if eval_steps else None,
         bf16=bf16, use_cpu=not on_gpu,
         gradient_checkpointing=t.gradient_checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False},
-        use_liger_kernel=_use_liger(recipe, on_gpu, log), seed=t.seed, report_to="none", disable_tqdm=True,
+        use_liger_kernel=_use_liger(recipe, on_gpu, log) if liger is None else liger, seed=t.seed, report_to="none", disable_tqdm=True,
         remove_unused_columns=False, dataset_kwargs={"skip_prepare_dataset": True}, packing=False,
         padding_free=False, max_length=None, dataloader_num_workers=0, ignore_data_skip=True,
         ddp_find_unused_parameters=False, save_only_model=False,
