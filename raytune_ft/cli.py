@@ -227,7 +227,7 @@ def cli_register(argv: list[str]) -> int:
         prog="raytune-ft register",
         description="Register a trained checkpoint (HF folder, Ray Train checkpoint with hf/ or "
                     "adapter/) as an MLflow / Unity Catalog model, task llm/v1/chat.")
-    ap.add_argument("checkpoint", help="checkpoint folder (with hf/ or adapter/) or a plain HF folder")
+    ap.add_argument("checkpoint", help="checkpoint folder or URI (s3://...) with hf/ or adapter/, or a plain HF folder")
     ap.add_argument("--name", required=True, help="registered model name, catalog.schema.model")
     ap.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
                     help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
@@ -241,12 +241,19 @@ def cli_register(argv: list[str]) -> int:
     try:
         validate_registry_name(args.name, path="--name")
     except RecipeError as e:
-        print(f"raytune-ft register: {e}", file=sys.stderr)
+        print(f"raytune-ft register: {redact(str(e))}", file=sys.stderr)
         return 2
     if not args.tracking_uri:
         print("raytune-ft register: --tracking-uri is required (or set MLFLOW_TRACKING_URI)", file=sys.stderr)
         return 2
-    if not os.path.isdir(args.checkpoint):
+    from raytune_ft import storage
+
+    if storage.is_uri(args.checkpoint):        # s3://...: read where it lies, with the AWS_* environment
+        st = storage.resolve(args.checkpoint)
+        if not storage.list_files(st.fs, st.root):
+            print(f"raytune-ft register: {args.checkpoint} holds no files", file=sys.stderr)
+            return 2
+    elif not os.path.isdir(args.checkpoint):
         print(f"raytune-ft register: {args.checkpoint} is not a directory", file=sys.stderr)
         return 2
     import logging

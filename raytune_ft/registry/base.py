@@ -5,6 +5,7 @@ Imports no other part, so each part can import it without a circle.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -13,6 +14,15 @@ logger = logging.getLogger("raytune_ft.registry")
 CHAT_TASK = "llm/v1/chat"
 FAILURE_FILE = "registration_failed.json"
 STATUS_TAG = "raytune.status"
+CHECKPOINT_TAG = "raytune.checkpoint"   # on the run and on the model version: which checkpoint it is
+
+
+def checkpoint_id(checkpoint_path: str | os.PathLike) -> str:
+    """How a checkpoint is named in tags, records and commands: its URI (s3://...) or its absolute path."""
+    path = str(checkpoint_path)
+    if "://" in path and not path.startswith("file://"):
+        return path.rstrip("/")
+    return os.path.abspath(path[len("file://"):] if path.startswith("file://") else path)
 
 
 class RegistrationError(RuntimeError):

@@ -15,14 +15,16 @@ import contextlib
 import importlib.metadata
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
 from raytune_ft.env import redact, redact_exception, scoped_env
 from raytune_ft.recipe import RecipeError, validate_registry_name
-from raytune_ft.registry.base import CHAT_TASK, STATUS_TAG, RegistrationError, RegistrationResult, logger
-from raytune_ft.registry.outcome import clear_failure_record
-from raytune_ft.registry.resolve import build_metadata, hf_config, resolve_hf_folder
+from raytune_ft.registry.base import (CHAT_TASK, CHECKPOINT_TAG, STATUS_TAG, RegistrationError, RegistrationResult,
+                                      checkpoint_id, logger)
+from raytune_ft.registry.outcome import clear_failure_record, read_failure_record
+from raytune_ft.registry.resolve import build_metadata, hf_config, local_checkpoint, resolve_hf_folder
 from raytune_ft.train.checkpoint import read_meta
 
 
@@ -168,81 +170,203 @@ def _torch_dtype(hf_dir: Path):
     return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else None
 
 
+# A registry that answers "try again" (or cannot be reached for a moment) gets this many attempts, the
+# first wait doubling each time, all inside timeout_s; a refusal or a bad request is never retried.
+RETRY_ATTEMPTS = 3
+RETRY_FIRST_WAIT_S = 2.0
+_TRANSIENT_CODES = {"TEMPORARILY_UNAVAILABLE", "INTERNAL_ERROR", "RESOURCE_EXHAUSTED", "REQUEST_LIMIT_EXCEEDED",
+                    "SERVICE_UNAVAILABLE", "ABORTED"}
+_TRANSIENT_TEXT = ("connection refused", "connection reset", "connectionerror", "max retries exceeded",
+                   "temporarily unavailable", "service unavailable", "bad gateway", "gateway timeout",
+                   "too many requests", "remotedisconnected", "read timed out")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a registry error is worth another attempt: unreachable, overloaded, 5xx or 429."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (RegistrationError, RecipeError, KeyboardInterrupt)):
+            return False
+        code = getattr(exc, "error_code", None)
+        if code in _TRANSIENT_CODES:
+            return True
+        status = getattr(exc, "get_http_status_code", lambda: None)()
+        if isinstance(status, int) and (status == 429 or 500 <= status < 600) and code != "INVALID_PARAMETER_VALUE":
+            return True
+        if isinstance(exc, ConnectionError) or any(t in str(exc).lower() for t in _TRANSIENT_TEXT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _find_version(name: str, ckpt_id: str, run_id: str | None):
+    """The newest version of `name` made from this checkpoint (inside _mlflow_target), or None.
+
+    A version is tagged with the checkpoint it came from; one without the tag (an attempt cut off between
+    creating and tagging it) counts when it was logged under the same training run."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    try:
+        versions = client.search_model_versions(f"name = '{name}'")
+    except Exception as e:  # a registry without search (or none yet): nothing to reuse
+        logger.info("no existing version looked up for %s: %s", name, redact_exception(e))
+        return None
+    mine = [v for v in versions
+            if (v.tags or {}).get(CHECKPOINT_TAG) == ckpt_id
+            or (run_id and CHECKPOINT_TAG not in (v.tags or {}) and v.run_id == run_id)]
+    return max(mine, key=lambda v: int(v.version)) if mine else None
+
+
+def find_registered_version(checkpoint_path: str, name: str, *, tracking_uri: str,
+                            registry_uri: str | None = None, run_id: str | None = None) -> RegistrationResult | None:
+    """The version already registered for this checkpoint under `name`, or None (never raises)."""
+    try:
+        with _mlflow_target(tracking_uri, registry_uri):
+            v = _find_version(name, checkpoint_id(checkpoint_path), run_id)
+    except Exception as e:
+        logger.info("could not look for a version of %s: %s", name, redact_exception(e))
+        return None
+    if v is None:
+        return None
+    return RegistrationResult(name=name, version=str(v.version), model_uri=f"models:/{name}/{v.version}",
+                              run_id=v.run_id or run_id)
+
+
+def _unfinished_before(ckpt_id: str, name: str, run_id: str | None) -> bool:
+    """Whether an earlier registration of this checkpoint did not finish (failed, timed out or was cut off):
+    its failure record is beside the checkpoint, or the training run still says so. Then a version it may
+    have created is returned instead of a second one; a registration after a finished one makes a new one."""
+    record = read_failure_record(ckpt_id)
+    if record and record.get("name") == name:
+        return True
+    if not run_id:
+        return False
+    from mlflow import MlflowClient
+
+    try:
+        tags = MlflowClient().get_run(run_id).data.tags
+    except Exception:
+        return False
+    return (tags.get(STATUS_TAG) in ("registering", "trained_not_registered")
+            and tags.get("raytune.registered_model_name", name) == name)
+
+
 def register_checkpoint(checkpoint_path: str, name: str, *, tracking_uri: str,
                         registry_uri: str | None = None, timeout_s: float = 1800,
                         run_id: str | None = None, metadata: dict | None = None,
                         log_from_disk: bool = True, experiment: str | None = None) -> RegistrationResult:
     """Log a checkpoint's HF model to MLflow as an llm/v1/chat model and register it as `name`.
 
+    `checkpoint_path`: a local folder or a URI (s3://...; only its meta file and model folder are read).
     `run_id`: log under the training run (reopened, left FINISHED); None starts a new run in
     `experiment`. `log_from_disk`: hand MLflow the folder path (no weights in RAM) instead of a
-    loaded model. The original checkpoint files are only read. Raises RegistrationError.
+    loaded model. The original checkpoint files are only read. Transient registry errors are retried
+    (RETRY_ATTEMPTS, with backoff); a retry after an unfinished attempt returns the version that attempt
+    created, if it did. Raises RegistrationError.
     """
     validate_registry_name(name, path="name")
     import mlflow
 
-    ckpt = Path(checkpoint_path)
-    active_run_id = run_id
+    ckpt_id = checkpoint_id(checkpoint_path)
+    state = {"run_id": run_id}
     deadline = _Deadline()
     try:
-        with _deadline(timeout_s) as deadline, _mlflow_target(tracking_uri, registry_uri):
+        with _deadline(timeout_s) as deadline, _mlflow_target(tracking_uri, registry_uri), \
+                local_checkpoint(checkpoint_path) as ckpt:
             meta = read_meta(ckpt) if ckpt.is_dir() else {}
             hf_dir = resolve_hf_folder(ckpt)
             md = build_metadata(hf_dir, meta, metadata)
-
-            if run_id:
-                run = mlflow.start_run(run_id=run_id)
-            else:
-                _ensure_experiment(experiment or _default_experiment(tracking_uri), tracking_uri)
-                run = mlflow.start_run(run_name=f"{meta.get('run_name', ckpt.name)}-register")
-            active_run_id = run.info.run_id
-            try:
-                mlflow.set_tags({STATUS_TAG: "registering", "raytune.checkpoint": str(ckpt.resolve()),
-                                 "raytune.registered_model_name": name})
-                if log_from_disk:
-                    model_arg: Any = str(hf_dir.resolve())
-                else:
-                    model_arg = _load_components(hf_dir)
-                shim = _pipeline_impl_shim() if log_from_disk else contextlib.nullcontext()
-                with shim:
-                    info = mlflow.transformers.log_model(
-                        transformers_model=model_arg,
-                        name="model",
-                        task=CHAT_TASK,
-                        signature=chat_signature(),
-                        metadata=md,
-                        pip_requirements=pip_requirements(),
-                        registered_model_name=name,
-                        model_card=_model_card(meta, md),
-                        torch_dtype=_torch_dtype(hf_dir),
-                        await_registration_for=int(min(timeout_s, 600)) if timeout_s else 300,
-                    )
-                del model_arg
-                if deadline.fired:  # the alarm's TimeoutError was swallowed by a broad except in a library
-                    raise TimeoutError(f"registration did not finish within {timeout_s:g}s")
-                version = str(info.registered_model_version)
-                mlflow.set_tags({STATUS_TAG: "registered", "raytune.registered_model_version": version})
-            finally:
-                with contextlib.suppress(Exception):
-                    mlflow.end_run()
+            reuse = _unfinished_before(ckpt_id, name, run_id)
+            for attempt in range(RETRY_ATTEMPTS):
+                found = _find_version(name, ckpt_id, run_id) if reuse else None
+                if found is not None:
+                    version = str(found.version)
+                    logger.info("%s version %s was already made from %s: returned, not registered again",
+                                name, version, ckpt_id)
+                    if run_id:
+                        mlflow.MlflowClient().set_tag(run_id, STATUS_TAG, "registered")
+                        mlflow.MlflowClient().set_tag(run_id, "raytune.registered_model_version", version)
+                    state["run_id"] = found.run_id or run_id
+                    break
+                try:
+                    version = _log_and_register(ckpt, ckpt_id, hf_dir, name, meta, md, run_id=run_id,
+                                                experiment=experiment, tracking_uri=tracking_uri,
+                                                log_from_disk=log_from_disk, timeout_s=timeout_s,
+                                                deadline=deadline, state=state)
+                    break
+                except BaseException as e:
+                    if deadline.fired or attempt == RETRY_ATTEMPTS - 1 or not is_transient(e):
+                        raise
+                    wait = RETRY_FIRST_WAIT_S * 2 ** attempt
+                    logger.warning("registration of %s as %s: %s; attempt %d of %d in %g s", ckpt_id, name,
+                                   redact_exception(e), attempt + 2, RETRY_ATTEMPTS, wait)
+                    time.sleep(wait)
+                    reuse = True      # the failed attempt may have created the version before it broke
     except RegistrationError as e:
-        raise RegistrationError(redact(str(e)), run_id=e.run_id or active_run_id) from None
+        raise RegistrationError(redact(str(e)), run_id=e.run_id or state["run_id"]) from None
     except (RecipeError, KeyboardInterrupt):
         raise
     except BaseException as e:  # MlflowException, OSError, TimeoutError, connection errors...
         # the traceback helps whoever reads the task's log; its text can quote a credential (a server
         # echoing the token it refused), so it is redacted like everything else written
-        logger.warning("registration of %s as %s failed:\n%s", ckpt, name,
+        logger.warning("registration of %s as %s failed:\n%s", ckpt_id, name,
                        redact_exception(e, with_traceback=True))
         if deadline.fired:
             raise RegistrationError(f"registration did not finish within {timeout_s:g}s "
                                     f"(timeout_s); stopped during {type(e).__name__}",
-                                    run_id=active_run_id) from None
-        raise RegistrationError(redact_exception(e), run_id=active_run_id) from None
+                                    run_id=state["run_id"]) from None
+        raise RegistrationError(redact_exception(e), run_id=state["run_id"]) from None
 
-    clear_failure_record(ckpt)
+    clear_failure_record(ckpt_id)
     return RegistrationResult(name=name, version=version, model_uri=f"models:/{name}/{version}",
-                              run_id=active_run_id)
+                              run_id=state["run_id"])
+
+
+def _log_and_register(ckpt: Path, ckpt_id: str, hf_dir: Path, name: str, meta: dict, md: dict, *,
+                      run_id: str | None, experiment: str | None, tracking_uri: str, log_from_disk: bool,
+                      timeout_s: float, deadline: _Deadline, state: dict) -> str:
+    """One attempt: log the model under the run, register it, tag the version with its checkpoint."""
+    import mlflow
+
+    if run_id:
+        run = mlflow.start_run(run_id=run_id)
+    else:
+        _ensure_experiment(experiment or _default_experiment(tracking_uri), tracking_uri)
+        run = mlflow.start_run(run_name=f"{meta.get('run_name', ckpt.name)}-register")
+    state["run_id"] = run.info.run_id
+    try:
+        mlflow.set_tags({STATUS_TAG: "registering", CHECKPOINT_TAG: ckpt_id,
+                         "raytune.registered_model_name": name})
+        model_arg: Any = str(hf_dir.resolve()) if log_from_disk else _load_components(hf_dir)
+        shim = _pipeline_impl_shim() if log_from_disk else contextlib.nullcontext()
+        with shim:
+            info = mlflow.transformers.log_model(
+                transformers_model=model_arg,
+                name="model",
+                task=CHAT_TASK,
+                signature=chat_signature(),
+                metadata=md,
+                pip_requirements=pip_requirements(),
+                registered_model_name=name,
+                model_card=_model_card(meta, md),
+                torch_dtype=_torch_dtype(hf_dir),
+                await_registration_for=int(min(timeout_s, 600)) if timeout_s else 300,
+            )
+        del model_arg
+        if deadline.fired:  # the alarm's TimeoutError was swallowed by a broad except in a library
+            raise TimeoutError(f"registration did not finish within {timeout_s:g}s")
+        version = str(info.registered_model_version)
+        try:   # which checkpoint this version is: a retry finds it by this tag
+            mlflow.MlflowClient().set_model_version_tag(name, version, CHECKPOINT_TAG, ckpt_id)
+        except Exception as e:  # a registry without version tags: the run id still identifies it
+            logger.info("could not tag %s version %s: %s", name, version, redact_exception(e))
+        mlflow.set_tags({STATUS_TAG: "registered", "raytune.registered_model_version": version})
+        return version
+    finally:
+        with contextlib.suppress(Exception):
+            mlflow.end_run()
 
 
 def _load_components(hf_dir: Path) -> dict[str, Any]:

@@ -13,14 +13,15 @@ import os
 import shlex
 from pathlib import Path
 
+from raytune_ft import storage
 from raytune_ft.env import public_uri, redact, redact_exception, scoped_env
-from raytune_ft.registry.base import FAILURE_FILE, STATUS_TAG, RegistrationOutcome, logger
+from raytune_ft.registry.base import FAILURE_FILE, STATUS_TAG, RegistrationOutcome, checkpoint_id, logger
 
 
 def retry_command(checkpoint_path: str, name: str, tracking_uri: str | None,
                   registry_uri: str | None = None, run_id: str | None = None) -> str:
-    """The exact command that repeats a registration from the command line."""
-    parts = ["raytune-ft", "register", str(Path(checkpoint_path).resolve()), "--name", name]
+    """The exact command that repeats a registration from the command line (a URI stays a URI)."""
+    parts = ["raytune-ft", "register", checkpoint_id(checkpoint_path), "--name", name]
     if tracking_uri:
         parts += ["--tracking-uri", public_uri(tracking_uri)]
     if registry_uri:
@@ -30,9 +31,35 @@ def retry_command(checkpoint_path: str, name: str, tracking_uri: str | None,
     return shlex.join(parts)
 
 
-def failure_file_for(checkpoint_path: str | os.PathLike) -> Path:
-    """registration_failed.json sits beside the checkpoint (in the run folder), not inside it."""
-    return Path(checkpoint_path).resolve().parent / FAILURE_FILE
+def failure_file_for(checkpoint_path: str | os.PathLike) -> Path | str:
+    """registration_failed.json sits beside the checkpoint (in the run folder), not inside it: a local
+    Path, or a URI next to a checkpoint on object storage."""
+    ckpt = checkpoint_id(checkpoint_path)
+    if storage.is_uri(ckpt):
+        return f"{ckpt.rsplit('/', 1)[0]}/{FAILURE_FILE}"
+    return Path(ckpt).parent / FAILURE_FILE
+
+
+def _write_record(path: Path | str, record: dict) -> None:
+    if isinstance(path, Path):
+        path.write_text(json.dumps(record, indent=2) + "\n")
+    else:
+        st = storage.resolve(path)
+        storage.write_json(st.fs, st.root, record)
+
+
+def read_failure_record(checkpoint_path: str | os.PathLike) -> dict | None:
+    """The failure record beside the checkpoint when it is about this checkpoint, else None."""
+    path = failure_file_for(checkpoint_path)
+    try:
+        if isinstance(path, Path):
+            record = json.loads(path.read_text())
+        else:
+            st = storage.resolve(path)
+            record = storage.read_json(st.fs, st.root)
+    except (OSError, ValueError):
+        return None
+    return record if record and record.get("checkpoint") == checkpoint_id(checkpoint_path) else None
 
 
 def _tag_not_registered(tracking_uri: str, run_id: str, error: str) -> bool:
@@ -59,7 +86,7 @@ def record_failure(checkpoint_path: str, name: str, tracking_uri: str | None, re
     tagged = bool(run_id and tracking_uri and _tag_not_registered(tracking_uri, run_id, error))
     record = {
         "status": "trained_not_registered",
-        "checkpoint": str(Path(checkpoint_path).resolve()),
+        "checkpoint": checkpoint_id(checkpoint_path),
         "name": name,
         "tracking_uri": public_uri(tracking_uri),
         "registry_uri": public_uri(registry_uri),
@@ -72,7 +99,7 @@ def record_failure(checkpoint_path: str, name: str, tracking_uri: str | None, re
     path = failure_file_for(checkpoint_path)
     written: str | None = str(path)
     try:
-        path.write_text(json.dumps(record, indent=2) + "\n")
+        _write_record(path, record)
     except OSError as e:
         logger.warning("could not write %s: %s", path, redact_exception(e))
         written = None
@@ -80,11 +107,16 @@ def record_failure(checkpoint_path: str, name: str, tracking_uri: str | None, re
     return RegistrationOutcome(ok=False, error=error, retry_command=cmd, failure_file=written)
 
 
-def clear_failure_record(ckpt: Path) -> None:
+def clear_failure_record(ckpt: str | os.PathLike) -> None:
     """After a successful retry, a failure record about this checkpoint would only mislead."""
+    if read_failure_record(ckpt) is None:
+        return
     path = failure_file_for(ckpt)
     try:
-        if json.loads(path.read_text()).get("checkpoint") == str(ckpt.resolve()):
+        if isinstance(path, Path):
             path.unlink()
-    except (OSError, ValueError):
+        else:
+            st = storage.resolve(path)
+            st.fs.delete_file(st.root)
+    except OSError:
         pass

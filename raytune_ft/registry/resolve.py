@@ -1,17 +1,21 @@
 """From a checkpoint to the Hugging Face folder MLflow logs: find it, or merge a LoRA adapter into its base.
 
 Registration only reads the checkpoint: a merged model is written beside it (`<checkpoint>.merged_hf`),
-under a temporary name first, so a crash never leaves a half folder that looks finished.
+under a temporary name first, so a crash never leaves a half folder that looks finished. A checkpoint on
+object storage (s3://...) is read through `local_checkpoint`: only the files registration needs (the meta
+file and hf/, or adapter/), streamed file by file into a temporary folder that MLflow logs from; the
+DCP shards, trainer and train state are never fetched.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import struct
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from raytune_ft.env import scrub
 from raytune_ft.registry.base import CHAT_TASK, RegistrationError, logger
@@ -26,6 +30,43 @@ def _adapter_folder(p: Path) -> Path | None:
         if (cand / "adapter_config.json").is_file():
             return cand
     return None
+
+
+META_FILE = "raytune_meta.json"
+
+
+def _files_to_fetch(rel_paths: list[str]) -> set[str]:
+    """Of a checkpoint's files, those registration reads: the meta file and the model folder only."""
+    present = set(rel_paths)
+    if "hf/config.json" in present:
+        wanted = ("hf/",)
+    elif "adapter/adapter_config.json" in present:
+        wanted = ("adapter/", "base/")         # base/: the random base of a --local LoRA run
+    else:
+        wanted = ("",)                          # a plain Hugging Face folder: its top-level files
+    return {r for r in present
+            if r == META_FILE or any(r.startswith(w) and (w or "/" not in r) for w in wanted)}
+
+
+@contextlib.contextmanager
+def local_checkpoint(checkpoint_path: str | os.PathLike) -> Iterator[Path]:
+    """The checkpoint as a local folder: itself, or for a URI a temporary copy of what registration reads."""
+    from raytune_ft import storage
+
+    if not storage.is_uri(str(checkpoint_path)) or str(checkpoint_path).startswith("file://"):
+        yield Path(str(checkpoint_path).removeprefix("file://"))
+        return
+    st = storage.resolve(str(checkpoint_path))
+    base = st.root.rstrip("/") + "/"
+    rels = [i.path[len(base):] for i in storage.list_files(st.fs, st.root) if i.path.startswith(base)]
+    if not rels:
+        raise RegistrationError(f"checkpoint {checkpoint_path!s} does not exist or is empty")
+    wanted = _files_to_fetch(rels)
+    with tempfile.TemporaryDirectory(prefix="raytune_register_") as tmp:
+        local = Path(tmp) / st.root.rstrip("/").rsplit("/", 1)[-1]
+        logger.info("reading %d files of %s for registration", len(wanted), checkpoint_path)
+        storage.download(st.fs, st.root, str(local), only=wanted.__contains__)
+        yield local
 
 
 def merged_folder_for(checkpoint_path: str | os.PathLike) -> Path:
