@@ -101,6 +101,7 @@ def test_gpu_capability_decides(monkeypatch, cap, recipe, refused_with):
 
 def test_compile_covers_the_float8_linears_outside_the_mlp():
     from raytune_ft.models.tiny import real_config
+    from raytune_ft.train.fsdp_loop import compile_pointwise
 
     lm = _meta_lm(real_config("qwen3.8-27b", num_hidden_layers=4))
     layers = decoder_layers(lm)
@@ -110,6 +111,44 @@ def test_compile_covers_the_float8_linears_outside_the_mlp():
     assert n == 3 * 3 + 4 == len(compiled)         # the MLP is compiled whole by train.compile
     assert all(".mlp." not in name for name in compiled)
     assert "model.layers.3.self_attn.q_proj" in compiled and "model.layers.0.linear_attn.out_proj" in compiled
+    # the loop's train.compile path does the same after compiling the MLPs and norms
+    lm2 = _meta_lm(real_config("qwen3.8-27b", num_hidden_layers=4))
+    fp8.convert_to_fp8(decoder_layers(lm2), "tensorwise")
+    compile_pointwise(lm2)
+    compiled2 = {name for name, m in lm2.named_modules() if getattr(m, "_compiled_call_impl", None) is not None}
+    assert compiled <= compiled2 and "model.layers.0.mlp" in compiled2
+
+
+def test_recipe_precision_fields():
+    from raytune_ft.recipe import Recipe, RecipeError, apply_overrides, on_local_cpu, validate
+
+    assert (Recipe().train.precision, Recipe().train.fp8_recipe) == ("bf16", "tensorwise")
+    r = validate(apply_overrides(Recipe(), ["train.precision=fp8", "train.fp8_recipe=rowwise"]))
+    assert (r.train.precision, r.train.fp8_recipe) == ("fp8", "rowwise")
+    for overrides, message in [
+        (["train.precision=fp8", "train.loop=trl"], "FSDP2 loop only"),
+        (["train.precision=fp8", "scaling.use_gpu=false", "scaling.backend=gloo"], "use train.precision=bf16 on CPU"),
+        (["train.precision=fp16"], "'fp16' is not one of"),
+        (["train.fp8_recipe=nvfp4"], "'nvfp4' is not one of"),
+    ]:
+        with pytest.raises(RecipeError, match=message):
+            validate(apply_overrides(Recipe(), overrides))
+    local = on_local_cpu(apply_overrides(Recipe(), ["train.precision=fp8"]), workers=1, rows=10, seq_len=128,
+                         run_name="x", registry_name="a.b.c")
+    assert local.train.precision == "bf16"
+
+
+def test_the_loop_refuses_fp8_on_a_cpu_worker_before_loading_anything(monkeypatch):
+    """A recipe for GPUs whose worker lands on a CPU (or an old GPU): refused at the worker's start."""
+    from raytune_ft.recipe import Recipe, apply_overrides
+    from raytune_ft.train import fsdp_loop
+    from raytune_ft.train.common import WorkerLog
+
+    recipe = apply_overrides(Recipe(), ["train.precision=fp8", "tracking.storage_path=/nonexistent"])
+    monkeypatch.setattr("raytune_ft.models.build.tokenizer_for",
+                        lambda *a, **k: pytest.fail("the model was being loaded before the refusal"))
+    with pytest.raises(RuntimeError, match="train.precision=fp8 needs an NVIDIA GPU"):
+        fsdp_loop.build_fsdp_model(recipe, torch.device("cpu"), WorkerLog(0, recipe, None))
 
 
 # ------------------------------------------------------------------ training, checkpoints, export on CPU

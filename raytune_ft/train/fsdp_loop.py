@@ -24,6 +24,7 @@ from raytune_ft.recipe import Recipe
 from raytune_ft.train import checkpoint as ckpt_io
 from raytune_ft.train.batch import StepBatch, StepFeed, feed_owned_counts, worker_blocks
 from raytune_ft.train.common import WorkerLog, lr_at, recipe_from_config, report
+from raytune_ft.train.fp8 import precompute_fp8_scales
 
 
 class PackedCausalLM(nn.Module):
@@ -57,6 +58,11 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
     from raytune_ft.models.build import load_causal_lm, materialize_model, tokenizer_for
     from raytune_ft.models.kernel_check import check_on_worker
 
+    fp8_recipe = recipe.train.fp8_recipe if recipe.train.precision == "fp8" else None
+    if fp8_recipe:   # this worker's own device decides; refused before anything is loaded
+        from raytune_ft.train.fp8 import check_fp8_supported
+
+        check_fp8_supported(device, fp8_recipe)
     tok = tokenizer_for(recipe.model)
     on_gpu = device.type == "cuda"
     compute_dtype = torch.bfloat16 if (on_gpu and recipe.model.dtype == "bfloat16") else torch.float32
@@ -69,6 +75,18 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
     backend = select_attention_backend(device)
     log.info(f"attention backend: {backend}; params {param_dtype}, compute {compute_dtype}, "
              f"reduce fp32; activation checkpointing {recipe.train.activation_checkpointing}")
+    ran = "bf16"
+    if fp8_recipe:   # before compile and fully_shard: FSDP2 must see the float8 weights to all-gather them
+        from raytune_ft.models.build import decoder_layers
+        from raytune_ft.train.fp8 import convert_to_fp8
+
+        n = len(convert_to_fp8(decoder_layers(lm), fp8_recipe))
+        ran = f"fp8 {fp8_recipe} ({n} decoder linears)"
+        log.info(f"precision: fp8 ({fp8_recipe}): {n} decoder linears compute in float8; embeddings, lm_head, "
+                 f"norms and the gated-delta-net recurrence and conv in {compute_dtype}")
+    else:
+        log.info(f"precision: bf16 matmuls (compute {compute_dtype})")
+    log.log_param("precision_ran", ran)
     if recipe.train.compile:
         compile_pointwise(lm)
         log.info("torch.compile: each decoder layer's MLP and RMSNorms")
@@ -84,6 +102,7 @@ def compile_pointwise(lm: nn.Module) -> None:
     share of the step (bench/NOTES.md has the profile). Blocks have a fixed length, so each module kind
     compiles one graph."""
     from raytune_ft.models.build import decoder_layers
+    from raytune_ft.train.fp8 import compile_fp8_linears
 
     for layer in decoder_layers(lm):
         layer.mlp.compile()
@@ -91,6 +110,7 @@ def compile_pointwise(lm: nn.Module) -> None:
         layer.post_attention_layernorm.compile()
         if hasattr(layer, "linear_attn"):
             layer.linear_attn.norm.compile()
+    compile_fp8_linears(decoder_layers(lm))   # float8's casts fuse only compiled (none when bf16)
 
 
 def shard_packed_model(lm: nn.Module, device: torch.device, *, compute_dtype: torch.dtype,
@@ -161,6 +181,7 @@ def train_fsdp(config: dict) -> None:
     device = _device()
     log = WorkerLog(rank, recipe, config.get("mlflow_run_id"))
     t_cfg = recipe.train
+    fp8_recipe = t_cfg.fp8_recipe if t_cfg.precision == "fp8" else None
 
     model, lm, tok = build_fsdp_model(recipe, device, log)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -190,6 +211,8 @@ def train_fsdp(config: dict) -> None:
             g["lr"] = lr
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if fp8_recipe:
+            precompute_fp8_scales(model, fp8_recipe)
         step += 1
         window.add(step, loss_sum, denom, grad_norm.detach(), lr, micro_batches)
 
