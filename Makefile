@@ -1,11 +1,12 @@
 # Two commands do everything on a fresh machine (Python 3.11, no GPU):
 #   make local   set up .venv, then run the 27B recipe's --local job on local Ray on CPU
-#   make test    set up .venv, then run the test suite
+#   make test    set up .venv, then run the test suite (all of it)
+#   make test-fast  the unit-level tests only (pytest -m "not slow": no Ray, no server, no training run)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup local test bench-data clean
+.PHONY: setup local test test-fast bench-data clean
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,6 +21,9 @@ local: setup
 
 test: setup
 	$(BIN)/python -m pytest -x -q --durations=25 tests
+
+test-fast: setup
+	$(BIN)/python -m pytest -x -q -m "not slow" tests
 
 bench-data: setup
 	$(BIN)/python bench/data_pipeline.py

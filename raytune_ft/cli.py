@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Callable
 
+from raytune_ft.env import redact
 from raytune_ft.recipe import absolute_local_paths, Recipe, RecipeError, apply_overrides, validate
 
 RecipeFn = Callable[[], Recipe]
@@ -70,7 +71,7 @@ def _print_plan(recipe: Recipe, **kwargs) -> None:
     try:
         print(memory_plan(recipe, **kwargs).render())
     except ValueError as e:  # an unknown model shape or GPU: the recipe itself is fine
-        print(f"(no memory plan: {e})")
+        print(f"(no memory plan: {redact(str(e))})")
 
 
 def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = None, *, prog: str = "job") -> int:
@@ -82,10 +83,10 @@ def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = No
     try:
         recipe = resolve(recipe_fn, local_fn, local=args.local, overrides=args.overrides)
     except RecipeError as e:
-        print(f"error: bad recipe: {e}", file=sys.stderr)
+        print(f"error: bad recipe: {redact(str(e))}", file=sys.stderr)
         return 2
     if args.dry_run:
-        print(recipe.to_json())
+        print(redact(recipe.to_json()))   # a tracking URI may carry a password
         _print_plan(recipe)
         return 0
     if not _is_terminal(sys.stdout):
@@ -340,14 +341,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             recipe = _job_recipe(args.job, args.local, args.overrides)
         except RecipeError as e:
-            print(f"error: bad recipe: {e}", file=sys.stderr)
+            print(f"error: bad recipe: {redact(str(e))}", file=sys.stderr)
             return 2
         from raytune_ft.plan import memory_plan
 
         try:
             plan = memory_plan(recipe, gpu=args.gpu, tokens_per_s_per_gpu=args.tokens_per_s_per_gpu, mfu=args.mfu)
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {redact(str(e))}", file=sys.stderr)
             return 2
         print(plan.render())
         return 0 if plan.fits else 1

@@ -28,12 +28,19 @@ SLOW_FIXTURES = {"ray_local", "local_job", "ray_registry", "server", "ray_head",
 # modules whose every test trains a model or starts Ray
 SLOW_MODULES = {"test_fault_tolerance", "test_fsdp_loop", "test_job_submit", "test_local_job", "test_save_final",
                 "test_trl_recipes", "test_trl_resume"}
+# tests that spawn a process group of their own (torch.multiprocessing)
+SLOW_TESTS = {"test_fsdp2_sharded_load_matches_unsharded", "test_random_init_of_a_sharded_model_matches_transformers_init",
+              "test_a_kernel_failing_on_one_rank_is_off_on_every_rank"}
+# a parametrized test's value that starts a server when the test asks for it (tests/test_storage.py's `where`)
+SLOW_PARAMS = {"s3"}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.path.stem if item.path else ""
-        if module in SLOW_MODULES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+        params = set(map(str, getattr(getattr(item, "callspec", None), "params", {}).values()))
+        if (module in SLOW_MODULES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
+                or getattr(item, "originalname", item.name) in SLOW_TESTS or SLOW_PARAMS & params):
             item.add_marker(pytest.mark.slow)
 
 

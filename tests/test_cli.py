@@ -56,6 +56,16 @@ def test_run_dry_run_local_applies_overrides_and_prints_plan(capsys):
     assert "memory plan: qwen27b_b300" in out and "(tiny)" in out
 
 
+def test_dry_run_and_recipe_errors_print_no_uri_password(capsys):
+    uri = "https://bob:pw-7c1e9a2b@mlflow.example:5000"
+    assert cli.main(["run", "qwen27b_b300", "--local", "--dry-run", f"--set=tracking.tracking_uri={uri}"]) == 0
+    out = capsys.readouterr().out
+    assert "pw-7c1e9a2b" not in out and "https://bob:***@mlflow.example:5000" in out
+    assert cli.main(["run", "qwen27b_b300", "--dry-run", "--set=tracking.tracking_uri=ftp://bob:pw-7c1e9a2b@h/"]) == 2
+    err = capsys.readouterr().err
+    assert "tracking.tracking_uri" in err and "pw-7c1e9a2b" not in err
+
+
 def test_run_bad_recipe_exits_2_naming_the_field(capsys):
     assert cli.main(["run", "qwen27b_b300", "--dry-run", "--set", "train.lr=-1"]) == 2
     assert "train.lr" in capsys.readouterr().err

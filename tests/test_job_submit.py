@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,20 +15,15 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.mlflow_server import free_port
 
 BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
     temp = tmp_path_factory.mktemp("rayhead")
-    gcs, dash, agent, agent_grpc, metrics, renv = (_free_port() for _ in range(6))
+    gcs, dash, agent, agent_grpc, metrics, renv = (free_port() for _ in range(6))
     # the cluster's processes (and so the job's `python`) use this virtualenv, as on a user's node
     env = dict(os.environ, RAY_AUTH_MODE="token", PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     env.pop("RAY_ADDRESS", None)
