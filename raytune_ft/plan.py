@@ -309,6 +309,18 @@ def memory_plan(recipe: Recipe, *, gpu: str | None = None, tokens_per_s_per_gpu:
     add("activations", (kept + recompute) * tokens_mb * compute_b,
         f"{tokens_mb:,} tokens x {_fmt_count(kept + recompute)} elements x {compute_b} B ({how})")
 
+    if t.loop == "fsdp2" and t.precision == "fp8":
+        from raytune_ft.train.fp8 import fp8_linear_filter_dims
+
+        conv = [(i, o) for k in set(shape.layer_types) for i, o in shape.linears(k).values()
+                if fp8_linear_filter_dims(i, o, t.fp8_recipe)]
+        if conv:
+            x, go, w = max(i for i, _ in conv), max(o for _, o in conv), max(i * o for i, o in conv)
+            add("float8 casts", 2 * (tokens_mb * (x + go) + w),
+                f"1-byte casts of the largest float8 matmul's input ({tokens_mb:,} x {x:,}), output gradient "
+                f"({tokens_mb:,} x {go:,}) and weight, each with its transpose for backward ({t.fp8_recipe}; "
+                "the float8 all-gather's smaller weights are not subtracted above)")
+
     # ---- loss
     V, D = shape.vocab, shape.hidden
     if t.loop == "fsdp2":

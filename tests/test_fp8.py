@@ -297,3 +297,17 @@ def test_mxfp8_conversion_keeps_a_plain_state_dict(process_group):
     assert {k: (v.dtype, tuple(v.shape)) for k, v in state.items()} == before
     assert all(type(v) is torch.Tensor for v in state.values())
     assert state["model.layers.0.mlp.up_proj.weight"].data_ptr() == fp8.plain_tensor(wrapped).data_ptr()
+
+
+def test_the_memory_plan_counts_float8_casts():
+    from raytune_ft.plan import memory_plan
+    from raytune_ft.recipe import Recipe, apply_overrides
+
+    base = apply_overrides(Recipe(), ["model.name=qwen3.8-27b", "model.init=random", "data.seq_len=32768"])
+    bf16 = memory_plan(base, gpu="H200")
+    f8 = memory_plan(apply_overrides(base, ["train.precision=fp8"]), gpu="H200")
+    assert "float8 casts" not in [line.name for line in bf16.lines]
+    extra = f8.component("float8 casts")
+    # the 27B's largest converted matmuls: down_proj's input and gate/up's output gradients are 17,408 wide
+    assert extra == 2 * (32768 * (17408 + 17408) + 17408 * 5120)
+    assert f8.total_bytes == bf16.total_bytes + extra

@@ -69,15 +69,21 @@ def check_fp8_supported(device: torch.device, recipe: str) -> None:
 def fp8_linear_filter(recipe: str = "tensorwise", min_dim: int = FP8_MIN_DIM) -> Callable[[nn.Module, str], bool]:
     """The module filter: plain nn.Linear whose both dims are multiples of 16 (32 for mxfp8) and at
     least `min_dim`. Applied within decoder layers only (see `convert_to_fp8`)."""
-    multiple = 32 if recipe == "mxfp8" else 16
-
     def keep(module: nn.Module, fqn: str) -> bool:
         if type(module) is not nn.Linear:   # subclasses (already converted, LoRA, ...) are left alone
             return False
         out_f, in_f = module.weight.shape
-        return out_f % multiple == 0 and in_f % multiple == 0 and min(out_f, in_f) >= min_dim
+        return fp8_linear_filter_dims(in_f, out_f, recipe, min_dim)
 
     return keep
+
+
+def fp8_linear_filter_dims(in_features: int, out_features: int, recipe: str = "tensorwise",
+                           min_dim: int = FP8_MIN_DIM) -> bool:
+    """The filter's rule on a linear's shape (also what the memory plan counts as converted)."""
+    multiple = 32 if recipe == "mxfp8" else 16
+    return (in_features % multiple == 0 and out_features % multiple == 0
+            and min(in_features, out_features) >= min_dim)
 
 
 def fp8_config(recipe: str):
