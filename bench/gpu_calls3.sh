@@ -87,8 +87,7 @@ suite() {
   PYTHONPATH=${extra:+$extra:}$PYTHONPATH timeout ${SUITE_S:-420} $PY -m pytest -m gpu tests/gpu -v -s \
     -p no:cacheprovider --timeout 400 --junitxml="$O/suite_$label.xml" > "$O/suite_$label.log" 2>&1
   rc=$?
-  grep -E "^(tests/gpu/.*(PASSED|FAILED|SKIPPED|ERROR)|RESULT|=+ .*(passed|failed|skipped|error).* =+$)" \
-    "$O/suite_$label.log" | tail -60
+  grep -E "PASSED|FAILED|SKIPPED|ERROR|RESULT|^=+ .*(passed|failed|skipped|error)" "$O/suite_$label.log" | tail -80
   echo "RESULT {\"suite\": \"$label\", \"exit\": $rc}"
 }
 
