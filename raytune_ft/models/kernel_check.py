@@ -315,6 +315,24 @@ def check_kernels(cfg, device, *, mode: str = "check", dtype: torch.dtype = torc
     return report
 
 
+def check_on_worker(cfg, device, *, mode: str, dtype: torch.dtype, log, liger: bool = False) -> KernelReport:
+    """check_kernels as a training loop calls it on each Ray Train worker: `log` is the loop's WorkerLog
+    (rank 0 writes through it and tags its MLflow run; another rank prints the failures it saw itself)."""
+    rank = getattr(log, "rank", 0)
+
+    def line(text: str) -> None:
+        if rank == 0:
+            log.info(text)
+        else:
+            print(f"[raytune_ft] rank {rank}: {text}", flush=True)
+
+    tag = None
+    if getattr(log, "mlflow", None) is not None:
+        def tag(key: str, value: str) -> None:
+            log.client.set_tag(log.run_id, key, value)
+    return check_kernels(cfg, device, mode=mode, dtype=dtype, liger=liger, log_line=line, tag=tag)
+
+
 def _finish(report: KernelReport, rank: int, say, tag) -> None:
     if rank == 0:
         say(report.summary())
