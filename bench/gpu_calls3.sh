@@ -140,7 +140,10 @@ install_fp8() {
     pip_into /tmp/site .fp8whl/*.whl && touch /tmp/site/.done_fp8whl && echo "installed: torchao"
   fi
   if [ -d .fp8whl/data ] && [ ! -d /tmp/fp8data ]; then cp -r .fp8whl/data /tmp/fp8data; fi
-  if [ -d .gputok/qwen3 ] && [ ! -d /tmp/tok/qwen3 ]; then mkdir -p /tmp/tok && cp -r .gputok/qwen3 /tmp/tok/; fi
+  if [ -d .gputok/qwen3 ] && [ ! -d /tmp/tok/qwen3 ]; then
+    mkdir -p /tmp/tok && cp -r .gputok/qwen3 /tmp/tok/ && cp .gputok/*.jinja /tmp/tok/ 2>/dev/null
+  fi
+  return 0
 }
 
 # The 27B cut at 32,768 tokens, compiled (train.compile), full checkpointing, one H200 each run. fp32
@@ -182,6 +185,28 @@ fp8() {   # fp8 [speed|parity|all]: default all on two GPUs, speed on one
     all)    on_gpus 0 fp8_speed fp8_speed & on_gpus 1 fp8_parity fp8_parity_then_fp32 & wait ;;
   esac
   grep -h "RESULT\|Error\|error:" "$O"/fp8_*.log | cut -c1-1500
+}
+
+# fp8ray (two GPUs, optional): the 27B recipe itself through Ray Train on both GPUs, the 16-layer cut
+# (a config folder), random weights, fp32 master weights, 32k blocks, compiled; bf16 then fp8 tensorwise.
+# Needs Ray and mlflow too (.devpkgs, .gpuwheels) besides the fp8 call's folders.
+RAY27="jobs/qwen27b_b300.py --no-register --set model.name=/tmp/m27b16 --set model.init=random
+  --set model.revision=none --set model.tokenizer=/tmp/tok/qwen3
+  --set model.chat_template=/tmp/tok/qwen3.8-27b.chat_template.jinja --set data.source=builtin:lognormal:800
+  --set data.revision=none --set scaling.num_workers=2 --set scaling.gpus_per_node=2 --set train.max_steps=8
+  --set train.log_every=2 --set train.checkpoint_every=1000 --set train.save_final=false
+  --set registry.enabled=false --set tracking.storage_path=/tmp/runs"
+fp8ray() {
+  local need
+  install_present
+  install_fp8
+  need=$(missing ray mlflow torchao fla tilelang z3 tvm_ffi)
+  if [ -n "$need" ]; then echo "still missing: $need"; return 0; fi
+  mkdir -p /tmp/runs
+  $PY -c "from raytune_ft.models.tiny import real_config; real_config('qwen3.8-27b', num_hidden_layers=16).save_pretrained('/tmp/m27b16')"
+  on_gpus 0,1 fp8ray_bf16 run 290 ray27b16_bf16 $PY $RAY27 --set tracking.run_name=ray27b16-bf16
+  on_gpus 0,1 fp8ray_fp8 run 290 ray27b16_fp8 $PY $RAY27 --set train.precision=fp8 --set tracking.run_name=ray27b16-fp8
+  grep -h "precision\|tok/s\|MFU\|Error\|OutOfMemory" "$O"/fp8ray_*.log | tail -30
 }
 
 on_gpus() {  # on_gpus DEVICES LOGNAME FUNC...: run a function on some GPUs, output to $O/LOGNAME.log
