@@ -109,11 +109,11 @@ def mlflow_store(tmp_path_factory):
     uri = f"sqlite:///{tmp_path_factory.mktemp('kc_mlflow')}/mlflow.db"
     client = mlflow.MlflowClient(uri)
     exp = client.create_experiment("kernel_check")
-    return client, exp
+    return client, exp, uri
 
 
 def new_run(store):
-    client, exp = store
+    client, exp, _ = store
     run_id = client.create_run(exp).info.run_id
     return run_id, (lambda k, v: client.set_tag(run_id, k, v)), (lambda: client.get_run(run_id).data.tags)
 
@@ -214,6 +214,29 @@ def test_strict_mode_stops_with_a_clear_error(mlflow_store):
     assert "torch_varlen (full attention) failed: wrong values" in msg and f"torch {torch.__version__}" in msg
     assert "train.kernels=check" in msg and "attention=attn_ok" in msg
     assert not DISABLED_KERNELS                # the run stops: nothing was switched
+
+
+def test_a_loop_worker_logs_through_its_worker_log_and_tags_its_run(mlflow_store):
+    """check_on_worker, as both loops call it: rank 0's WorkerLog writes the line and tags the run."""
+    import io
+
+    from raytune_ft.recipe import Recipe
+    from raytune_ft.train.common import WorkerLog
+
+    client, exp, uri = mlflow_store
+    run_id = client.create_run(exp).info.run_id
+    recipe = Recipe()
+    recipe.tracking.tracking_uri = uri
+    out = io.StringIO()
+    report = kc.check_on_worker(CFG, torch.device("cpu"), mode="check", dtype=F32,
+                                log=WorkerLog(0, recipe, run_id, stream=out))
+    assert not report.checked
+    assert out.getvalue().startswith("[raytune_ft] kernels in use (no GPU")
+    assert client.get_run(run_id).data.tags[kc.TAG_IN_USE] == ("attention=sdpa_blockdiag, gdn_conv=torch_segmented, "
+                                                               "gdn_recurrence=torch_per_segment")
+    quiet = io.StringIO()
+    kc.check_on_worker(CFG, torch.device("cpu"), mode="check", dtype=F32, log=WorkerLog(1, recipe, run_id, stream=quiet))
+    assert quiet.getvalue() == ""          # the summary is rank 0's
 
 
 def test_strict_mode_passes_when_every_kernel_is_right():
