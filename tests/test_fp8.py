@@ -311,3 +311,43 @@ def test_the_memory_plan_counts_float8_casts():
     # the 27B's largest converted matmuls: down_proj's input and gate/up's output gradients are 17,408 wide
     assert extra == 2 * (32768 * (17408 + 17408) + 17408 * 5120)
     assert f8.total_bytes == bf16.total_bytes + extra
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_loops_build_converts_a_meta_model_and_trains(tmp_path, monkeypatch, process_group):
+    """build_fsdp_model as a worker runs it: meta model, float8 conversion, FSDP2, then transformers'
+    random init filling the (wrapped) shards; then the loop's step with the scales after it. The GPU
+    check is the one part replaced (no float8 GPU here; the check has its own tests above)."""
+    from raytune_ft.models.tiny import ASSETS
+    from raytune_ft.recipe import Recipe, apply_overrides
+    from raytune_ft.train import fsdp_loop
+    from raytune_ft.train.batch import StepBatch
+    from raytune_ft.train.common import WorkerLog
+
+    cfg = _small_config()
+    cfg.vocab_size = 2176
+    cfg.save_pretrained(tmp_path / "model")
+    recipe = apply_overrides(Recipe(), [f"model.name={tmp_path / 'model'}", "model.init=random",
+                                        f"model.tokenizer={ASSETS}", "train.precision=fp8",
+                                        "train.activation_checkpointing=selective"])
+    monkeypatch.setattr(fp8, "check_fp8_supported", lambda device, recipe: None)
+    logged = []
+    log = WorkerLog(0, recipe, None)
+    monkeypatch.setattr(log, "info", logged.append)
+    model, lm, _ = fsdp_loop.build_fsdp_model(recipe, torch.device("cpu"), log)
+    assert any("precision: fp8 (tensorwise): 11 decoder linears compute in float8" in line for line in logged)
+    w = lm.model.layers[0].mlp.up_proj.weight
+    assert type(w._local_tensor).__name__ == "WeightWithDynamicFloat8CastTensor"
+    assert 0.01 < float(w.full_tensor().detach().std()) < 0.03          # transformers' init (std 0.02) filled it
+    before = w.full_tensor().clone()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    for b in _blocks(2, vocab=2176):
+        mb = StepBatch.from_blocks([b], torch.device("cpu"))
+        loss_sum, denom = fsdp_loop.forward_backward(model, [mb], 1, torch.device("cpu"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        fp8.precompute_fp8_scales(model, "tensorwise")
+        assert torch.isfinite(loss_sum / denom)
+    assert not torch.equal(before, w.full_tensor())
+    assert w._local_tensor._precomputed_scale is not None
