@@ -329,7 +329,11 @@ def orphan_checkpoints(fs: pafs.FileSystem, run_path: str) -> list[str]:
     return [n for n in checkpoint_dirs(fs, run_path) if n not in keep]
 
 
-def remove_orphans(fs: pafs.FileSystem, run_path: str, log: Callable[[str], None] = print) -> list[str]:
+def _print(msg: str) -> None:
+    print(f"[raytune_ft] {msg}", flush=True)
+
+
+def remove_orphans(fs: pafs.FileSystem, run_path: str, log: Callable[[str], None] = _print) -> list[str]:
     """Delete the orphan checkpoint folders of the run (never one Ray registered); returns their names."""
     removed = []
     for name in orphan_checkpoints(fs, run_path):
@@ -340,8 +344,7 @@ def remove_orphans(fs: pafs.FileSystem, run_path: str, log: Callable[[str], None
         except FileNotFoundError:
             continue
         removed.append(name)
-        log(f"[raytune_ft] removed {name}: a checkpoint an earlier attempt uploaded but never reported "
-            f"({fmt_bytes(size)})")
+        log(f"removed {name}: a checkpoint an earlier attempt uploaded but never reported ({fmt_bytes(size)})")
     return removed
 
 
@@ -439,17 +442,22 @@ class StoragePlan:
         return (self.keep + 1) * self.checkpoint_bytes + self.final_extra_bytes
 
     def lines(self) -> list[str]:
-        out = [f"storage      per checkpoint {fmt_bytes(self.checkpoint_bytes)}: "
+        pad = " " * 15
+        out = [f"  storage      per checkpoint {fmt_bytes(self.checkpoint_bytes)}: "
                + ", ".join(f"{name} {fmt_bytes(b)} ({how})" for name, b, how in self.parts)]
         if self.final_extra_bytes:
-            out.append(f"             final export  {fmt_bytes(self.final_extra_bytes)} (Hugging Face folder, "
-                       "in the final checkpoint)")
-        out.append(f"             peak          {fmt_bytes(self.peak_bytes)} = train.keep_checkpoints "
-                   f"{self.keep} + 1 being written, x {fmt_bytes(self.checkpoint_bytes)}"
-                   + (f", + the export {fmt_bytes(self.final_extra_bytes)}" if self.final_extra_bytes else ""))
-        out.append(f"             local staging up to {fmt_bytes(self.staging_per_node)} per node while a "
-                   "checkpoint uploads (each rank stages its own part)")
+            out.append(f"{pad}final export {fmt_bytes(self.final_extra_bytes)} (Hugging Face folder, in the final "
+                       "checkpoint)")
+        out.append(f"{pad}peak {fmt_bytes(self.peak_bytes)} = (train.keep_checkpoints {self.keep} + 1 being "
+                   f"written) x {fmt_bytes(self.checkpoint_bytes)}"
+                   + (f" + the export {fmt_bytes(self.final_extra_bytes)}" if self.final_extra_bytes else ""))
+        out.append(f"{pad}local disk: up to {fmt_bytes(self.staging_per_node)} per node stages a checkpoint "
+                   "before its upload")
         return out
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def storage_plan(recipe: "Recipe", shape: Any | None = None) -> StoragePlan:
@@ -469,7 +477,7 @@ def storage_plan(recipe: "Recipe", shape: Any | None = None) -> StoragePlan:
     state_b = 64 * 1024 * world               # train_state/rank*.json, meta, DCP metadata: small
     if t.loop == "fsdp2":
         trainable = P
-        parts.append(("model", P * param_b, f"{P / 1e9:.2f}B params x {param_b} B"))
+        parts.append(("model", P * param_b, f"{_count(P)} params x {param_b} B"))
         parts.append(("optimizer", 2 * P * param_b, f"AdamW 2 states x {param_b} B"))
         parts.append(("train state", state_b, "per-rank JSON"))
         final_extra = P * export_b
@@ -477,7 +485,7 @@ def storage_plan(recipe: "Recipe", shape: Any | None = None) -> StoragePlan:
         staging = ckpt * per_node // world + final_extra      # rank 0 stages the whole export
     elif t.lora_r:
         trainable = int(shape.lora_params(t.lora_r, t.lora_target_modules))
-        parts.append(("adapter", trainable * 4, f"{trainable / 1e6:.1f}M LoRA params x 4 B"))
+        parts.append(("adapter", trainable * 4, f"{_count(trainable)} LoRA params x 4 B"))
         parts.append(("optimizer", 2 * trainable * 4, "AdamW 2 states x 4 B"))
         parts.append(("trainer state", state_b, "scheduler, RNG, JSON"))
         final_extra = P * export_b if t.merge_adapter else 0
@@ -485,7 +493,7 @@ def storage_plan(recipe: "Recipe", shape: Any | None = None) -> StoragePlan:
         staging = ckpt + final_extra
     else:
         trainable = P
-        parts.append(("model", P * param_b, f"{P / 1e9:.2f}B params x {param_b} B (hf/)"))
+        parts.append(("model", P * param_b, f"{_count(P)} params x {param_b} B (hf/)"))
         parts.append(("optimizer", 2 * P * param_b, f"AdamW 2 states x {param_b} B (trainer/optimizer.pt)"))
         parts.append(("trainer state", state_b, "scheduler, RNG, JSON"))
         final_extra = 0                       # the final checkpoint is the same shape

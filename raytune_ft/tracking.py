@@ -64,6 +64,9 @@ def start_run(recipe: Recipe) -> str:
         location = None
         if recipe.tracking.tracking_uri is None and "://" not in recipe.run_dir:
             location = Path(recipe.run_dir, "mlartifacts").resolve().as_uri()
+        elif "://" in recipe.run_dir and recipe.tracking_uri.startswith("sqlite:"):
+            # a file store cannot live on object storage, its artifacts can: the run folder's mlartifacts
+            location = recipe.run_dir.rstrip("/") + "/mlartifacts"
         exp_id = client.create_experiment(recipe.tracking.experiment, artifact_location=location)
     found = client.search_runs([exp_id], filter_string=f"tags.`raytune.run_name` = '{recipe.tracking.run_name}'",
                                max_results=1, order_by=["attributes.start_time DESC"])

@@ -162,7 +162,7 @@ def test_storage_plan_27b():
     assert plan.final_extra_bytes == 2 * P                       # bf16 Hugging Face export, ~54 GB
     assert plan.keep == 2 and plan.peak_bytes == 3 * plan.checkpoint_bytes + 2 * P
     text = "\n".join(plan.lines())
-    assert "per checkpoint 322.8 GB" in text and "final export  53.8 GB" in text and "peak" in text
+    assert "per checkpoint 322.8 GB" in text and "final export 53.8 GB" in text and "peak 1.0 TB" in text
 
 
 def test_storage_plan_trl_recipes():

@@ -1,0 +1,142 @@
+"""The run's storage as a training worker sees it: where the run folder is, what the latest checkpoint says,
+orphans of dead attempts cleared, and room for the next checkpoint checked before it is written.
+
+Both loops call `start_attempt` first thing: rank 0 removes the checkpoint folders an earlier attempt
+uploaded but never reported (Ray neither tracks nor deletes them), so storage holds at most
+`keep_checkpoints` registered folders plus the one being written, however often a worker dies in the
+checkpoint window. `SaveGuard` checks, on filesystems that can say their free space, that the next
+checkpoint fits (the size of the previous one, or the model's own estimate for the first), all ranks
+agreeing before any of them writes, and turns an out-of-space failure while saving into a
+StorageFullError that names the storage, the bytes needed and the bytes free.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Callable
+
+import pyarrow.fs as pafs
+import torch
+import torch.distributed as dist
+
+from raytune_ft import storage
+
+# Fault injection for tests: "BYTES" or "BYTES@STEP" makes the free-space probe report BYTES free (from
+# checkpoint step STEP on), as a filesystem that small would.
+FAULT_FREE_BYTES_ENV = "RAYTUNE_FAULT_FREE_BYTES"
+
+
+def run_location() -> tuple[pafs.FileSystem, str]:
+    """(filesystem, run folder path on it) of this Ray Train run."""
+    import ray.train
+
+    sc = ray.train.get_context().get_storage()
+    return sc.storage_filesystem, sc.experiment_fs_path
+
+
+def run_storage() -> storage.Storage:
+    fs, run_path = run_location()
+    return storage.Storage(fs, run_path, "file" if isinstance(fs, pafs.LocalFileSystem) else "s3")
+
+
+def latest_meta() -> dict:
+    """The meta file of the checkpoint this attempt resumes from ({} when none), read where it lies."""
+    import ray.train
+
+    from raytune_ft.train.checkpoint import read_meta_at
+
+    ckpt = ray.train.get_checkpoint()
+    return read_meta_at(ckpt.filesystem, ckpt.path) if ckpt is not None else {}
+
+
+def finished_step() -> int | None:
+    """The step of the run's final checkpoint when that is the latest one (the run is complete), else None."""
+    meta = latest_meta()
+    return int(meta.get("step") or 0) if meta.get("final") else None
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def start_attempt(rank: int, log: Callable[[str], None] = storage._print) -> list[str]:
+    """Rank 0 removes orphan checkpoint folders of earlier attempts (never one Ray registered); all wait.
+
+    Safe here: no attempt of this run is writing, the previous one's workers are gone."""
+    removed: list[str] = []
+    if rank == 0:
+        fs, run_path = run_location()
+        try:
+            removed = storage.remove_orphans(fs, run_path, log=log)
+        except OSError as e:  # cleanup is housekeeping: a storage hiccup here must not stop the run
+            log(f"could not clear unreported checkpoints: {type(e).__name__}: {e}")
+    _barrier()
+    return removed
+
+
+def _probe(st: storage.Storage, step: int) -> int | None:
+    spec = os.environ.get(FAULT_FREE_BYTES_ENV, "").strip()
+    if spec:
+        value, _, from_step = spec.partition("@")
+        if not from_step or step >= int(from_step):
+            return int(value)
+    return storage.free_bytes(st)
+
+
+def _same_device(a: str, b: str) -> bool:
+    try:
+        return os.stat(a).st_dev == os.stat(b).st_dev
+    except OSError:
+        return False
+
+
+def model_checkpoint_bytes(params) -> int:
+    """Bytes DCP writes for these parameters with AdamW: the weights and two moments of their dtype."""
+    return sum(3 * p.numel() * p.element_size() for p in params)
+
+
+class SaveGuard:
+    """Room for the next checkpoint, checked before writing it; out-of-space failures reported in plain words."""
+
+    def __init__(self, rank: int, device: torch.device, first_estimate: int, export_estimate: int = 0):
+        self.rank, self.device = rank, device
+        self.first_estimate, self.export_estimate = int(first_estimate), int(export_estimate)
+        self.st = run_storage()
+        self.needed: int | None = None
+        self.free: int | None = None
+
+    def _decide(self, step: int, final: bool) -> tuple[int, int, int]:
+        fs, run_path = self.st.fs, self.st.root
+        needed = storage.latest_checkpoint_bytes(fs, run_path) or self.first_estimate
+        if final:
+            needed += self.export_estimate
+        if not self.st.remote and _same_device(tempfile.gettempdir(), self.st.root):
+            needed *= 2   # each rank stages its part on the same disk before Ray copies it into the run folder
+        free = _probe(self.st, step)
+        return needed, (-1 if free is None else free), int(free is not None and free < needed)
+
+    def check(self, step: int, final: bool = False) -> None:
+        """Raise StorageFullError on every rank when the storage says the step's checkpoint will not fit."""
+        decision = torch.zeros(3, dtype=torch.float64,
+                               device=self.device if self.device.type == "cuda" else "cpu")
+        if self.rank == 0:
+            decision[:] = torch.tensor(self._decide(step, final), dtype=torch.float64)
+        if dist.is_initialized():
+            dist.broadcast(decision, src=0)
+        needed, free, full = (int(x) for x in decision.tolist())
+        self.needed, self.free = needed, (None if free < 0 else free)
+        if full:
+            raise storage.StorageFullError(self.st.uri(), needed, self.free,
+                                           what=f"the step-{step} checkpoint{' with its export' if final else ''}")
+
+    def write(self, fn: Callable[[], Any], step: int) -> Any:
+        """Run a save or an upload; an out-of-space failure in it comes out as a StorageFullError."""
+        try:
+            return fn()
+        except BaseException as e:
+            err = storage.disk_full_error(e, self.st.uri(), self.needed, self.free,
+                                          what=f"the step-{step} checkpoint")
+            if err is not None and err is not e:
+                raise err from e
+            raise
