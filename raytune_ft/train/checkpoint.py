@@ -1,7 +1,8 @@
 """Checkpoints of the FSDP2 loop: DCP shards for resume, a Hugging Face folder for export.
 
 Layout of one Ray Train checkpoint directory (every rank's files merged by Ray into one folder):
-    dcp/                 torch.distributed.checkpoint shards (model + optimizer), one file per rank
+    dcp/                 torch.distributed.checkpoint shards (model + optimizer), one file per rank; each
+                         rank's copy of the replicated state is in its own file (train/dcp_io.py)
     train_state/rank{R}.json   step, blocks consumed by that rank, data counters, scheduler state
     hf/                  (final checkpoint only) config.json, sharded *.safetensors + index, tokenizer
     raytune_meta.json    job, model name, family, step, final loss (read by the registry)
@@ -13,53 +14,46 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
+import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+from raytune_ft.train import dcp_io
 
 SHARD_BYTES = 4 * 1024**3
 META_FILE = "raytune_meta.json"
 
 
-class _AppState:
-    """Stateful wrapper so DCP saves/loads model and optimizer through the FSDP-aware helpers."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        msd, osd = get_state_dict(self.model, self.optimizer)
-        return {"model": msd, "optim": osd}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-
-
 def save_train_checkpoint(directory: str, model, optimizer, rank: int, train_state: dict) -> None:
-    """Every rank writes its own DCP shard and its own train-state file into `directory`."""
+    """Every rank writes its own DCP shard and its own train-state file into `directory` (a local folder)."""
     os.makedirs(os.path.join(directory, "train_state"), exist_ok=True)
-    dcp.save({"app": _AppState(model, optimizer)}, checkpoint_id=os.path.join(directory, "dcp"))
+    dcp_io.save(directory, model, optimizer, rank)
     with open(os.path.join(directory, "train_state", f"rank{rank}.json"), "w") as f:
         json.dump(train_state, f)
 
 
-def load_train_checkpoint(directory: str, model, optimizer, rank: int) -> dict:
-    """Load model + optimizer shards into the (already sharded) model; return this rank's train state."""
-    dcp.load({"app": _AppState(model, optimizer)}, checkpoint_id=os.path.join(directory, "dcp"))
-    path = os.path.join(directory, "train_state", f"rank{rank}.json")
-    if not os.path.exists(path):
+def load_train_checkpoint(directory: str, model, optimizer, rank: int, *, fs: pafs.FileSystem | None = None,
+                          reads: list[str] | None = None) -> dict:
+    """Load this rank's model + optimizer shards into the (already sharded) model; return its train state.
+
+    `directory` is a path on `fs` (default: the local filesystem), read where it lies: `.metadata`, this
+    rank's shard file and its train-state file, nothing of the other ranks. `reads` gets the files opened.
+    """
+    from raytune_ft import storage
+
+    fs = fs or pafs.LocalFileSystem()
+    directory = directory if not isinstance(fs, pafs.LocalFileSystem) else os.path.abspath(directory)
+    path = f"{directory.rstrip('/')}/train_state/rank{rank}.json"
+    state = storage.read_json(fs, path)
+    if state is None:
         raise RuntimeError(f"checkpoint {directory} has no train state for rank {rank}: it was written by a run "
                            "with a different number of workers; resume with the same scaling.num_workers")
-    with open(path) as f:
-        return json.load(f)
+    opened = dcp_io.load(fs, directory, model, optimizer, rank)
+    if reads is not None:
+        reads.extend(opened + [path])
+    return state
 
 
 def export_hf_folder(out_dir: str, model: torch.nn.Module, hf_config, tokenizer, rank: int,
@@ -131,6 +125,13 @@ def write_meta(directory: str, meta: dict) -> None:
         json.dump(meta, f, indent=2, default=str)
 
 
+def read_meta_at(fs: pafs.FileSystem, directory: str) -> dict:
+    """The checkpoint's meta file read where the checkpoint lies ({} when it has none)."""
+    from raytune_ft import storage
+
+    return storage.read_json(fs, f"{directory.rstrip('/')}/{META_FILE}", default={}) or {}
+
+
 def read_meta(directory: str) -> dict:
     path = os.path.join(directory, META_FILE)
     if not os.path.exists(path):
@@ -140,4 +141,4 @@ def read_meta(directory: str) -> dict:
 
 
 __all__ = ["save_train_checkpoint", "load_train_checkpoint", "export_hf_folder", "write_meta",
-           "read_meta", "StateDictOptions"]
+           "read_meta", "read_meta_at", "StateDictOptions"]
