@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from raytune_ft.env import redact_exception
 from raytune_ft.models.fast_paths import (CHECK_LENS, TOLERANCE, Case, FastPath, Kernel, cu_seqlens_of, default_paths,
                                           package_versions, selected_kernels)
 
@@ -341,7 +342,7 @@ def _finish(report: KernelReport, rank: int, say, tag) -> None:
                 try:
                     tag(k, v)
                 except Exception as e:  # noqa: BLE001 - tracking must never stop training
-                    say(f"kernel check: could not tag the MLflow run ({type(e).__name__}: {e})")
+                    say(f"kernel check: could not tag the MLflow run ({redact_exception(e)})")
 
 
 def _rank() -> int:
