@@ -70,8 +70,16 @@ def _print_plan(recipe: Recipe, **kwargs) -> None:
         return
     try:
         print(memory_plan(recipe, **kwargs).render())
+        _print_storage_plan(recipe)
     except ValueError as e:  # an unknown model shape or GPU: the recipe itself is fine
         print(f"(no memory plan: {redact(str(e))})")
+
+
+def _print_storage_plan(recipe: Recipe) -> None:
+    """What the run writes to tracking.storage_path: per checkpoint, the export, the peak."""
+    from raytune_ft.storage import storage_plan
+
+    print("\n".join(storage_plan(recipe).lines()))
 
 
 def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = None, *, prog: str = "job") -> int:
@@ -351,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {redact(str(e))}", file=sys.stderr)
             return 2
         print(plan.render())
+        _print_storage_plan(recipe)
         return 0 if plan.fits else 1
     if args.command == "runs":
         storages = args.storage or [*DEFAULT_STORAGE, *filter(None, [os.environ.get("RAYTUNE_LOCAL_STORAGE")])]

@@ -279,10 +279,19 @@ class Recipe:
             return self.tracking.tracking_uri
         return "sqlite:///" + os.path.join(os.path.abspath(self.run_dir), "mlflow.db")
 
+        if "://" in self.tracking.storage_path:
+            # sqlite cannot live on object storage: the launching machine keeps the store (its artifacts go
+            # to the run folder, and a copy of it when the run ends)
+            where = self.tracking.storage_path.split("://", 1)[1].split("?", 1)[0].strip("/")
+            home = os.path.expanduser(os.environ.get("RAYTUNE_TRACKING_HOME", TRACKING_HOME))
+            return "sqlite:///" + os.path.join(os.path.abspath(home), where, self.tracking.run_name, "mlflow.db")
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe) if f.name != "job"}
 
 
+# where the default MLflow store of a run on object storage lives, on the machine that launches it
+# (RAYTUNE_TRACKING_HOME moves it)
+TRACKING_HOME = "~/.raytune_ft/tracking"
 # ---------------------------------------------------------------- overrides
 
 def _section_classes() -> dict[str, type]:

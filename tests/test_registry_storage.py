@@ -97,6 +97,8 @@ def test_transient_errors_are_retried_without_a_second_version(s3_checkpoint, mo
     name = "main.default.tiny_flaky"
     result = registry.register_checkpoint(c["uri"], name, tracking_uri=c["tracking"], run_id=c["run_id"])
     assert result.version == "1" and len(calls) == 1          # found, not logged again
+    # found by its run (the lost answer left it untagged), then named after its checkpoint for later retries
+    assert c["client"].get_model_version(name, "1").tags[registry.base.CHECKPOINT_TAG] == c["uri"]
     assert _versions(c["client"], name) == ["1"]
     assert c["client"].get_run(c["run_id"]).data.tags["raytune.status"] == "registered"
 

@@ -275,3 +275,13 @@ def test_dcp_resume_reads_only_own_shards_from_s3(s3_env, tmp_path):
     params = res[0]["params_local"]
     # plus torch.save's framing of each entry (about 1.5 kB), which a model of billions of parameters never sees
     assert 12 * params <= shard_bytes <= 12 * params + 2048 * entries, (shard_bytes, params, entries)
+
+
+def test_plan_command_and_dry_run_print_the_storage_plan(capsys):
+    from raytune_ft import cli
+
+    assert cli.main(["plan", "qwen27b_b300"]) == 0
+    out = capsys.readouterr().out
+    assert "storage      per checkpoint 322.8 GB" in out and "peak 1.0 TB" in out and "final export 53.8 GB" in out
+    assert cli.main(["run", "qwen27b_b300", "--dry-run"]) == 0
+    assert "storage      per checkpoint 322.8 GB" in capsys.readouterr().out

@@ -253,6 +253,16 @@ def _unfinished_before(ckpt_id: str, name: str, run_id: str | None) -> bool:
             and tags.get("raytune.registered_model_name", name) == name)
 
 
+def _tag_version(name: str, version: str, ckpt_id: str) -> None:
+    """Which checkpoint this version is: a retry or a re-submit finds it by this tag."""
+    from mlflow import MlflowClient
+
+    try:
+        MlflowClient().set_model_version_tag(name, version, CHECKPOINT_TAG, ckpt_id)
+    except Exception as e:  # a registry without version tags: the run id still identifies it
+        logger.info("could not tag %s version %s: %s", name, version, redact_exception(e))
+
+
 def register_checkpoint(checkpoint_path: str, name: str, *, tracking_uri: str,
                         registry_uri: str | None = None, timeout_s: float = 1800,
                         run_id: str | None = None, metadata: dict | None = None,
@@ -285,6 +295,8 @@ def register_checkpoint(checkpoint_path: str, name: str, *, tracking_uri: str,
                     version = str(found.version)
                     logger.info("%s version %s was already made from %s: returned, not registered again",
                                 name, version, ckpt_id)
+                    if CHECKPOINT_TAG not in (found.tags or {}):   # found by its run: named from now on
+                        _tag_version(name, version, ckpt_id)
                     if run_id:
                         mlflow.MlflowClient().set_tag(run_id, STATUS_TAG, "registered")
                         mlflow.MlflowClient().set_tag(run_id, "raytune.registered_model_version", version)
@@ -358,10 +370,7 @@ def _log_and_register(ckpt: Path, ckpt_id: str, hf_dir: Path, name: str, meta: d
         if deadline.fired:  # the alarm's TimeoutError was swallowed by a broad except in a library
             raise TimeoutError(f"registration did not finish within {timeout_s:g}s")
         version = str(info.registered_model_version)
-        try:   # which checkpoint this version is: a retry finds it by this tag
-            mlflow.MlflowClient().set_model_version_tag(name, version, CHECKPOINT_TAG, ckpt_id)
-        except Exception as e:  # a registry without version tags: the run id still identifies it
-            logger.info("could not tag %s version %s: %s", name, version, redact_exception(e))
+        _tag_version(name, version, ckpt_id)
         mlflow.set_tags({STATUS_TAG: "registered", "raytune.registered_model_version": version})
         return version
     finally:

@@ -9,17 +9,8 @@ from raytune_ft.recipe import Recipe
 def _worker_env() -> dict[str, str]:
     keep = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "RAYTUNE_HF_ROOT", "HF_HOME",
             "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
-            "RAYTUNE_FAULT_AFTER_UPLOAD", "RAYTUNE_FAULT_AT_STEP")
+            "RAYTUNE_FAULT_AFTER_UPLOAD", "RAYTUNE_FAULT_AT_STEP", "RAYTUNE_FAULT_FREE_BYTES")
     return {k: os.environ[k] for k in keep if k in os.environ}
-
-
-def storage_path(recipe: Recipe) -> str:
-    path = recipe.tracking.storage_path
-    if "://" in path:
-        return path
-    path = os.path.abspath(os.path.expanduser(path))
-    os.makedirs(path, exist_ok=True)
-    return path
 
 
 def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, total_steps: int | None,
@@ -40,8 +31,12 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, total_steps: int
     scaling = ray.train.ScalingConfig(
         num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,
         placement_strategy=s.placement_strategy, accelerator_type=s.accelerator_type)
+    from raytune_ft import storage
+
+    # one filesystem object for Ray and the loops: S3's endpoint travels with it, its keys do not
+    st = storage.for_recipe(recipe, create=True)
     run_config = ray.train.RunConfig(
-        name=recipe.tracking.run_name, storage_path=storage_path(recipe),
+        name=recipe.tracking.run_name, storage_path=st.root, storage_filesystem=st.fs,
         failure_config=ray.train.FailureConfig(max_failures=s.max_failures),
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=recipe.train.keep_checkpoints),
         worker_runtime_env={"env_vars": _worker_env()},

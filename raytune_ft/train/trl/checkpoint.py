@@ -12,7 +12,6 @@ The final checkpoint is reported last; with `train.load_best_at_end` it holds th
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -20,7 +19,7 @@ import shutil
 from raytune_ft.recipe import Recipe
 from raytune_ft.train.checkpoint import META_FILE, write_meta
 from raytune_ft.train.common import WorkerLog
-from raytune_ft.train.trl.base import TRAINER_FILES, read_train_state, write_train_state
+from raytune_ft.train.trl.base import TRAINER_FILES, write_train_state
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -96,17 +95,24 @@ def restore_hf_checkpoint(out_dir: str, rank: int, log: WorkerLog) -> tuple[str 
     ckpt = ray.train.get_checkpoint()
     if ckpt is None:
         return None, {}
-    with ckpt.as_directory() as d:
-        st = read_train_state(d, rank)
-        if not os.path.isdir(os.path.join(d, "trainer")) or st is None:
-            log.info("the latest checkpoint has no trainer state: starting over")
-            return None, {}
-        dst = os.path.join(out_dir, f"checkpoint-{st['step']}")
-        os.makedirs(dst, exist_ok=True)
-        for sub in ("hf", "adapter", "trainer"):
-            for path in glob.glob(os.path.join(d, sub, "*")):
-                target = os.path.join(dst, os.path.basename(path))
-                (shutil.copytree if os.path.isdir(path) else shutil.copy2)(path, target)
+    from raytune_ft import storage
+
+    # read where it lies, only what this rank needs: model (or adapter), optimizer, scheduler, trainer state,
+    # its own RNG state and train state; never the other ranks' files
+    fs, root = ckpt.filesystem, ckpt.path.rstrip("/")
+    st = storage.read_json(fs, f"{root}/train_state/rank{rank}.json")
+    if st is None or not storage.list_files(fs, f"{root}/trainer"):
+        log.info("the latest checkpoint has no trainer state: starting over")
+        return None, {}
+    dst = os.path.join(out_dir, f"checkpoint-{st['step']}")
+    os.makedirs(dst, exist_ok=True)
+
+    def mine(rel: str) -> bool:
+        name = rel.rsplit("/", 1)[-1]
+        return not name.startswith("rng_state") or name in (f"rng_state_{rank}.pth", "rng_state.pth")
+
+    for sub in ("hf", "adapter", "trainer"):
+        storage.download(fs, f"{root}/{sub}", dst, only=mine)
     log.info(f"resuming from step {st['step']} ({st['blocks_consumed']} blocks consumed on rank {rank})")
     return dst, st
 

@@ -50,8 +50,11 @@ def train_trl(config: dict) -> None:
         # under its name: the run is complete, and that final checkpoint stays its result
         log.info(f"the run already ended at step {finished} (its final checkpoint is the latest): nothing "
                  "to train; use a new tracking.run_name to train again")
-        ray_report({"step": finished, "done": True}, None)
+        ray_report({"step": finished, "done": True, "already_finished": True}, None)
         return
+    from raytune_ft.train.ckpt_storage import start_attempt
+
+    start_attempt(rank, log.info)          # checkpoint folders of dead attempts off the storage
     on_gpu = recipe.scaling.use_gpu and torch.cuda.is_available()
     lora = t.lora_r > 0
     flag_device = torch.device("cuda", torch.cuda.current_device()) if (

@@ -70,9 +70,12 @@ def trainer_class():
 
 
 def _die_for_test(recipe: Recipe, rank: int, step: int) -> None:
-    snapshot = os.path.join(recipe.run_dir, "checkpoint_manager_snapshot.json")
+    from raytune_ft import storage
+    from raytune_ft.train.ckpt_storage import run_location
+
+    fs, run_path = run_location()          # local or object storage alike
     deadline = time.time() + 120
-    while not os.path.exists(snapshot) and time.time() < deadline:
+    while not storage.exists(fs, f"{run_path}/{storage.SNAPSHOT_FILE}") and time.time() < deadline:
         time.sleep(0.1)
     print(f"[raytune_ft] {FAULT_AT_STEP_ENV}: killing rank {rank} at step {step}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)

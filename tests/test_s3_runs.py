@@ -1,0 +1,298 @@
+"""Runs whose storage is object storage: tracking.storage_path=s3://... on the SeaweedFS S3 server on loopback
+(tests/s3_server.py), real local Ray, the jobs' --local recipes; and a storage too small for the next checkpoint.
+
+27B recipe (FSDP2, 2 workers, 10 steps, checkpoints at 4 and 8, final at 10, keep_checkpoints=2):
+1. rank 1 exits right after uploading its part of the final checkpoint, before reporting it, on every attempt
+   (RAYTUNE_FAULT_AFTER_UPLOAD=10:1, max_failures=2): three attempts die in the checkpoint window, Ray
+   restarting the worker group after each. Every restart removes the folder the dead attempt left; a watcher
+   listing the bucket all along never sees more than keep_checkpoints + 1 checkpoint folders. The first
+   attempt's orphan holds the per-step losses of an uninterrupted run (every rank keeps the all-reduced
+   history); the restarted attempts, resumed from step 8 off S3, must reproduce them.
+2. The fault stops; the same job re-submitted finishes (resumes from step 8), exports, and its registration
+   times out (registry.timeout_s=0.5): the summary prints a retry command naming the s3:// checkpoint.
+3. That command, run as printed, registers version 1.
+4. The finished run submitted again ends at once: no training, no new checkpoint, the same version returned.
+Nothing of the run is written under the local storage default (./runs of the launch folder).
+
+TRL 4B recipe (1 worker, 8 steps, checkpoint + eval every 4): its worker SIGKILLs itself at step 6
+(RAYTUNE_FAULT_AT_STEP); Ray restarts it, it rebuilds the trainer from the step-4 checkpoint read from S3, and
+step 5, trained by both attempts, logs the same loss twice. Registration times out; the retry command works.
+
+Small storage: the free-space probe is patched (RAYTUNE_FAULT_FREE_BYTES, read by the workers; no filesystem
+of a few kB can be mounted portably here) to report 1000 bytes from step 8: the step-4 checkpoint is written,
+the step-8 one is refused before anything is written, the run stops with an error naming the storage path,
+the bytes needed and the bytes free, and the step-4 checkpoint is intact and still Ray's latest.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from raytune_ft import storage
+from tests.conftest import REPO
+from tests.s3_server import s3_server  # noqa: F401  (fixture)
+
+STEPS, EVERY = 10, 4
+FAULT_UPLOAD = "RAYTUNE_FAULT_AFTER_UPLOAD"
+FAULT_AT_STEP = "RAYTUNE_FAULT_AT_STEP"
+FAULT_FREE = "RAYTUNE_FAULT_FREE_BYTES"
+REL_TOL = 1e-5
+
+
+def _recipe(job: str, storage_path: str, run_name: str, *sets: str):
+    from raytune_ft.cli import resolve
+
+    spec = importlib.util.spec_from_file_location(f"job_s3_{job}", REPO / "jobs" / f"{job}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return resolve(mod.recipe, mod.local, local=True, overrides=[
+        f"tracking.storage_path={storage_path}", f"tracking.run_name={run_name}", *sets])
+
+
+class FolderWatcher(threading.Thread):
+    """Lists the run folder on storage every 0.2 s: the most checkpoint folders seen at once, and rank 1's
+    train state of every checkpoint folder that reached the final step (read as soon as it is there)."""
+
+    def __init__(self, fs, run_path: str):
+        super().__init__(daemon=True)
+        self.fs, self.run_path = fs, run_path
+        self.max_folders, self.seen = 0, set()
+        self.final_states: dict[str, dict] = {}
+        self.stop = threading.Event()
+        self.error: str | None = None
+
+    def run(self):
+        while not self.stop.is_set():
+            try:
+                names = storage.checkpoint_dirs(self.fs, self.run_path)
+                self.max_folders = max(self.max_folders, len(names))
+                self.seen.update(names)
+                for n in names:
+                    if n not in self.final_states:
+                        st = storage.read_json(self.fs, f"{self.run_path}/{n}/train_state/rank1.json")
+                        if st and st.get("step") == STEPS:
+                            self.final_states[n] = st
+            except (OSError, ValueError) as e:   # a folder deleted while listed: look again
+                self.error = f"{type(e).__name__}: {e}"
+            time.sleep(0.2)
+
+
+def _run_cli(cmd: str, env: dict, cwd) -> subprocess.CompletedProcess:
+    argv = shlex.split(cmd)
+    assert argv[:2] == ["raytune-ft", "register"], cmd
+    script = os.path.join(os.path.dirname(sys.executable), "raytune-ft")
+    argv = [script, *argv[1:]] if os.path.exists(script) else [sys.executable, "-m", "raytune_ft.cli", *argv[1:]]
+    return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def s3_runs(s3_server, tmp_path_factory):
+    import ray
+
+    from raytune_ft.run import run
+
+    work = tmp_path_factory.mktemp("s3_launch")
+    saved_env = {k: os.environ.get(k) for k in [*s3_server.env(), "RAYTUNE_TRACKING_HOME", "RAYTUNE_LOCAL_STORAGE",
+                                                FAULT_UPLOAD, FAULT_AT_STEP, FAULT_FREE]}
+    saved_cwd = os.getcwd()
+    # the AWS_* variables are in place before Ray starts: its workers and tasks reach S3 the way a node does
+    os.environ.update(s3_server.env())
+    os.environ["RAYTUNE_TRACKING_HOME"] = str(work / "tracking_home")
+    os.environ.pop("RAYTUNE_LOCAL_STORAGE", None)
+    os.chdir(work)              # where ./runs, the local default, would appear
+    bucket = s3_server.bucket()
+    root = f"s3://{bucket}/runs"
+    fs = s3_server.filesystem()
+    out: dict = {"work": work, "root": root, "fs": fs, "bucket": bucket}
+    ray.init(address="local", num_cpus=8, include_dashboard=False)
+    try:
+        # ---- 27B recipe
+        r27 = _recipe("qwen27b_b300", root, "s3-27b", f"train.max_steps={STEPS}",
+                      f"train.checkpoint_every={EVERY}", "scaling.max_failures=2", "registry.timeout_s=0.5",
+                      "registry.name=main.default.s3_27b")
+        out["r27"] = r27
+        watcher = FolderWatcher(fs, f"{bucket}/runs/s3-27b")
+        watcher.start()
+        os.environ[FAULT_UPLOAD] = f"{STEPS}:1"
+        try:
+            run(r27, local=True)
+            out["faulty_error"] = None
+        except Exception as e:  # noqa: BLE001 - every attempt dies: the run is meant to fail
+            out["faulty_error"] = e
+        finally:
+            os.environ.pop(FAULT_UPLOAD, None)
+        out["after_faulty"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
+        t = time.time()
+        out["finished"] = run(r27, local=True)
+        out["finished_s"] = time.time() - t
+        watcher.stop.set()
+        watcher.join(timeout=10)
+        out["watcher"] = watcher
+        cmd = out["finished"].retry_command
+        out["retry"] = _run_cli(cmd, dict(os.environ), work) if cmd else None
+        out["folders_before_again"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
+        t = time.time()
+        out["again"] = run(r27, local=True)
+        out["again_s"] = time.time() - t
+        out["folders_after_again"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
+
+        # ---- TRL 4B recipe: a worker killed at step 6, resumed from S3
+        r4 = _recipe("qwen3_4b_full", root, "s3-4b", "train.max_steps=8", "train.checkpoint_every=4",
+                     "train.eval_every=4", "train.log_every=1", "scaling.max_failures=1", "registry.timeout_s=0.5",
+                     "registry.name=main.default.s3_4b")
+        out["r4"] = r4
+        os.environ[FAULT_AT_STEP] = "6:0"
+        try:
+            out["trl"] = run(r4, local=True)
+        finally:
+            os.environ.pop(FAULT_AT_STEP, None)
+        cmd = out["trl"].retry_command
+        out["trl_retry"] = _run_cli(cmd, dict(os.environ), work) if cmd else None
+
+        # ---- a storage too small for the step-8 checkpoint (local folder, patched free-space probe)
+        small_root = work / "small_storage"
+        rs = _recipe("qwen27b_b300", str(small_root), "small", f"train.max_steps={STEPS}",
+                     f"train.checkpoint_every={EVERY}", "scaling.max_failures=1", "registry.enabled=false",
+                     f"tracking.tracking_uri=sqlite:///{work / 'small_mlflow.db'}")
+        out["small_recipe"] = rs
+        os.environ[FAULT_FREE] = "1000@8"
+        try:
+            run(rs, local=True)
+            out["small_error"] = None
+        except Exception as e:  # noqa: BLE001 - meant to stop
+            out["small_error"] = e
+        finally:
+            os.environ.pop(FAULT_FREE, None)
+        return out
+    finally:
+        ray.shutdown()
+        os.chdir(saved_cwd)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _history_equal(history: list[dict], reference: list[dict]) -> None:
+    assert [h["step"] for h in history] == [h["step"] for h in reference] == list(range(1, STEPS + 1))
+    for h, r in zip(history, reference):
+        assert h["loss"] == pytest.approx(r["loss"], rel=REL_TOL), (h, r)
+        assert h["lr"] == pytest.approx(r["lr"], rel=1e-12), (h, r)
+
+
+@pytest.mark.timeout(1500)
+def test_27b_on_s3_dies_in_checkpoint_window_every_attempt_storage_stays_bounded(s3_runs):
+    err, w = s3_runs["faulty_error"], s3_runs["watcher"]
+    assert err is not None, "every attempt was meant to die in the checkpoint window"
+    keep = s3_runs["r27"].train.keep_checkpoints
+    # four final-step folders were uploaded and never reported (three attempts, then the re-submit's own
+    # final one, which is reported); each restart removed the previous attempt's
+    orphans = [n for n, st in w.final_states.items() if n not in s3_runs["folders_before_again"]]
+    assert len(orphans) == 3, (sorted(w.final_states), s3_runs["folders_before_again"])
+    assert w.max_folders <= keep + 1, (w.max_folders, sorted(w.seen))
+    # the first attempt's orphan is the uninterrupted reference; the restarted ones resumed from step 8
+    first, *restarted = sorted(orphans)
+    reference = w.final_states[first]
+    assert "resumed_from" not in reference or reference["resumed_from"] == []
+    for name in restarted:
+        st = w.final_states[name]
+        assert st["resumed_from"] == [8], st.get("resumed_from")
+        _history_equal(st["history"], reference["history"])
+    s3_runs["reference"] = reference
+
+
+@pytest.mark.timeout(1500)
+def test_27b_on_s3_finishes_once_the_fault_stops_exports_and_retry_registers(s3_runs):
+    import mlflow
+
+    s, fs = s3_runs["finished"], s3_runs["fs"]
+    assert s.steps == STEPS and s.checkpoint.startswith(f"s3://{s3_runs['bucket']}/runs/s3-27b/checkpoint_")
+    ckpt = s.checkpoint[len("s3://"):]
+    for rank in (0, 1):
+        st = storage.read_json(fs, f"{ckpt}/train_state/rank{rank}.json")
+        assert st["resumed_from"] == [8] and st["step"] == STEPS
+        if "reference" in s3_runs:
+            _history_equal(st["history"], s3_runs["reference"]["history"])
+    assert storage.exists(fs, f"{ckpt}/hf/config.json") and storage.exists(fs, f"{ckpt}/dcp/.metadata")
+    # the summary and plots are in the run folder on S3; MLflow's artifacts (the logged model) too
+    summary = storage.read_json(fs, f"{s3_runs['bucket']}/runs/s3-27b/summary.json")
+    assert summary["checkpoint"] == s.checkpoint
+    assert s.plots and all(p.startswith("s3://") for p in s.plots)
+    # registration timed out; the retry command names the checkpoint's URI, and it works as printed
+    assert s.status == "trained_not_registered" and "within" in s.registration_error
+    assert f"raytune-ft register {s.checkpoint} --name main.default.s3_27b" in s.retry_command
+    done = s3_runs["retry"]
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "registered main.default.s3_27b version 1" in done.stdout
+    client = mlflow.MlflowClient(s.tracking_uri)
+    assert [str(v.version) for v in client.search_model_versions("name = 'main.default.s3_27b'")] == ["1"]
+    arts = storage.list_files(fs, f"{s3_runs['bucket']}/runs/s3-27b/mlartifacts")
+    assert any(i.path.endswith(".safetensors") for i in arts)
+    # nothing under the local storage default, and the tracking store where the README says it is
+    assert not (s3_runs["work"] / "runs").exists()
+    assert s.tracking_uri.startswith(f"sqlite:///{s3_runs['work'] / 'tracking_home'}")
+    assert storage.exists(fs, f"{s3_runs['bucket']}/runs/s3-27b/mlflow.db")   # its copy, in the run folder
+
+
+@pytest.mark.timeout(1500)
+def test_finished_fsdp_run_submitted_again_ends_at_once_with_one_version(s3_runs):
+    import mlflow
+
+    first, again = s3_runs["finished"], s3_runs["again"]
+    assert again.checkpoint == first.checkpoint and again.steps == STEPS
+    assert s3_runs["folders_after_again"] == s3_runs["folders_before_again"]      # nothing written
+    assert again.status == "registered" and again.registered_version == "1"
+    client = mlflow.MlflowClient(again.tracking_uri)
+    assert [str(v.version) for v in client.search_model_versions("name = 'main.default.s3_27b'")] == ["1"]
+    assert client.get_metric_history(again.mlflow_run_id, "loss") == []          # no step trained
+    assert s3_runs["again_s"] < s3_runs["finished_s"]
+
+
+@pytest.mark.timeout(1500)
+def test_trl_4b_on_s3_resumes_a_killed_worker_and_registers_by_retry(s3_runs):
+    import mlflow
+
+    s = s3_runs["trl"]
+    assert s.steps == 8 and s.checkpoint.startswith(f"s3://{s3_runs['bucket']}/runs/s3-4b/checkpoint_")
+    client = mlflow.MlflowClient(s.tracking_uri)
+    losses: dict[int, list[float]] = {}
+    for m in client.get_metric_history(s.mlflow_run_id, "loss"):
+        losses.setdefault(m.step, []).append(m.value)
+    # killed at the end of step 6 and restarted from the step-4 checkpoint on S3: step 5 ran in both
+    # attempts and must give the same loss; nothing before the checkpoint trained again
+    assert {k: len(v) for k, v in losses.items()} == {1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 6: 1, 7: 1, 8: 1}
+    assert losses[5][1] == pytest.approx(losses[5][0], rel=REL_TOL)
+    assert storage.exists(s3_runs["fs"], f"{s.checkpoint[len('s3://'):]}/hf/config.json")
+    assert s.status == "trained_not_registered" and s.checkpoint in s.retry_command
+    done = s3_runs["trl_retry"]
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [str(v.version) for v in client.search_model_versions("name = 'main.default.s3_4b'")] == ["1"]
+    assert not (s3_runs["work"] / "runs").exists()
+
+
+@pytest.mark.timeout(1500)
+def test_storage_too_small_for_the_next_checkpoint_stops_clearly_keeping_the_last_good_one(s3_runs):
+    err, rs = s3_runs["small_error"], s3_runs["small_recipe"]
+    assert isinstance(err, storage.StorageFullError), repr(err)
+    msg = str(err)
+    assert f"storage {rs.tracking.storage_path}/small is full" in msg, msg
+    assert "1,000 bytes" in msg and f"{err.needed:,} bytes" in msg and err.needed > 1000
+    assert "last good checkpoint is kept" in msg
+    run_path = os.path.join(rs.tracking.storage_path, "small")
+    fs = storage.resolve(run_path).fs
+    reported = storage.reported_checkpoints(fs, run_path)
+    assert reported is not None and reported.latest is not None
+    latest = os.path.join(run_path, reported.latest)
+    with open(os.path.join(latest, "raytune_meta.json")) as f:
+        assert json.load(f)["step"] == 4
+    assert os.path.isfile(os.path.join(latest, "dcp", ".metadata"))
+    assert storage.checkpoint_dirs(fs, run_path) == [reported.latest]        # nothing half-written beside it
