@@ -77,7 +77,7 @@ def _print_plan(recipe: Recipe, **kwargs) -> None:
 
 def _print_storage_plan(recipe: Recipe) -> None:
     """What the run writes to tracking.storage_path: per checkpoint, the export, the peak."""
-    from raytune_ft.storage import storage_plan
+    from raytune_ft.storage_plan import storage_plan
 
     print("\n".join(storage_plan(recipe).lines()))
 

@@ -9,6 +9,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from raytune_ft import storage
+from raytune_ft.storage_plan import storage_plan
 from tests.s3_server import s3_env, s3_server  # noqa: F401  (fixtures)
 
 
@@ -153,7 +154,7 @@ def _recipe(job: str, *sets: str):
 
 
 def test_storage_plan_27b():
-    plan = storage.storage_plan(_recipe("qwen27b_b300"))
+    plan = storage_plan(_recipe("qwen27b_b300"))
     P = plan.params
     assert 26e9 < P < 28e9
     # fp32 master weights + AdamW's two fp32 moments: 12 bytes a parameter, ~323 GB (no gradients are saved)
@@ -166,11 +167,11 @@ def test_storage_plan_27b():
 
 
 def test_storage_plan_trl_recipes():
-    full = storage.storage_plan(_recipe("qwen3_4b_full"))
+    full = storage_plan(_recipe("qwen3_4b_full"))
     assert full.loop == "trl" and full.final_extra_bytes == 0
     # bf16 weights in hf/ + two bf16 AdamW states in trainer/optimizer.pt
     assert full.checkpoint_bytes == pytest.approx(6 * full.params, rel=1e-2)
-    lora = storage.storage_plan(_recipe("qwen2_05b_lora"))
+    lora = storage_plan(_recipe("qwen2_05b_lora"))
     assert 0 < lora.trainable < lora.params / 10 and lora.checkpoint_bytes < lora.params
     assert lora.final_extra_bytes == 2 * lora.params               # the merged export
 
