@@ -55,6 +55,22 @@ def finished_step() -> int | None:
     return int(meta.get("step") or 0) if meta.get("final") else None
 
 
+def report_if_finished(log) -> bool:
+    """When the run's latest checkpoint is its final one (a finished run submitted again, or a worker lost
+    after the final checkpoint was registered), report the run done and return True: that checkpoint stays
+    its result, exported and registered once. `log`: the loop's WorkerLog."""
+    import ray.train
+
+    step = finished_step()
+    if step is None:
+        return False
+    log.info(f"the run already ended at step {step} (its final checkpoint is the latest): nothing to train; "
+             "use a new tracking.run_name to train again")
+    ray.train.report({"step": step, "done": True, "already_finished": True})
+    log.close()
+    return True
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
