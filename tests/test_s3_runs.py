@@ -3,11 +3,11 @@
 
 27B recipe (FSDP2, 2 workers, 10 steps, checkpoints at 4 and 8, final at 10, keep_checkpoints=2):
 1. rank 1 exits right after uploading its part of the final checkpoint, before reporting it, on every attempt
-   (RAYTUNE_FAULT_AFTER_UPLOAD=10:1, max_failures=2): three attempts die in the checkpoint window, Ray
-   restarting the worker group after each. Every restart removes the folder the dead attempt left; a watcher
+   (RAYTUNE_FAULT_AFTER_UPLOAD=10:1, max_failures=1): both attempts die in the checkpoint window, Ray
+   restarting the worker group after the first. Every restart removes the folder the dead attempt left; a watcher
    listing the bucket all along never sees more than keep_checkpoints + 1 checkpoint folders. The first
    attempt's orphan holds the per-step losses of an uninterrupted run (every rank keeps the all-reduced
-   history); the restarted attempts, resumed from step 8 off S3, must reproduce them.
+   history); the restarted attempt, resumed from step 8 off S3, must reproduce them.
 2. The fault stops; the same job re-submitted finishes (resumes from step 8), exports, and its registration
    times out (registry.timeout_s=0.5): the summary prints a retry command naming the s3:// checkpoint.
 3. That command, run as printed, registers version 1.
@@ -116,7 +116,7 @@ def s3_runs(s3_server, tmp_path_factory):
     try:
         # ---- 27B recipe
         r27 = _recipe("qwen27b_b300", root, "s3-27b", f"train.max_steps={STEPS}",
-                      f"train.checkpoint_every={EVERY}", "scaling.max_failures=2", "registry.timeout_s=0.5",
+                      f"train.checkpoint_every={EVERY}", "scaling.max_failures=1", "registry.timeout_s=0.5",
                       "registry.name=main.default.s3_27b")
         out["r27"] = r27
         watcher = FolderWatcher(fs, f"{bucket}/runs/s3-27b")
@@ -194,13 +194,16 @@ def test_27b_on_s3_dies_in_checkpoint_window_every_attempt_storage_stays_bounded
     err, w = s3_runs["faulty_error"], s3_runs["watcher"]
     assert err is not None, "every attempt was meant to die in the checkpoint window"
     keep = s3_runs["r27"].train.keep_checkpoints
-    # four final-step folders were uploaded and never reported (three attempts, then the re-submit's own
-    # final one, which is reported); each restart removed the previous attempt's
+    # three final-step folders were uploaded: two by the dying attempts, never reported, then the re-submit's
+    # own, which is; each attempt removed the one the attempt before it left
     orphans = [n for n, st in w.final_states.items() if n not in s3_runs["folders_before_again"]]
-    assert len(orphans) == 3, (sorted(w.final_states), s3_runs["folders_before_again"])
+    assert len(orphans) == 2, (sorted(w.final_states), s3_runs["folders_before_again"])
+    # the second one was still there when the run failed, and went when the re-submit began
+    assert sorted(orphans)[-1] in s3_runs["after_faulty"] and len(s3_runs["after_faulty"]) == keep + 1
     assert w.max_folders <= keep + 1, (w.max_folders, sorted(w.seen))
-    # the first attempt's orphan is the uninterrupted reference; the restarted ones resumed from step 8
+    # the first attempt's orphan is the uninterrupted reference; the restarted one resumed from step 8
     first, *restarted = sorted(orphans)
+    assert restarted
     reference = w.final_states[first]
     assert "resumed_from" not in reference or reference["resumed_from"] == []
     for name in restarted:

@@ -185,6 +185,7 @@ def _dcp_worker(rank: int, world: int, port: int, local_dir: str, s3_dir: str, o
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
+    from raytune_ft.train import checkpoint as ckpt_io
     from raytune_ft.train import dcp_io
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -209,7 +210,7 @@ def _dcp_worker(rank: int, world: int, port: int, local_dir: str, s3_dir: str, o
     model, opt = build()
     train(model, opt, 3)
     saved = {k: v.full_tensor().clone() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
-    dcp_io.save(os.path.join(local_dir, "per_rank"), model, opt, rank)
+    ckpt_io.save_train_checkpoint(os.path.join(local_dir, "per_rank"), model, opt, rank, {"step": 3, "rank": rank})
     import torch.distributed.checkpoint as dcp
     dcp.save({"app": dcp_io._LegacyTrainState(model, opt, rank)}, checkpoint_id=os.path.join(local_dir, "legacy", "dcp"))
     dist.barrier()
@@ -220,7 +221,8 @@ def _dcp_worker(rank: int, world: int, port: int, local_dir: str, s3_dir: str, o
     dist.barrier()
 
     fresh, fresh_opt = build()
-    opened = dcp_io.load(st.fs, st.path("per_rank"), fresh, fresh_opt, rank)
+    opened: list[str] = []      # what the FSDP2 loop's resume calls, reading from S3
+    train_state = ckpt_io.load_train_checkpoint(st.path("per_rank"), fresh, fresh_opt, rank, fs=st.fs, reads=opened)
     loaded = {k: v.full_tensor() for k, v in fresh.state_dict().items() if hasattr(v, "full_tensor")}
     same_weights = all(torch.equal(saved[k], loaded[k]) for k in saved)
     steps = sorted({float(s["step"]) for s in fresh_opt.state_dict()["state"].values()})
@@ -237,6 +239,7 @@ def _dcp_worker(rank: int, world: int, port: int, local_dir: str, s3_dir: str, o
     n_params = sum(p.numel() for p in model.parameters())  # DTensors: the global count
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"opened": opened, "legacy_opened": legacy_opened, "same_weights": same_weights,
+                   "train_state": train_state,
                    "steps": steps, "same_after_step": same_after_step, "params_local": n_params}, f)
     dist.destroy_process_group()
 
@@ -256,9 +259,10 @@ def test_dcp_resume_reads_only_own_shards_from_s3(s3_env, tmp_path):
     mp.spawn(_dcp_worker, args=(2, port, str(tmp_path / "local"), s3_dir, str(out)), nprocs=2, join=True)
     res = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, r in enumerate(res):
-        files = sorted({p.rsplit("/", 1)[-1] for p in r["opened"]})
-        # the metadata and this rank's own shard file, nothing of the other rank
-        assert files == [".metadata", f"__{rank}_0.distcp"], (rank, r["opened"])
+        files = sorted({"/".join(p.rsplit("/", 2)[-2:]) for p in r["opened"]})
+        # the metadata, this rank's own shard file and train state, nothing of the other rank
+        assert files == ["dcp/.metadata", f"dcp/__{rank}_0.distcp", f"train_state/rank{rank}.json"], r["opened"]
+        assert r["train_state"] == {"step": 3, "rank": rank}
         assert all(p.startswith(storage.resolve(s3_dir).path("per_rank")) for p in r["opened"])
         assert r["same_weights"] and r["same_after_step"] and r["steps"] == [3.0]
     # what the per-rank layout avoids: DCP's de-duplication of replicated entries spreads them over
