@@ -21,6 +21,10 @@ DATASET = "hf://HuggingFaceH4/ultrachat_200k"
 DATASET_REVISION = "8049631c405ae6576f93f445c6b8166f76f5505a"
 SEQ_LEN = 32_768
 NUM_GPUS = 8
+# The Qwen3.8 template's own defaults, as the notebook renders UltraChat: a system text on reasoning
+# effort in every row (not supervised) and an empty think block before each answer (supervised).
+# README "Chat template settings" shows a rendered row and how to change it.
+TEMPLATE_KWARGS = {"enable_thinking": True, "reasoning_effort": "xhigh"}
 
 
 def recipe() -> Recipe:
@@ -29,7 +33,8 @@ def recipe() -> Recipe:
         job="qwen27b_b300",
         model=ModelConfig(name=MODEL, revision=MODEL_REVISION, family="qwen3_5", dtype="bfloat16",
                           max_position_embeddings=262_144),
-        data=DataConfig(source=DATASET, revision=DATASET_REVISION, split="train_sft", seq_len=SEQ_LEN),
+        data=DataConfig(source=DATASET, revision=DATASET_REVISION, split="train_sft", seq_len=SEQ_LEN,
+                        template_kwargs=TEMPLATE_KWARGS),
         train=TrainConfig(loop="fsdp2", lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0, warmup_steps=0,
                           schedule="constant", epochs=1, micro_batch_size=1, grad_accum=1,
                           activation_checkpointing="full", master_weights="fp32", log_every=100,

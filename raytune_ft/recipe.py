@@ -98,8 +98,8 @@ class TrainConfig:
     warmup_steps: int = 0
     schedule: Literal["constant", "cosine", "linear"] = "cosine"
     min_lr_ratio: float = 0.0
-    max_steps: int | None = None             # None: one pass over the data
-    epochs: int = 1
+    max_steps: int | None = None             # None: `epochs` passes over the data; else a cap on the steps
+    epochs: int = 1                          # passes; each after the first reshuffled (seed data.seed + epoch)
     micro_batch_size: int = 1                # packed blocks per micro-batch
     grad_accum: int = 1
     max_grad_norm: float | None = 1.0        # 0 or None: no clipping (both loops)
@@ -151,6 +151,8 @@ class TrainConfig:
         check_range("train.epochs", self.epochs, 1, 1000)
         check_range("train.micro_batch_size", self.micro_batch_size, 1, 4096)
         check_range("train.grad_accum", self.grad_accum, 1, 4096)
+        if self.max_grad_norm is not None:
+            check_range("train.max_grad_norm", self.max_grad_norm, 0.0)
         check_range("train.log_every", self.log_every, 1)
         check_range("train.checkpoint_every", self.checkpoint_every, 1)
         if self.eval_every is not None:
@@ -277,21 +279,21 @@ class Recipe:
     def tracking_uri(self) -> str:
         if self.tracking.tracking_uri:
             return self.tracking.tracking_uri
-        return "sqlite:///" + os.path.join(os.path.abspath(self.run_dir), "mlflow.db")
-
         if "://" in self.tracking.storage_path:
             # sqlite cannot live on object storage: the launching machine keeps the store (its artifacts go
             # to the run folder, and a copy of it when the run ends)
             where = self.tracking.storage_path.split("://", 1)[1].split("?", 1)[0].strip("/")
             home = os.path.expanduser(os.environ.get("RAYTUNE_TRACKING_HOME", TRACKING_HOME))
             return "sqlite:///" + os.path.join(os.path.abspath(home), where, self.tracking.run_name, "mlflow.db")
+        return "sqlite:///" + os.path.join(os.path.abspath(self.run_dir), "mlflow.db")
+
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe) if f.name != "job"}
-
-
 # where the default MLflow store of a run on object storage lives, on the machine that launches it
 # (RAYTUNE_TRACKING_HOME moves it)
 TRACKING_HOME = "~/.raytune_ft/tracking"
+
+
 # ---------------------------------------------------------------- overrides
 
 def _section_classes() -> dict[str, type]:

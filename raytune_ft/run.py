@@ -1,13 +1,12 @@
 """The order of a run: validate -> fit -> register. The only module that knows training and registry."""
 from __future__ import annotations
 
-import glob
-import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from raytune_ft.recipe import Recipe, validate
+from raytune_ft.env import redact_exception
+from raytune_ft.recipe import Recipe, absolute_local_paths, validate
 
 
 @dataclass
@@ -16,8 +15,12 @@ class RunSummary:
     run_name: str
     status: str                                # registered | trained_not_registered | trained
     steps: int = 0
-    tokens: int = 0
-    tokens_per_s: float = 0.0
+    tokens: int = 0                            # the run's, over every attempt
+    tokens_per_s: float = 0.0                  # this attempt's: attempt_tokens / attempt_seconds
+    attempt_tokens: int = 0                    # trained by this attempt (a resumed run's later part)
+    attempt_seconds: float = 0.0               # this attempt's training seconds
+    run_seconds: float = 0.0                   # training seconds of every attempt
+    run_tokens_per_s: float = 0.0              # tokens / run_seconds
     final_loss: float | None = None
     best_loss: float | None = None
     checkpoint: str | None = None
@@ -34,7 +37,10 @@ class RunSummary:
     def lines(self) -> list[str]:
         out = [f"job {self.job} (run {self.run_name}): {self.status}",
                f"  steps            {self.steps}",
-               f"  tokens           {self.tokens:,} ({self.tokens_per_s:,.0f} tokens/s)",
+               f"  tokens           {self.tokens:,} ({self.tokens_per_s:,.0f} tokens/s)"
+               if self.attempt_tokens == self.tokens else
+               f"  tokens           {self.tokens:,} ({self.run_tokens_per_s:,.0f} tokens/s over the run); "
+               f"this attempt {self.attempt_tokens:,} ({self.tokens_per_s:,.0f} tokens/s)",
                f"  final loss       {self.final_loss:.4f}" if self.final_loss is not None else "  final loss       n/a"]
         if self.best_loss is not None:
             out.append(f"  best eval loss   {self.best_loss:.4f}")
@@ -73,32 +79,72 @@ def ensure_ray(local: bool) -> None:
     ray.init(address="local", num_cpus=ncpu, include_dashboard=False)
 
 
-def merged_data_counters(checkpoint_dir: str) -> dict:
+def merged_data_counters(checkpoint_dir: str, fs=None) -> dict:
+    """Every rank's data counters of a checkpoint, read where it lies (`fs`: its filesystem, default local)."""
+    import pyarrow.fs as pafs
+
+    from raytune_ft import storage
     from raytune_ft.data.packing import DataCounters
 
+    fs = fs or pafs.LocalFileSystem()
     total = DataCounters()
-    for path in sorted(glob.glob(os.path.join(checkpoint_dir, "train_state", "rank*.json"))):
-        with open(path) as f:
-            st = json.load(f)
+    for info in sorted(storage.list_files(fs, f"{checkpoint_dir.rstrip('/')}/train_state", recursive=False),
+                       key=lambda i: i.path):
+        if not (info.base_name.startswith("rank") and info.base_name.endswith(".json")):
+            continue
+        st = storage.read_json(fs, info.path) or {}
         if st.get("counters"):
             total.merge(DataCounters.from_dict(st["counters"]))
     return total.to_dict()
 
 
-def _write_plots(recipe: Recipe, ckpt_dir: str, run_id: str, last_step: int) -> list[str]:
-    """Loss and throughput PNGs in <run folder>/plots, logged to the MLflow run; never fails the run."""
+def _storage_full(exc: BaseException):
+    """The StorageFullError a worker raised, out of Ray's wrapping of it (None when there is none)."""
+    from raytune_ft.storage import StorageFullError
+
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, StorageFullError):
+            return e
+        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
+        todo += list((getattr(e, "worker_failures", None) or {}).values())
+    return None
+
+
+def _write_plots(recipe: Recipe, ckpt, run_id: str, last_step: int) -> list[str]:
+    """Loss and throughput PNGs in <run folder>/plots, logged to the MLflow run; never fails the run.
+
+    Only the two small history files are read from the checkpoint (rank 0's train state, the trainer
+    state); on object storage the PNGs are made in a temporary folder and uploaded to the run folder."""
     import tempfile
 
+    from raytune_ft import storage
     from raytune_ft.plots import plot_finished_run
 
-    out = os.path.join(recipe.run_dir, "plots") if "://" not in recipe.run_dir else tempfile.mkdtemp()
+    st, run_path = storage.run_storage(recipe)
     try:
-        every = recipe.train.checkpoint_every
-        return plot_finished_run(ckpt_dir, out, tracking_uri=recipe.tracking_uri, run_id=run_id,
-                                 title=recipe.tracking.run_name, checkpoint_steps=range(every, last_step, every)
-                                 if recipe.train.loop == "fsdp2" else ())
+        with tempfile.TemporaryDirectory(prefix="raytune_plots_") as tmp:
+            src = os.path.join(tmp, "checkpoint")
+            for rel in ("train_state/rank0.json", "trainer/trainer_state.json"):
+                if storage.exists(ckpt.filesystem, f"{ckpt.path.rstrip('/')}/{rel}"):
+                    storage.download(ckpt.filesystem, f"{ckpt.path.rstrip('/')}/{rel}", os.path.dirname(
+                        os.path.join(src, rel)))
+            out = os.path.join(tmp, "plots") if st.remote else os.path.join(run_path, "plots")
+            every = recipe.train.checkpoint_every
+            paths = plot_finished_run(src, out, tracking_uri=recipe.tracking_uri, run_id=run_id,
+                                      title=recipe.tracking.run_name,
+                                      checkpoint_steps=range(every, last_step, every)
+                                      if recipe.train.loop == "fsdp2" else ())
+            if st.remote:
+                storage.upload(out, st.fs, f"{run_path}/plots")
+                paths = [st.uri(f"{run_path}/plots/{os.path.basename(p)}") for p in paths]
+            return paths
     except Exception as e:
-        print(f"[raytune_ft] plots skipped: {type(e).__name__}: {e}")
+        print(f"[raytune_ft] plots skipped: {redact_exception(e)}")
         return []
 
 
@@ -131,13 +177,25 @@ def _last_logged_metrics(recipe: Recipe, run_id: str) -> dict:
         return {}
 
 
+def _set_throughput(summary: RunSummary, metrics: dict) -> None:
+    """tokens/s of this attempt (its tokens over its seconds) and of the run (every attempt's)."""
+    summary.attempt_tokens = int(metrics.get("attempt_tokens", summary.tokens))
+    summary.attempt_seconds = float(metrics.get("train_seconds") or 0.0)
+    summary.run_seconds = float(metrics.get("run_train_seconds") or summary.attempt_seconds)
+    if summary.attempt_seconds:
+        summary.tokens_per_s = summary.attempt_tokens / summary.attempt_seconds
+    if summary.run_seconds:
+        summary.run_tokens_per_s = summary.tokens / summary.run_seconds
+
+
 def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) -> RunSummary:
     """Validate, train on Ray Train, then register the final checkpoint from a separate Ray task."""
-    from raytune_ft import tracking
-    from raytune_ft.train.checkpoint import read_meta
+    from raytune_ft import storage, tracking
+    from raytune_ft.train.checkpoint import read_meta_at
     from raytune_ft.train.launch import build_trainer
 
-    validate(recipe)
+    # every local path absolute here, once: Ray workers resolve nothing against their own folders
+    validate(absolute_local_paths(recipe))
     t0 = time.time()
     ensure_ray(local)
     run_id = tracking.start_run(recipe)
@@ -145,8 +203,12 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
     try:
         result = trainer.fit()
     except BaseException as e:
-        tracking.end_run(recipe, run_id, status="FAILED", tags={"raytune.status": "failed",
-                                                                "raytune.error": f"{type(e).__name__}: {e}"[:4000]})
+        full = _storage_full(e)       # said in plain words, not as Ray's wrapping of a worker's error
+        shown = full or e
+        tracking.end_run(recipe, run_id, status="FAILED", tags={
+            "raytune.status": "failed", "raytune.error": f"{type(shown).__name__}: {shown}"[:4000]})
+        if full is not None:
+            raise full from e
         raise
     ckpt = result.checkpoint
     metrics = result.metrics or {}
@@ -156,28 +218,35 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
         metrics = _last_logged_metrics(recipe, run_id) or metrics
     if ckpt is None and recipe.train.save_final:
         raise RuntimeError("training finished without a checkpoint")
-    meta, data, plots = {}, {}, []
-    if ckpt is not None:
-        with ckpt.as_directory() as ckpt_dir:
-            meta = read_meta(ckpt_dir)
-            data = merged_data_counters(ckpt_dir)
-            plots = _write_plots(recipe, ckpt_dir, run_id, int(meta.get("step") or 0))
+    meta, data, plots, ckpt_uri = {}, {}, [], None
+    if ckpt is not None:   # the small files are read where the checkpoint lies: nothing else is fetched
+        ckpt_uri = storage.open_checkpoint(ckpt.path, ckpt.filesystem)[2]
+        meta = read_meta_at(ckpt.filesystem, ckpt.path)
+        data = merged_data_counters(ckpt.path, ckpt.filesystem)
+        plots = _write_plots(recipe, ckpt, run_id, int(meta.get("step") or 0))
     summary = RunSummary(
         job=recipe.job, run_name=recipe.tracking.run_name, status="trained", steps=int(metrics.get("step", 0)),
         tokens=int(metrics.get("tokens", 0)), final_loss=meta.get("final_loss", metrics.get("loss")),
-        best_loss=meta.get("best_eval_loss"), checkpoint=ckpt.path if ckpt is not None else None,
+        best_loss=meta.get("best_eval_loss"), checkpoint=ckpt_uri,
         mlflow_run_id=run_id,
         tracking_uri=recipe.tracking_uri, data=data, plots=plots)
-    secs = metrics.get("train_seconds") or 0
-    summary.tokens_per_s = summary.tokens / secs if secs else 0.0
+    _set_throughput(summary, metrics)
 
     do_register = recipe.registry.enabled if register is None else register
-    status_tags = {"raytune.status": "trained", "raytune.checkpoint": ckpt.path if ckpt is not None else ""}
+    status_tags = {"raytune.status": "trained", "raytune.checkpoint": ckpt_uri or ""}
     if do_register:
-        from raytune_ft.registry import run_registration
+        from raytune_ft.registry import find_registered_version, run_registration
+        from raytune_ft.registry.base import RegistrationOutcome
 
-        outcome = run_registration(ckpt.path, recipe.registry, recipe.tracking_uri,
-                                   metadata={**meta, "job": recipe.job}, run_id=run_id)
+        # a checkpoint is registered once: a re-submitted finished run returns the version it already has
+        found = find_registered_version(ckpt_uri, recipe.registry.name, tracking_uri=recipe.tracking_uri,
+                                        registry_uri=recipe.registry.registry_uri)
+        if found is not None:
+            print(f"[raytune_ft] {ckpt_uri} is already registered as {found.name} version {found.version}")
+            outcome = RegistrationOutcome(ok=True, result=found)
+        else:
+            outcome = run_registration(ckpt_uri, recipe.registry, recipe.tracking_uri,
+                                       metadata={**meta, "job": recipe.job}, run_id=run_id)
         if outcome.ok:
             summary.status = "registered"
             if outcome.result is not None:  # None when registry.enabled is false (skipped)
@@ -196,9 +265,21 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
                                   **_data_metrics(data)})
     except Exception as e:  # the run is trained and (maybe) registered: tracking must not lose it
         print(f"[raytune_ft] could not close the MLflow run: {type(e).__name__}")
-    summary_path = os.path.join(recipe.run_dir, "summary.json") if "://" not in recipe.run_dir else None
-    if summary_path:
-        os.makedirs(os.path.dirname(summary_path), exist_ok=True)
-        with open(summary_path, "w") as f:
-            json.dump(asdict(summary), f, indent=2, default=str)
+    st, run_path = storage.run_storage(recipe)
+    storage.write_json(st.fs, f"{run_path}/summary.json", asdict(summary))
+    _keep_tracking_db(recipe, st, run_path)
     return summary
+
+
+def _keep_tracking_db(recipe: Recipe, st, run_path: str) -> None:
+    """On object storage, a copy of the run's sqlite tracking store (which cannot live there) goes into the
+    run folder at the end, so nothing of the run stays only on the launching machine."""
+    uri = recipe.tracking_uri
+    if not st.remote or not uri.startswith("sqlite:///") or recipe.tracking.tracking_uri:
+        return
+    from raytune_ft import storage
+
+    try:
+        storage.upload(uri[len("sqlite:///"):], st.fs, f"{run_path}/mlflow.db")
+    except OSError as e:
+        print(f"[raytune_ft] could not copy the tracking store to {st.uri(run_path)}: {redact_exception(e)}")

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.conftest import local_job_recipe
+from tests.conftest import REPO, local_job_recipe
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +56,45 @@ def test_registered_version_loads_with_transformers(local_run):
     # and the registered copy loads back through MLflow
     loaded = mlflow.transformers.load_model(f"models:/{mv.name}/{mv.version}", return_type="components")
     assert loaded["model"].config.vocab_size == model.config.vocab_size
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_local_job_from_any_folder_logs_every_step_to_the_run_it_names(tmp_path):
+    """`python jobs/qwen27b_b300.py --local` as a new user runs it: the default relative storage
+    (./runs), started from a folder that is not the Ray workers' working folder. Every step's metrics
+    reach the MLflow run the summary names, and no second MLflow store appears anywhere, the workers'
+    folders (under Ray's temp dir) included."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from mlflow import MlflowClient
+
+    work = tmp_path / "clone"
+    work.mkdir()
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rtpath", dir="/tmp"))   # short: AF_UNIX paths <= 107 bytes
+    env = {**os.environ, "RAY_TMPDIR": str(ray_tmp), "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    env.pop("RAYTUNE_LOCAL_STORAGE", None)
+    cmd = [sys.executable, str(REPO / "jobs" / "qwen27b_b300.py"), "--local", "--set=train.max_steps=4",
+           "--set=train.log_every=1", "--set=train.checkpoint_every=2", "--set=registry.enabled=false"]
+    try:
+        proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, timeout=800)
+        out = (proc.stdout + proc.stderr).decode(errors="replace")
+        assert proc.returncode == 0, out[-4000:]
+        run_dir = work / "runs" / "qwen27b-local"
+        summary = json.loads((run_dir / "summary.json").read_text())
+        db = run_dir / "mlflow.db"
+        assert summary["tracking_uri"] == f"sqlite:///{db}"
+        client = MlflowClient(summary["tracking_uri"])
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+            steps = sorted(m.step for m in client.get_metric_history(summary["mlflow_run_id"], key))
+            assert steps == [1, 2, 3, 4], (key, steps)
+        stray = [p for root in (work, ray_tmp) for p in root.rglob("mlflow.db") if p != db]
+        assert not stray, stray
+        assert "MLflow logging off" not in out and "MLflow metric logging failed" not in out, out[-3000:]
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -183,3 +183,29 @@ def test_span_edge_rule_token_belongs_where_it_starts(qwen2):
     # the rule itself, on offsets: token starts 0, 3, 5, 9; span [4, 9) holds only the token at 5
     assert spans_to_mask([(0, 3), (3, 5), (5, 9), (9, 12)], [(4, 9)]).tolist() == [False, False, True, False]
     assert spans_to_mask([(0, 3), (3, 5), (5, 9), (9, 12)], [(3, 12)]).tolist() == [False, True, True, True]
+
+
+def test_27b_recipe_states_the_template_defaults_and_readme_shows_its_row(qwen3, qwen38_template, conversations):
+    """The 27B recipe's explicit template_kwargs render exactly what the template's defaults render (the
+    notebook's behaviour), and the README's example row is that rendering."""
+    import importlib.util
+
+    from tests.conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("_job27b_template", REPO / "jobs" / "qwen27b_b300.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    kwargs = job.recipe().data.template_kwargs
+    assert kwargs == {"enable_thinking": True, "reasoning_effort": "xhigh"}
+    for messages in conversations[:4]:
+        assert render_sft(qwen3, messages, chat_template=qwen38_template, **kwargs) == \
+            render_sft(qwen3, messages, chat_template=qwen38_template)
+    row = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."}]
+    ids, mask = render_sft(qwen3, row, chat_template=qwen38_template, **kwargs)
+    readme = (REPO / "README.md").read_text()
+    assert "```\n" + qwen3.decode(ids).rstrip("\n") + "\n```" in readme
+    supervised = qwen3.decode([i for i, m in zip(ids, mask) if m])
+    assert f"`{supervised.encode('unicode_escape').decode()}`" in readme
+    # the other setting the README names drops the injected system text
+    off = qwen3.decode(render_sft(qwen3, row, chat_template=qwen38_template, enable_thinking=False)[0])
+    assert "Reasoning effort" not in off

@@ -50,6 +50,7 @@ __all__ = ["DataCounters", "build_dataset", "iter_blocks", "gather_counters",
 # (e.g. data/train_sft-00000-of-00003.parquet). Same listing and reading code as the real hub.
 HF_ROOT_ENV = "RAYTUNE_HF_ROOT"
 BUILTIN_DEFAULT_ROWS = 2000
+SHUFFLE_WINDOWS = 4          # an epoch's shuffle buffer, in packing windows
 _SPLIT_BUCKETS = 1 << 32
 
 
@@ -281,7 +282,7 @@ def _iter_rows(shard: Any, batch_size: int = 256) -> Iterator[tuple[Any, Any, st
 
 
 def iter_blocks(shard: Any, data, *, counters: DataCounters | None = None, skip_blocks: int = 0,
-                pad_id: int = 0) -> Iterator[dict[str, np.ndarray]]:
+                pad_id: int = 0, shuffle_seed: int | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Pack this worker's rows into `data.seq_len` blocks (see `pack_blocks`), counting as it goes.
 
     `shard` is `ray.train.get_dataset_shard("train")` (already this rank's share), a Dataset, or an
@@ -291,6 +292,10 @@ def iter_blocks(shard: Any, data, *, counters: DataCounters | None = None, skip_
     tokenization is paid again; nothing is trained twice), then continues. Exact when the rank sees
     the same rows in the same order, which `build_dataset` + `train_data_config` provide. Counters
     include the replayed blocks, i.e. they count from the start of the pass.
+
+    `shuffle_seed`: shuffle the usable conversations before packing, through a buffer of
+    `SHUFFLE_WINDOWS x data.pack_window` of them (an epoch after the first); the same seed and rows
+    give the same order.
     """
     c = counters if counters is not None else DataCounters()
 
@@ -302,10 +307,29 @@ def iter_blocks(shard: Any, data, *, counters: DataCounters | None = None, skip_
                 continue
             yield ids, mask
 
-    for n, block in enumerate(pack_blocks(examples(), data.seq_len, window=data.pack_window,
+    stream = examples()
+    if shuffle_seed is not None:
+        stream = _buffer_shuffle(stream, shuffle_seed, SHUFFLE_WINDOWS * data.pack_window)
+    for n, block in enumerate(pack_blocks(stream, data.seq_len, window=data.pack_window,
                                           pad_id=pad_id, overlong=data.overlong, counters=c)):
         if n >= skip_blocks:
             yield block
+
+
+def _buffer_shuffle(items: Iterable[Any], seed: int, buffer: int) -> Iterator[Any]:
+    """A seeded streaming shuffle: hold `buffer` items; each arrival swaps in for a random held one,
+    which is emitted; the rest go out in a random order at the end. Memory: `buffer` items."""
+    rng = np.random.default_rng(seed)
+    held: list[Any] = []
+    for item in items:
+        if len(held) < buffer:
+            held.append(item)
+            continue
+        i = int(rng.integers(buffer))
+        held[i], item = item, held[i]
+        yield item
+    for i in rng.permutation(len(held)):
+        yield held[i]
 
 
 def _dist():

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -192,22 +192,88 @@ def feed_owned_counts(saved: DataCounters, seq_len: int) -> DataCounters:
     return DataCounters(equalisation_padding_blocks=n, blocks=n, padding_tokens=n * seq_len)
 
 
-def worker_blocks(recipe: Recipe, *, counters: DataCounters, split: str = "train") -> Iterator[dict]:
-    """This worker's packed blocks of `split`, from its Ray Train dataset shard (one pass)."""
+def worker_blocks(recipe: Recipe, *, counters: DataCounters, split: str = "train",
+                  epoch: int = 0) -> Iterator[dict]:
+    """This worker's packed blocks of `split`, from its Ray Train dataset shard: one pass.
+
+    Epoch 0 packs the rows in the source's order (as a one-pass run does); each later epoch shuffles
+    them first with its own seed (`data.seed + epoch`), so blocks mix other conversations each epoch.
+    The order is a function of the shard and the epoch only: a resumed epoch replays exactly."""
     import ray.train
 
     from raytune_ft.data.pipeline import iter_blocks
 
     shard = ray.train.get_dataset_shard(split)
-    return iter_blocks(shard, recipe.data, counters=counters)
+    seed = recipe.data.seed + epoch if epoch else None
+    return iter_blocks(shard, recipe.data, counters=counters, shuffle_seed=seed)
 
 
-def count_steps(recipe: Recipe, *, flag_device: torch.device | None = None,
+def count_steps(blocks: Iterable[dict], per_step: int, *, flag_device: torch.device | None = None,
                 group: Any = None) -> int:
-    """Optimizer steps of one pass over the data, as `StepFeed` will run them: a full extra pass
-    (tokenize + pack, no training) whose block count, the largest of any rank, sets the steps."""
-    import math
+    """Optimizer steps a `StepFeed` will run over `blocks` (one pass of this rank's share): the largest
+    block count of any rank over `per_step`. A collective; reading `blocks` costs a full pass
+    (tokenize + pack, no training)."""
+    n = sum(1 for _ in blocks)
+    return -(-max_over_ranks(n, flag_device or torch.device("cpu"), group) // per_step)
 
-    n = sum(1 for _ in worker_blocks(recipe, counters=DataCounters()))
-    per_step = recipe.train.grad_accum * recipe.train.micro_batch_size
-    return max(1, math.ceil(max_over_ranks(n, flag_device or torch.device("cpu"), group) / per_step))
+
+class EpochFeeds:
+    """`epochs` passes over this rank's data, a `StepFeed` each, resumable inside any of them.
+
+    `open_blocks(epoch, counters)` gives a pass's blocks from the start. `state` is the checkpointed
+    train state (or {}): `epoch`, the current pass's `blocks_consumed` and `data_fingerprint`,
+    `epoch_counters` (one per pass begun), `epoch_steps` / `epoch_fingerprints` (of finished passes),
+    `steps_in_epoch`. `position()` gives the same keys back, plus `counters`: the run's total.
+    """
+
+    def __init__(self, open_blocks: Callable[[int, DataCounters], Iterable[dict]], *, epochs: int, per_step: int,
+                 seq_len: int, rank: int, state: dict, flag_device: torch.device | None = None, group: Any = None):
+        self.open_blocks, self.epochs, self.per_step, self.seq_len = open_blocks, epochs, per_step, seq_len
+        self.rank, self.flag_device, self.group = rank, flag_device, group
+        self.epoch = int(state.get("epoch", 0))
+        saved = state.get("epoch_counters") or ([state["counters"]] if state.get("counters") else [])
+        self.finished = [DataCounters.from_dict(c) for c in saved[:self.epoch]]
+        current = DataCounters.from_dict(saved[self.epoch]) if len(saved) > self.epoch else DataCounters()
+        skip = int(state.get("blocks_consumed", 0))
+        self.counters = feed_owned_counts(current, seq_len) if skip else current
+        self.epoch_steps = list(state.get("epoch_steps", []))
+        self.epoch_fingerprints = list(state.get("epoch_fingerprints", []))
+        self.steps_in_epoch = int(state.get("steps_in_epoch", 0))
+        self.done = False
+        self.feed = self._open(skip, state.get("data_fingerprint"))
+
+    def _open(self, skip: int, fingerprint: int | None) -> StepFeed:
+        return StepFeed(self.open_blocks(self.epoch, self.counters), per_step=self.per_step, seq_len=self.seq_len,
+                        counters=self.counters, rank=self.rank, skip_blocks=skip, fingerprint=fingerprint,
+                        flag_device=self.flag_device, group=self.group)
+
+    def next_blocks(self) -> list[dict] | None:
+        """The next step's blocks, moving on to the next epoch when one ends; None after the last."""
+        while not self.done:
+            blocks = self.feed.next_blocks()
+            if blocks is not None:
+                self.steps_in_epoch += 1
+                return blocks
+            self.epoch_steps.append(self.steps_in_epoch)
+            self.epoch_fingerprints.append(self.feed.fingerprint)
+            if self.epoch + 1 >= self.epochs:
+                self.done = True
+                break
+            self.finished.append(self.counters)
+            self.epoch, self.counters, self.steps_in_epoch = self.epoch + 1, DataCounters(), 0
+            self.feed = self._open(0, None)
+        return None
+
+    def total_counters(self) -> DataCounters:
+        total = DataCounters()
+        for c in self.finished + [self.counters]:
+            total.merge(c)
+        return total
+
+    def position(self) -> dict:
+        """Where this rank stands in the data, for its checkpoint."""
+        return {"epoch": self.epoch, "blocks_consumed": self.feed.blocks_consumed,
+                "data_fingerprint": self.feed.fingerprint, "steps_in_epoch": self.steps_in_epoch,
+                "epoch_steps": list(self.epoch_steps), "epoch_fingerprints": list(self.epoch_fingerprints),
+                "epoch_counters": [c.to_dict() for c in self.finished + [self.counters]],
+                "counters": self.total_counters().to_dict()}

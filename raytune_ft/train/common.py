@@ -15,12 +15,14 @@ def recipe_from_config(config: dict) -> Recipe:
 
 
 def lr_at(step: int, t: TrainConfig, total_steps: int) -> float:
-    """Multiplier of the peak LR at optimizer step `step` (0-based): linear warmup, then the schedule."""
+    """Multiplier of the peak LR at optimizer step `step` (0-based) of `total_steps`: linear warmup,
+    then the schedule, whose last step (total_steps - 1) trains at the floor `min_lr_ratio`; past the
+    end the LR stays at the floor. Both loops use it (the TRL loop through `recipe_scheduler`)."""
     if t.warmup_steps and step < t.warmup_steps:
         return (step + 1) / t.warmup_steps
     if t.schedule == "constant" or not total_steps:
         return 1.0
-    span = max(1, total_steps - t.warmup_steps)
+    span = max(1, total_steps - t.warmup_steps - 1)
     progress = min(1.0, (step - t.warmup_steps) / span)
     if t.schedule == "linear":
         decay = 1.0 - progress
@@ -92,7 +94,9 @@ class WorkerLog:
                 self.mlflow = mlflow
                 self.client.set_tag(run_id, "raytune.gpu", _gpu_description(recipe.scaling.num_workers))
             except Exception as e:  # tracking must never kill training
-                self.info(f"MLflow logging off: {type(e).__name__}: {e}")
+                from raytune_ft.env import redact_exception
+
+                self.info(f"MLflow logging off: {redact_exception(e)}")
 
     @property
     def stream(self):
@@ -152,6 +156,15 @@ class WorkerLog:
         else:
             self._write_line(line)
         self.log_metrics(m, m["step"])
+
+    def log_param(self, key: str, value: str) -> None:
+        """An MLflow param of the run (rank 0), e.g. the basis of the MFU figures."""
+        if self.mlflow is None:
+            return
+        try:
+            self.client.log_param(self.run_id, key, value)
+        except Exception as e:   # a resumed run logs the same value again; a different one is refused
+            self.info(f"MLflow param {key} not logged ({type(e).__name__})")
 
     def log_metrics(self, m: dict, step: int) -> None:
         if self.mlflow is None:

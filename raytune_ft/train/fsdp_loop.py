@@ -22,122 +22,21 @@ from torch import nn
 from raytune_ft.data.packing import DataCounters
 from raytune_ft.recipe import Recipe
 from raytune_ft.train import checkpoint as ckpt_io
-from raytune_ft.train.batch import StepBatch, StepFeed, feed_owned_counts, worker_blocks
+from raytune_ft.train import ckpt_storage
+from raytune_ft.train.batch import EpochFeeds, StepBatch, count_steps, worker_blocks
 from raytune_ft.train.common import WorkerLog, lr_at, recipe_from_config, report
 from raytune_ft.train.fp8 import precompute_fp8_scales
+from raytune_ft.train.fsdp_model import PackedCausalLM, build_fsdp_model, compile_pointwise, shard_packed_model
 
-
-class PackedCausalLM(nn.Module):
-    """A causal LM whose forward returns (sum of shifted token losses, supervised token count).
-
-    Wrapping the HF model lets FSDP2's root hooks cover the embedding, final norm and lm_head
-    while the loss is computed in chunks, never holding fp32 logits for a whole block.
-    """
-
-    def __init__(self, lm: nn.Module, loss_chunk: int = 4096):
-        super().__init__()
-        self.lm = lm
-        self.loss_chunk = loss_chunk
-
-    def forward(self, labels: torch.Tensor, **packed_kwargs):
-        from raytune_ft.models.loss import chunked_cross_entropy
-
-        hidden = self.lm.model(**packed_kwargs).last_hidden_state
-        return chunked_cross_entropy(hidden, self.lm.lm_head.weight, labels, chunk_size=self.loss_chunk)
+# the model's parts are importable from here too (benchmarks build exactly what the loop trains)
+__all__ = ["train_fsdp", "forward_backward", "clip_gradients", "StepBatch", "PackedCausalLM", "build_fsdp_model",
+           "compile_pointwise", "shard_packed_model"]
 
 
 def _device() -> torch.device:
     import ray.train.torch
 
     return ray.train.torch.get_device()
-
-
-def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
-    """Build (or load) the model, install the packed-sequence paths, and shard it with FSDP2."""
-    from raytune_ft.models.attention import select_attention_backend
-    from raytune_ft.models.build import load_causal_lm, materialize_model, tokenizer_for
-    from raytune_ft.models.kernel_check import check_on_worker
-
-    fp8_recipe = recipe.train.fp8_recipe if recipe.train.precision == "fp8" else None
-    if fp8_recipe:   # this worker's own device decides; refused before anything is loaded
-        from raytune_ft.train.fp8 import check_fp8_supported
-
-        check_fp8_supported(device, fp8_recipe)
-    tok = tokenizer_for(recipe.model)
-    on_gpu = device.type == "cuda"
-    compute_dtype = torch.bfloat16 if (on_gpu and recipe.model.dtype == "bfloat16") else torch.float32
-    param_dtype = torch.float32 if recipe.train.master_weights == "fp32" else compute_dtype
-    # Built on the meta device, sharded, then filled: each rank allocates and reads only its own
-    # shard of the weights, so no rank ever holds the whole model in host or GPU memory.
-    lm = load_causal_lm(recipe.model, tokenizer_vocab_size=len(tok), device="meta", dtype=param_dtype)
-    # every fast kernel proves itself on this GPU before the first step; a failing one is switched off
-    check_on_worker(lm.config, device, mode=recipe.train.kernels, dtype=compute_dtype, log=log)
-    backend = select_attention_backend(device)
-    log.info(f"attention backend: {backend}; params {param_dtype}, compute {compute_dtype}, "
-             f"reduce fp32; activation checkpointing {recipe.train.activation_checkpointing}")
-    ran = "bf16"
-    if fp8_recipe:   # before compile and fully_shard: FSDP2 must see the float8 weights to all-gather them
-        from raytune_ft.models.build import decoder_layers
-        from raytune_ft.train.fp8 import convert_to_fp8
-
-        n = len(convert_to_fp8(decoder_layers(lm), fp8_recipe))
-        ran = f"fp8 {fp8_recipe} ({n} decoder linears)"
-        log.info(f"precision: fp8 ({fp8_recipe}): {n} decoder linears compute in float8; embeddings, lm_head, "
-                 f"norms and the gated-delta-net recurrence and conv in {compute_dtype}")
-    else:
-        log.info(f"precision: bf16 matmuls (compute {compute_dtype})")
-    log.log_param("precision_ran", ran)
-    if recipe.train.compile:
-        compile_pointwise(lm)
-        log.info("torch.compile: each decoder layer's MLP and RMSNorms")
-    model = shard_packed_model(lm, device, compute_dtype=compute_dtype,
-                               activation_checkpointing=recipe.train.activation_checkpointing)
-    materialize_model(lm, recipe.model, device, seed=recipe.train.seed)
-    return model, lm, tok
-
-
-def compile_pointwise(lm: nn.Module) -> None:
-    """torch.compile the memory-bound pieces of each decoder layer: SwiGLU MLP and the fp32 RMSNorms
-    (and the gated norm of gated-delta-net layers): unfused, these element-wise kernels take a large
-    share of the step (bench/NOTES.md has the profile). Blocks have a fixed length, so each module kind
-    compiles one graph."""
-    from raytune_ft.models.build import decoder_layers
-    from raytune_ft.train.fp8 import compile_fp8_linears
-
-    for layer in decoder_layers(lm):
-        layer.mlp.compile()
-        layer.input_layernorm.compile()
-        layer.post_attention_layernorm.compile()
-        if hasattr(layer, "linear_attn"):
-            layer.linear_attn.norm.compile()
-    compile_fp8_linears(decoder_layers(lm))   # float8's casts fuse only compiled (none when bf16)
-
-
-def shard_packed_model(lm: nn.Module, device: torch.device, *, compute_dtype: torch.dtype,
-                       activation_checkpointing: str = "full", loss_chunk: int = 4096) -> PackedCausalLM:
-    """Turn a built causal LM into the loop's training module: packing paths on, activation
-    checkpointing per `activation_checkpointing` ("none" | "full" | "selective"), the chunked-loss
-    wrapper, then FSDP2 (each decoder layer, then the root; compute in `compute_dtype`, gradients
-    reduced in fp32). The parameters keep the dtype they were built in (the master weights).
-
-    Split from build_fsdp_model so benchmarks can hand in a model built directly on the GPU at a real
-    shape with random weights and still train exactly what the loop trains."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from raytune_ft.models.build import decoder_layers
-    from raytune_ft.models.gated_delta import enable_packing
-
-    enable_packing(lm)
-    layers = decoder_layers(lm)
-    _set_activation_checkpointing(lm, layers, activation_checkpointing)
-    model = PackedCausalLM(lm, loss_chunk)
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    for layer in layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    if not any(p.is_meta for p in model.parameters()):  # a meta model is filled by materialize_model
-        model.to(device)
-    return model
 
 
 def forward_backward(model: nn.Module, micro_batches: list[StepBatch], world: int,
@@ -160,17 +59,6 @@ def forward_backward(model: nn.Module, micro_batches: list[StepBatch], world: in
     return loss_sum, denom
 
 
-def _set_activation_checkpointing(lm, layers, mode: str) -> None:
-    if mode == "none":
-        return
-    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if mode == "selective":
-        # layer-selective: recompute every other decoder layer, keep the rest's activations
-        for i, layer in enumerate(layers):
-            if i % 2 == 1 and hasattr(layer, "gradient_checkpointing"):
-                layer.gradient_checkpointing = False
-
-
 def train_fsdp(config: dict) -> None:
     """Ray Train worker entry point for the FSDP2 loop."""
     import ray.train
@@ -182,19 +70,26 @@ def train_fsdp(config: dict) -> None:
     log = WorkerLog(rank, recipe, config.get("mlflow_run_id"))
     t_cfg = recipe.train
     fp8_recipe = t_cfg.fp8_recipe if t_cfg.precision == "fp8" else None
+    if ckpt_storage.report_if_finished(log):
+        return
+    ckpt_storage.start_attempt(rank, log.info)     # checkpoint folders of dead attempts off the storage
 
     model, lm, tok = build_fsdp_model(recipe, device, log)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=t_cfg.lr, betas=tuple(t_cfg.betas), weight_decay=t_cfg.weight_decay,
                             fused=device.type == "cuda")
+    export_bytes = sum(p.numel() for p in params) * (2 if recipe.model.dtype == "bfloat16" else 4)
+    guard = ckpt_storage.SaveGuard(rank, device, ckpt_storage.model_checkpoint_bytes(params), export_bytes)
     state = _resume_state(model, opt, rank, log)
-    total_steps = int(config.get("total_steps") or t_cfg.max_steps or 0)
-    feed = _open_feed(recipe, config, state, rank=rank, world=world, device=device)
-    window = _Window(device, lm.config, world)
+    if state["step"]:   # a restart on a storage that cannot take the next checkpoint stops here, not steps later
+        guard.check(state["step"] + t_cfg.checkpoint_every)
+    feed = _open_data(recipe, config, state, rank=rank, device=device)
+    total_steps = _schedule_length(recipe, config, state, feed, log)
+    window = _Window(device, lm.config, world, state)
     log.info(f"MFU basis: {window.mfu_basis}")
+    log.log_param("mfu_peak_basis", window.mfu_basis)
 
     step = state["step"]
-    run_t0 = time.perf_counter()
     last_metrics: dict = {}
     while total_steps == 0 or step < total_steps:
         blocks = feed.next_blocks()
@@ -203,9 +98,7 @@ def train_fsdp(config: dict) -> None:
         mbs = t_cfg.micro_batch_size
         micro_batches = [StepBatch.from_blocks(blocks[i:i + mbs], device) for i in range(0, len(blocks), mbs)]
         loss_sum, denom = forward_backward(model, micro_batches, world, device)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, t_cfg.max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = clip_gradients(params, t_cfg.max_grad_norm)
         lr = t_cfg.lr * lr_at(step, t_cfg, total_steps)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -222,17 +115,17 @@ def train_fsdp(config: dict) -> None:
             continue
         last_metrics = window.close(state, rank)
         last_metrics["epoch_progress"] = step / total_steps if total_steps else 0.0
+        last_metrics["epoch"] = feed.epoch
         _record_position(state, step, feed)
-        log.progress(last_metrics, total_steps, time.perf_counter() - run_t0)
+        log.progress(last_metrics, total_steps, window.elapsed())
         if at_ckpt:
-            _save_and_report(recipe, model, opt, rank, state, last_metrics, log, final=False)
+            _save_and_report(recipe, model, opt, rank, state, last_metrics, log, final=False, guard=guard)
         else:
-            report(last_metrics | feed.counters.as_metrics())
+            report(last_metrics | feed.total_counters().as_metrics())
         # the next window starts after the report/checkpoint, so saving is not counted as training
         window.restart()
 
-    _finish(recipe, model, opt, lm, tok, rank, state, step, feed, window, last_metrics, log,
-            time.perf_counter() - run_t0)
+    _finish(recipe, model, opt, lm, tok, rank, state, step, feed, window, last_metrics, log, guard)
 
 
 def _resume_state(model, opt, rank: int, log: WorkerLog) -> dict:
@@ -243,8 +136,10 @@ def _resume_state(model, opt, rank: int, log: WorkerLog) -> dict:
     resume = ray.train.get_checkpoint()
     if resume is None:
         return state
-    with resume.as_directory() as d:
-        state = ckpt_io.load_train_checkpoint(d, model, opt, rank)
+    reads: list[str] = []   # read where it lies: the DCP metadata, this rank's shard and train state only
+    state = ckpt_io.load_train_checkpoint(resume.path, model, opt, rank, fs=resume.filesystem, reads=reads)
+    print(f"[raytune_ft] rank {rank} resumed reading {len(reads)} files of the checkpoint: "
+          f"{', '.join('/'.join(p.rsplit('/', 2)[-2:]) for p in reads)}", flush=True)
     # where each restart (Ray's, after a worker died, or a re-submit) picked the run up
     state.setdefault("resumed_from", []).append(state["step"])
     log.info(f"resumed from checkpoint at step {state['step']} ({state['blocks_consumed']} blocks consumed "
@@ -252,38 +147,70 @@ def _resume_state(model, opt, rank: int, log: WorkerLog) -> dict:
     return state
 
 
-def _open_feed(recipe: Recipe, config: dict, state: dict, *, rank: int, world: int,
-               device: torch.device) -> StepFeed:
-    """This rank's feed of blocks, past the blocks the checkpoint had consumed."""
+def clip_gradients(params: list, max_norm: float | None) -> torch.Tensor:
+    """The gradients' total norm (before any clipping), clipping them to `max_norm` when it is set and
+    > 0; 0 or None leaves them as they are (as Hugging Face reads 0 in the TRL loop)."""
+    if max_norm:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def _open_data(recipe: Recipe, config: dict, state: dict, *, rank: int, device: torch.device) -> EpochFeeds:
+    """This rank's `train.epochs` passes over its data, past what the checkpoint had consumed."""
     # `blocks_by_rank` (tests, benchmarks): fixed blocks per rank instead of the Ray Data shard
     fixed = (config.get("blocks_by_rank") or {}).get(rank)
-    saved = DataCounters.from_dict(state["counters"]) if state.get("counters") else DataCounters()
-    counters = feed_owned_counts(saved, recipe.data.seq_len) if state["blocks_consumed"] else saved
-    blocks = fixed if fixed is not None else worker_blocks(recipe, counters=counters)
+
+    def open_blocks(epoch: int, counters: DataCounters):
+        return iter(fixed) if fixed is not None else worker_blocks(recipe, counters=counters, epoch=epoch)
+
     # the step flag travels on a CPU (gloo) group, so the GPU never waits for it
     group = dist.new_group(backend="gloo") if dist.is_initialized() and device.type == "cuda" else None
-    return StepFeed(blocks, per_step=recipe.train.grad_accum * recipe.train.micro_batch_size,
-                    seq_len=recipe.data.seq_len, counters=counters, rank=rank,
-                    skip_blocks=state["blocks_consumed"], fingerprint=state.get("data_fingerprint"),
-                    group=group)
+    return EpochFeeds(open_blocks, epochs=recipe.train.epochs,
+                      per_step=recipe.train.grad_accum * recipe.train.micro_batch_size,
+                      seq_len=recipe.data.seq_len, rank=rank, state=state, group=group)
 
 
-def _record_position(state: dict, step: int, feed: StepFeed) -> None:
-    """Where the run stands, for the next checkpoint: step, blocks consumed, counters, data fingerprint."""
+def _schedule_length(recipe: Recipe, config: dict, state: dict, feed: EpochFeeds, log: WorkerLog) -> int:
+    """Optimizer steps of the run, for an LR schedule that must know its end (0: none needed).
+
+    `train.max_steps` when set; else, for a decaying schedule, counted: one extra pass per epoch
+    (tokenize + pack, no training) counts every rank's blocks exactly as the feed will run them, so
+    the schedule ends on the run's last step. Counted once: a resumed attempt reads it back."""
+    t = recipe.train
+    total = int(config.get("total_steps") or t.max_steps or 0)
+    if not total and t.schedule != "constant":
+        total = int(state.get("counted_steps") or 0)
+        if not total:
+            per_step = t.grad_accum * t.micro_batch_size
+            total = sum(count_steps(feed.open_blocks(e, DataCounters()), per_step, group=feed.group)
+                        for e in range(t.epochs))
+            log.info(f"schedule length: counted {total} optimizer steps for {t.epochs} epoch(s) (one extra "
+                     "pass over the data per epoch; set train.max_steps to skip it)")
+        state["counted_steps"] = total
+    state["total_steps"] = total
+    return total
+
+
+def _record_position(state: dict, step: int, feed: EpochFeeds) -> None:
+    """Where the run stands, for the next checkpoint: step, epoch, blocks consumed, counters, fingerprint."""
     state["step"] = step
-    state["blocks_consumed"] = feed.blocks_consumed
-    state["counters"] = feed.counters.to_dict()
-    state["data_fingerprint"] = feed.fingerprint
+    state.update(feed.position())
 
 
 class _Window:
     """The steps since the last log: their losses (kept on the device until the host syncs anyway),
-    tokens and model FLOPs, and a non-finite flag checked at each sync."""
+    tokens and model FLOPs, and a non-finite flag checked at each sync. Also this attempt's tokens and
+    seconds, apart from the run's (a resumed run's earlier attempts are in `state`)."""
 
-    def __init__(self, device: torch.device, model_config, world: int):
+    def __init__(self, device: torch.device, model_config, world: int, state: dict):
         from raytune_ft.hardware import mfu_basis
 
         self.device, self.model_config, self.world = device, model_config, world
+        self.tokens_before = int(state.get("tokens_total", 0))
+        self.seconds_before = float(state.get("run_train_seconds", 0.0))
+        self.t_start = time.perf_counter()
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         self.mfu_basis = mfu_basis(self.device_name)
         self.bad = torch.zeros((), dtype=torch.bool, device=device)
@@ -321,6 +248,7 @@ class _Window:
         tokens_all = torch.tensor(float(self.tokens), device=self.device)
         dist.all_reduce(tokens_all)
         state["tokens_total"] = state.get("tokens_total", 0) + int(tokens_all.item())
+        state["run_train_seconds"] = self.seconds_before + self.elapsed()
         if not self.pending:
             return {}
         tps = float(tokens_all) / dt
@@ -333,19 +261,31 @@ class _Window:
         self.pending = []
         return m
 
+    def elapsed(self) -> float:
+        """Seconds of this attempt so far (checkpoint saves included)."""
+        return time.perf_counter() - self.t_start
 
-def _finish(recipe: Recipe, model, opt, lm, tok, rank: int, state: dict, step: int, feed: StepFeed,
-            window: _Window, last_metrics: dict, log: WorkerLog, seconds: float) -> None:
+    def attempt_metrics(self, state: dict) -> dict:
+        """Tokens and seconds of this attempt and of the run, for the end-of-run report."""
+        seconds = self.elapsed()
+        return {"tokens": state["tokens_total"], "attempt_tokens": state["tokens_total"] - self.tokens_before,
+                "train_seconds": seconds, "run_train_seconds": self.seconds_before + seconds}
+
+
+def _finish(recipe: Recipe, model, opt, lm, tok, rank: int, state: dict, step: int, feed: EpochFeeds,
+            window: _Window, last_metrics: dict, log: WorkerLog, guard: ckpt_storage.SaveGuard) -> None:
     """End of the run: the steps since the last log go into the history, then the final checkpoint
     (with the hf/ export) or, with train.save_final=false, only the final metrics."""
     window.close(state, rank)
     _record_position(state, step, feed)
     final = dict(last_metrics)
     final.update({"step": step, "loss": state["history"][-1]["loss"] if state["history"] else float("nan"),
-                  "train_seconds": seconds, "tokens": state["tokens_total"], "done": True})
-    final |= feed.counters.as_metrics()
+                  "done": True, **window.attempt_metrics(state)})
+    state["run_train_seconds"] = final["run_train_seconds"]
+    final |= feed.total_counters().as_metrics()
     if recipe.train.save_final:
-        _save_and_report(recipe, model, opt, rank, state, final, log, final=True, lm=lm, tokenizer=tok)
+        _save_and_report(recipe, model, opt, rank, state, final, log, final=True, lm=lm, tokenizer=tok,
+                         guard=guard)
     else:
         log.info("train.save_final=false: no final checkpoint or hf/ export")
         log.log_metrics(final, step)   # the summary reads the end of the run from MLflow
@@ -353,15 +293,18 @@ def _finish(recipe: Recipe, model, opt, lm, tok, rank: int, state: dict, step: i
     log.close()
 
 
-def _save_and_report(recipe, model, opt, rank, state, metrics, log, *, final: bool, lm=None, tokenizer=None):
+def _save_and_report(recipe, model, opt, rank, state, metrics, log, *, final: bool, guard: ckpt_storage.SaveGuard,
+                     lm=None, tokenizer=None):
     import ray.train
 
+    guard.check(state["step"], final=final)
     with tempfile.TemporaryDirectory(prefix="raytune_ckpt_") as d:
-        ckpt_io.save_train_checkpoint(d, model, opt, rank, state)
+        guard.write(lambda: ckpt_io.save_train_checkpoint(d, model, opt, rank, state), state["step"])
         if final:
-            ckpt_io.export_hf_folder(os.path.join(d, "hf"), model, lm.config, tokenizer, rank,
-                                     dtype=torch.bfloat16 if recipe.model.dtype == "bfloat16" else torch.float32,
-                                     prefix_strip="lm.", arch=type(lm).__name__)
+            guard.write(lambda: ckpt_io.export_hf_folder(
+                os.path.join(d, "hf"), model, lm.config, tokenizer, rank,
+                dtype=torch.bfloat16 if recipe.model.dtype == "bfloat16" else torch.float32,
+                prefix_strip="lm.", arch=type(lm).__name__), state["step"])
         if rank == 0:
             ckpt_io.write_meta(d, {
                 "job": recipe.job, "model_name": recipe.model.name, "revision": recipe.model.revision,
@@ -373,8 +316,9 @@ def _save_and_report(recipe, model, opt, rank, state, metrics, log, *, final: bo
         extra = {}
         if _dies_after_upload(state["step"], rank):
             extra["checkpoint_upload_fn"] = _upload_then_die
-        ray.train.report({k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))},
-                         checkpoint=ray.train.Checkpoint.from_directory(d), **extra)
+        guard.write(lambda: ray.train.report(  # the upload to storage happens in here
+            {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))},
+            checkpoint=ray.train.Checkpoint.from_directory(d), **extra), state["step"])
 
 
 # Fault injection for the fault-tolerance tests: "STEP:RANK" makes that rank's process exit right

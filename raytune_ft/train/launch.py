@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from raytune_ft.recipe import Recipe
+from raytune_ft.recipe import Recipe, absolute_local_paths, recipe_from_dict
 
 
 def _worker_env() -> dict[str, str]:
@@ -41,14 +41,16 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, total_steps: int
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=recipe.train.keep_checkpoints),
         worker_runtime_env={"env_vars": _worker_env()},
     )
-    config = {"recipe": recipe.to_dict(), "mlflow_run_id": mlflow_run_id, "total_steps": total_steps}
+    # workers get every local path absolute and the MLflow store named: they resolve nothing against
+    # their own working folder or home (a second, empty store there would take their metrics)
+    shipped = absolute_local_paths(recipe_from_dict(recipe.to_dict()))
+    shipped.tracking.tracking_uri = shipped.tracking_uri
+    config = {"recipe": shipped.to_dict(), "mlflow_run_id": mlflow_run_id, "total_steps": total_steps}
     if blocks_by_rank is not None:
         config["blocks_by_rank"] = blocks_by_rank
         datasets, dataset_config = None, None
     else:
         datasets, dataset_config = build_datasets(recipe)
-        if total_steps is None and recipe.train.loop == "fsdp2" and recipe.train.schedule != "constant":
-            config["total_steps"] = estimate_total_steps(recipe, datasets["train"])
     return TorchTrainer(loop, train_loop_config=config, scaling_config=scaling, run_config=run_config,
                         torch_config=TorchConfig(backend=backend), datasets=datasets,
                         dataset_config=dataset_config)
@@ -64,30 +66,3 @@ def build_datasets(recipe: Recipe):
     if recipe.data.validation_fraction > 0 or recipe.data.validation_split:
         datasets["validation"] = build_dataset(recipe.data, tok, split="validation")
     return datasets, train_data_config(("train",))
-
-
-# best-fit-decreasing fills about this share of each block (bench/RESULTS.md has the measurement)
-PACKING_EFFICIENCY = 0.995
-
-
-def estimate_total_steps(recipe: Recipe, train_ds) -> int:
-    """Optimizer steps of `train.epochs` passes, for an LR schedule that must know its end.
-
-    One Ray Data pass counts the tokens of every usable conversation (tokenization is paid once more,
-    spread over the cluster's CPUs); steps = tokens / (tokens per block x efficiency x blocks per step).
-    If the data runs out earlier the run simply ends; if it lasts longer the LR stays at its floor.
-    """
-    import math
-
-    import numpy as np
-
-    def lengths(batch):
-        return {"n": np.asarray([len(x) for x in batch["input_ids"]], dtype=np.int64)}
-
-    tokens = train_ds.map_batches(lengths, batch_format="numpy",
-                                  num_cpus=recipe.data.num_cpus_per_op).sum("n") or 0
-    t = recipe.train
-    per_step = recipe.data.seq_len * PACKING_EFFICIENCY * recipe.scaling.num_workers * t.grad_accum * t.micro_batch_size
-    steps = max(1, math.ceil(tokens / per_step)) * t.epochs
-    print(f"[raytune_ft] schedule length: {tokens:,} tokens -> about {steps:,} optimizer steps", flush=True)
-    return steps

@@ -40,14 +40,6 @@ def write_train_state(d: str, rank: int, state: dict) -> None:
         json.dump(state, f)
 
 
-def read_train_state(d: str, rank: int) -> dict | None:
-    path = os.path.join(d, "train_state", f"rank{rank}.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
 def ray_report(metrics: dict, checkpoint_dir: str | None) -> None:
     """ray.train.report of the scalar metrics, with the folder as a checkpoint when given."""
     import ray.train

@@ -51,10 +51,13 @@ def stage_checkpoint(src: str, dst: str, *, rank: int, lora: bool) -> None:
         _link_or_copy(path, os.path.join(dst, "trainer", name) if is_state else os.path.join(model_dir, name))
 
 
-def save_train_state(d: str, rank: int, step: int, blocks) -> None:
-    """This rank's place in the data (`blocks`: the loop's RankBlocks) at optimizer step `step`."""
-    write_train_state(d, rank, {"step": step, "blocks_consumed": blocks.blocks_consumed,
-                                "data_fingerprint": blocks.fingerprint, "counters": blocks.counters.to_dict()})
+def save_train_state(d: str, rank: int, step: int, blocks, metrics: dict) -> None:
+    """This rank's place in the data (`blocks`: the loop's RankBlocks) at optimizer step `step`, and the
+    run's tokens and seconds so far (from `metrics`, the callback's report)."""
+    write_train_state(d, rank, {"step": step, "epoch": blocks.epoch, "blocks_consumed": blocks.blocks_consumed,
+                                "data_fingerprint": blocks.fingerprint, "counters": blocks.counters.to_dict(),
+                                "tokens_total": metrics["tokens"],
+                                "run_train_seconds": metrics["run_train_seconds"]})
 
 
 def save_meta(d: str, recipe: Recipe, state, last: dict, *, final: bool, extra: dict | None = None) -> None:
@@ -92,11 +95,11 @@ def restore_hf_checkpoint(out_dir: str, rank: int, log: WorkerLog) -> tuple[str 
     Returns the folder (None: start from scratch) and this rank's train state ({} when none)."""
     import ray.train
 
+    from raytune_ft import storage
+
     ckpt = ray.train.get_checkpoint()
     if ckpt is None:
         return None, {}
-    from raytune_ft import storage
-
     # read where it lies, only what this rank needs: model (or adapter), optimizer, scheduler, trainer state,
     # its own RNG state and train state; never the other ranks' files
     fs, root = ckpt.filesystem, ckpt.path.rstrip("/")

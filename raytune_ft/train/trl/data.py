@@ -19,19 +19,20 @@ from raytune_ft.train.batch import StepFeed, real_seq_lens, worker_blocks
 
 
 class RankBlocks(torch.utils.data.IterableDataset):
-    """This rank's packed training blocks, one pass per iteration, whole steps and the same count on
-    every rank (a `StepFeed` per pass).
+    """This rank's packed training blocks, one epoch per iteration, whole steps and the same count on
+    every rank (a `StepFeed` per pass); empty once `train.epochs` passes are done, which ends training.
 
-    The first pass of a resumed attempt replays the blocks the checkpoint had consumed and checks their
-    fingerprint (`DataOrderChanged` when the data no longer lays out the same blocks). `peek()` starts
-    the first pass and keeps its first block; the next iteration replays it, so TRL's look at a sample
-    costs no data.
+    The first pass of a resumed attempt (epoch `epoch`) replays the blocks the checkpoint had consumed
+    and checks their fingerprint (`DataOrderChanged` when the data no longer lays out the same blocks).
+    `peek()` starts the first pass and keeps its first block; the next iteration replays it, so TRL's
+    look at a sample costs no data.
     """
 
-    def __init__(self, recipe: Recipe, *, rank: int, flag_device: torch.device,
+    def __init__(self, recipe: Recipe, *, rank: int, flag_device: torch.device, epoch: int = 0,
                  skip_blocks: int = 0, fingerprint: int | None = None,
-                 blocks_fn: Callable[[], Iterator[dict]] | None = None):
+                 blocks_fn: Callable[[int, DataCounters], Iterator[dict]] | None = None):
         self.recipe, self.rank, self.flag_device = recipe, rank, flag_device
+        self.epoch = epoch                          # the epoch of the current (or next) pass
         self.counters = DataCounters()
         self.per_step = recipe.train.micro_batch_size * recipe.train.grad_accum
         self._resume = (skip_blocks, fingerprint)   # for the first pass only
@@ -43,6 +44,10 @@ class RankBlocks(torch.utils.data.IterableDataset):
         self._passes = 0
         self._feed: StepFeed | None = None
 
+    def pass_blocks(self, epoch: int, counters: DataCounters) -> Iterator[dict]:
+        """The blocks of one epoch's pass over this rank's share, from its start."""
+        return self._blocks_fn(epoch, counters)
+
     @property
     def blocks_consumed(self) -> int:
         """Real blocks of this rank trained in the current pass (the replayed ones included)."""
@@ -52,17 +57,21 @@ class RankBlocks(torch.utils.data.IterableDataset):
     def fingerprint(self) -> int | None:
         return self._feed.fingerprint if self._feed is not None else self._resume[1]
 
-    def _worker_blocks(self) -> Iterator[dict]:
-        return worker_blocks(self.recipe, counters=self.counters)
+    def _worker_blocks(self, epoch: int, counters: DataCounters) -> Iterator[dict]:
+        return worker_blocks(self.recipe, counters=counters, epoch=epoch)
 
     def _pass(self) -> Iterator[dict]:
         from raytune_ft.hardware import flops_per_block
 
         skip, fingerprint = self._resume if self._passes == 0 else (0, None)
+        if self._passes:
+            self.epoch += 1
         self._passes += 1
-        self._feed = StepFeed(self._blocks_fn(), per_step=self.per_step, seq_len=self.recipe.data.seq_len,
-                              counters=self.counters, rank=self.rank, skip_blocks=skip,
-                              fingerprint=fingerprint, flag_device=self.flag_device)
+        if self.epoch >= self.recipe.train.epochs:
+            return
+        self._feed = StepFeed(self._blocks_fn(self.epoch, self.counters), per_step=self.per_step,
+                              seq_len=self.recipe.data.seq_len, counters=self.counters, rank=self.rank,
+                              skip_blocks=skip, fingerprint=fingerprint, flag_device=self.flag_device)
         for block in self._feed:
             lens = real_seq_lens(block)
             if len(lens):

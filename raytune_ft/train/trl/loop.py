@@ -88,7 +88,7 @@ def train_trl(config: dict) -> None:
         tok.save_pretrained(base_dir)
 
     resume_dir, resumed = restore_hf_checkpoint(out_dir, rank, log)
-    train_blocks = RankBlocks(recipe, rank=rank, flag_device=flag_device,
+    train_blocks = RankBlocks(recipe, rank=rank, flag_device=flag_device, epoch=int(resumed.get("epoch", 0)),
                               skip_blocks=int(resumed.get("blocks_consumed", 0)),
                               fingerprint=resumed.get("data_fingerprint"))
     train_blocks.flops_config = lm.config
@@ -96,13 +96,15 @@ def train_trl(config: dict) -> None:
 
     max_steps = int(config.get("total_steps") or t.max_steps or 0)
     if not max_steps:
-        max_steps = count_steps(recipe, flag_device=flag_device) * t.epochs
+        per_step = t.micro_batch_size * t.grad_accum
+        max_steps = max(1, sum(count_steps(train_blocks.pass_blocks(e, DataCounters()), per_step,
+                                           flag_device=flag_device) for e in range(t.epochs)))
         log.info(f"counted {max_steps} optimizer steps for {t.epochs} epoch(s) (one extra pass over the "
-                 "data; set train.max_steps to skip it)")
+                 "data per epoch; set train.max_steps to skip it)")
 
     pause = {"s": 0.0}
     callback = report_callback(recipe, rank, log, train_blocks, lora, pause, world,
-                               resumed=resume_dir is not None)
+                               resumed=resumed if resume_dir is not None else {})
     trainer = trainer_class()(
         model=lm, args=_sft_config(recipe, out_dir, max_steps, on_gpu=on_gpu, bf16=compute_bf16, log=log,
                                    liger=kernels.in_use.get("fused_ce") == "liger"),
@@ -140,7 +142,7 @@ def train_trl(config: dict) -> None:
             if rank == 0:
                 save_final(trainer, tok, d, recipe, lora, base_dir, log)
                 save_meta(d, recipe, state, callback.last, final=True)
-            save_train_state(d, rank, state.global_step, train_blocks)
+            save_train_state(d, rank, state.global_step, train_blocks, metrics)
             ray_report(metrics, d)
     shutil.rmtree(out_dir, ignore_errors=True)
     release_facades()
@@ -203,15 +205,13 @@ def _sft_config(recipe: Recipe, out_dir: str, max_steps: int, *, on_gpu: bool, b
 
     t = recipe.train
     eval_steps = t.eval_every or None
-    floor = t.schedule == "cosine" and t.min_lr_ratio
     return SFTConfig(
         output_dir=out_dir, max_steps=max_steps, num_train_epochs=t.epochs,
         per_device_train_batch_size=t.micro_batch_size, per_device_eval_batch_size=t.micro_batch_size,
         gradient_accumulation_steps=t.grad_accum, learning_rate=t.lr, weight_decay=t.weight_decay,
-        adam_beta1=t.betas[0], adam_beta2=t.betas[1], max_grad_norm=t.max_grad_norm,
-        warmup_steps=t.warmup_steps,
-        lr_scheduler_type="cosine_with_min_lr" if floor else _SCHEDULES[t.schedule],
-        lr_scheduler_kwargs={"min_lr_rate": t.min_lr_ratio} if floor else None,
+        # Hugging Face reads 0 as no clipping; the schedule is the recipe's own (trainer.recipe_scheduler)
+        adam_beta1=t.betas[0], adam_beta2=t.betas[1], max_grad_norm=t.max_grad_norm or 0.0,
+        warmup_steps=t.warmup_steps, lr_scheduler_type=_SCHEDULES[t.schedule],
         logging_steps=t.log_every, eval_strategy="steps" if eval_steps else "no", eval_steps=eval_steps,
         save_strategy="steps", save_steps=t.checkpoint_every, save_total_limit=t.keep_checkpoints,
         load_best_model_at_end=t.load_best_at_end, metric_for_best_model="eval_loss" if eval_steps else None,

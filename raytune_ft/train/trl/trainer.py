@@ -12,9 +12,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from raytune_ft.recipe import Recipe
+from raytune_ft.recipe import Recipe, TrainConfig
 from raytune_ft.train.batch import collate_blocks
-from raytune_ft.train.common import WorkerLog
+from raytune_ft.train.common import WorkerLog, lr_at
 from raytune_ft.train.trl.base import FAULT_AT_STEP_ENV, not_training, ray_report, sum_over_ranks
 from raytune_ft.train.trl.checkpoint import save_meta, save_train_state, stage_checkpoint
 from raytune_ft.train.trl.data import RankBlocks
@@ -50,6 +50,15 @@ def trainer_class():
             return DataLoader(self.raytune_eval_blocks, batch_size=self.args.per_device_eval_batch_size,
                               collate_fn=collate_blocks, shuffle=False, num_workers=0)
 
+        def create_scheduler(self, num_training_steps: int, optimizer=None):
+            """The recipe's schedule (`lr_at`, as the FSDP2 loop), not Hugging Face's own: warmup, then
+            decay to `train.min_lr_ratio` on the last step, for every schedule."""
+            if self.lr_scheduler is None:
+                self.lr_scheduler = recipe_scheduler(optimizer or self.optimizer, self.raytune_recipe.train,
+                                                     num_training_steps)
+                self._created_lr_scheduler = True
+            return self.lr_scheduler
+
         def create_optimizer(self, model=None):
             if self.optimizer is None:
                 t = self.raytune_recipe.train
@@ -69,6 +78,13 @@ def trainer_class():
     return RayBlocksSFTTrainer
 
 
+def recipe_scheduler(optimizer, train: TrainConfig, total_steps: int):
+    """A LambdaLR that sets each parameter group's LR to its peak x `lr_at(step)`."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    return LambdaLR(optimizer, lambda step: lr_at(step, train, total_steps))
+
+
 def _die_for_test(recipe: Recipe, rank: int, step: int) -> None:
     from raytune_ft import storage
     from raytune_ft.train.ckpt_storage import run_location
@@ -85,7 +101,9 @@ _SHOWN = ("loss", "eval_loss", "learning_rate", "grad_norm", "mean_token_accurac
 
 
 def report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: RankBlocks, lora: bool,
-                    pause: dict, world: int, resumed: bool = False):
+                    pause: dict, world: int, resumed: dict | None = None):
+    """The callback; `resumed` is the train state of the checkpoint this attempt resumed from ({}: none)."""
+    resumed = resumed or {}
     from transformers import TrainerCallback
 
     from raytune_ft.hardware import current_device_name, mfu_basis, mfu_metrics
@@ -106,6 +124,7 @@ def report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ran
         def on_train_begin(self, args, state, control, **kwargs):
             self.window = (time.perf_counter(), pause["s"], train_blocks.real_tokens, train_blocks.flops)
             log.info(f"MFU basis: {mfu_basis(device_name)}")
+            log.log_param("mfu_peak_basis", mfu_basis(device_name))
 
         def throughput(self) -> dict[str, float]:
             """tokens/s (all ranks), per worker, MFU and peak memory since the last train log; evaluation
@@ -162,16 +181,32 @@ def report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ran
             src = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             with tempfile.TemporaryDirectory(prefix="raytune_trl_ckpt_") as d:
                 stage_checkpoint(src, d, rank=rank, lora=lora)
-                save_train_state(d, rank, state.global_step, train_blocks)
+                metrics = self.metrics(state, train_blocks)
+                save_train_state(d, rank, state.global_step, train_blocks, metrics)
                 if rank == 0:
                     save_meta(d, recipe, state, self.last, final=False)
                 log.info(f"checkpoint at step {state.global_step}")
-                ray_report(self.metrics(state, train_blocks), d)
+                try:
+                    ray_report(metrics, d)                 # the upload to storage happens in here
+                except BaseException as e:               # out of space: said so, not in torch's words
+                    from raytune_ft import storage
+                    from raytune_ft.train.ckpt_storage import run_storage
+
+                    full = storage.disk_full_error(e, run_storage().uri(), None, None,
+                                                   what=f"the step-{state.global_step} checkpoint")
+                    if full is not None and full is not e:
+                        raise full from e
+                    raise
 
         def metrics(self, state, blocks: RankBlocks) -> dict:
+            """The last logged figures, with this attempt's and the run's tokens and seconds (a
+            collective: every rank calls it at the same point)."""
             m = {k: v for k, v in self.last.items()}
-            m.update({"step": state.global_step, "train_seconds": time.perf_counter() - self.t0,
-                      "tokens": int(sum_over_ranks(blocks.real_tokens))})
+            seconds = time.perf_counter() - self.t0
+            attempt_tokens = int(sum_over_ranks(blocks.real_tokens))
+            m.update({"step": state.global_step, "train_seconds": seconds, "attempt_tokens": attempt_tokens,
+                      "tokens": int(resumed.get("tokens_total", 0)) + attempt_tokens,
+                      "run_train_seconds": float(resumed.get("run_train_seconds", 0.0)) + seconds})
             if state.best_metric is not None:
                 m["best_eval_loss"] = float(state.best_metric)
             return m

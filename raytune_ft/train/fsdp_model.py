@@ -1,0 +1,130 @@
+"""The FSDP2 loop's model: built on the meta device, packing paths on, activation checkpointing, the
+chunked-loss wrapper, then sharded with FSDP2 (each decoder layer, then the root) and filled.
+
+Split from the loop (train/fsdp_loop.py) so benchmarks and tests build exactly the model it trains.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from raytune_ft.recipe import Recipe
+from raytune_ft.train.common import WorkerLog
+
+
+class PackedCausalLM(nn.Module):
+    """A causal LM whose forward returns (sum of shifted token losses, supervised token count).
+
+    Wrapping the HF model lets FSDP2's root hooks cover the embedding, final norm and lm_head
+    while the loss is computed in chunks, never holding fp32 logits for a whole block.
+    """
+
+    def __init__(self, lm: nn.Module, loss_chunk: int = 4096):
+        super().__init__()
+        self.lm = lm
+        self.loss_chunk = loss_chunk
+
+    def forward(self, labels: torch.Tensor, **packed_kwargs):
+        from raytune_ft.models.loss import chunked_cross_entropy
+
+        hidden = self.lm.model(**packed_kwargs).last_hidden_state
+        return chunked_cross_entropy(hidden, self.lm.lm_head.weight, labels, chunk_size=self.loss_chunk)
+
+
+def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
+    """Build (or load) the model, install the packed-sequence paths, and shard it with FSDP2."""
+    from raytune_ft.models.attention import select_attention_backend
+    from raytune_ft.models.build import load_causal_lm, materialize_model, tokenizer_for
+    from raytune_ft.models.kernel_check import check_on_worker
+
+    fp8_recipe = recipe.train.fp8_recipe if recipe.train.precision == "fp8" else None
+    if fp8_recipe:   # this worker's own device decides; refused before anything is loaded
+        from raytune_ft.train.fp8 import check_fp8_supported
+
+        check_fp8_supported(device, fp8_recipe)
+    tok = tokenizer_for(recipe.model)
+    on_gpu = device.type == "cuda"
+    compute_dtype = torch.bfloat16 if (on_gpu and recipe.model.dtype == "bfloat16") else torch.float32
+    param_dtype = torch.float32 if recipe.train.master_weights == "fp32" else compute_dtype
+    # Built on the meta device, sharded, then filled: each rank allocates and reads only its own
+    # shard of the weights, so no rank ever holds the whole model in host or GPU memory.
+    lm = load_causal_lm(recipe.model, tokenizer_vocab_size=len(tok), device="meta", dtype=param_dtype)
+    # every fast kernel proves itself on this GPU before the first step; a failing one is switched off
+    check_on_worker(lm.config, device, mode=recipe.train.kernels, dtype=compute_dtype, log=log)
+    backend = select_attention_backend(device)
+    log.info(f"attention backend: {backend}; params {param_dtype}, compute {compute_dtype}, "
+             f"reduce fp32; activation checkpointing {recipe.train.activation_checkpointing}")
+    ran = "bf16"
+    if fp8_recipe:   # before compile and fully_shard: FSDP2 must see the float8 weights to all-gather them
+        from raytune_ft.models.build import decoder_layers
+        from raytune_ft.train.fp8 import convert_to_fp8
+
+        n = len(convert_to_fp8(decoder_layers(lm), fp8_recipe))
+        ran = f"fp8 {fp8_recipe} ({n} decoder linears)"
+        log.info(f"precision: fp8 ({fp8_recipe}): {n} decoder linears compute in float8; embeddings, lm_head, "
+                 f"norms and the gated-delta-net recurrence and conv in {compute_dtype}")
+    else:
+        log.info(f"precision: bf16 matmuls (compute {compute_dtype})")
+    log.log_param("precision_ran", ran)
+    if recipe.train.compile:
+        compile_pointwise(lm)
+        log.info("torch.compile: each decoder layer's MLP and RMSNorms")
+    model = shard_packed_model(lm, device, compute_dtype=compute_dtype,
+                               activation_checkpointing=recipe.train.activation_checkpointing)
+    materialize_model(lm, recipe.model, device, seed=recipe.train.seed)
+    return model, lm, tok
+
+
+def compile_pointwise(lm: nn.Module) -> None:
+    """torch.compile the memory-bound pieces of each decoder layer: SwiGLU MLP and the fp32 RMSNorms
+    (and the gated norm of gated-delta-net layers): unfused, these element-wise kernels take a large
+    share of the step (bench/NOTES.md has the profile). Blocks have a fixed length, so each module kind
+    compiles one graph."""
+    from raytune_ft.models.build import decoder_layers
+    from raytune_ft.train.fp8 import compile_fp8_linears
+
+    for layer in decoder_layers(lm):
+        layer.mlp.compile()
+        layer.input_layernorm.compile()
+        layer.post_attention_layernorm.compile()
+        if hasattr(layer, "linear_attn"):
+            layer.linear_attn.norm.compile()
+    compile_fp8_linears(decoder_layers(lm))   # float8's casts fuse only compiled (none when bf16)
+
+
+def shard_packed_model(lm: nn.Module, device: torch.device, *, compute_dtype: torch.dtype,
+                       activation_checkpointing: str = "full", loss_chunk: int = 4096) -> PackedCausalLM:
+    """Turn a built causal LM into the loop's training module: packing paths on, activation
+    checkpointing per `activation_checkpointing` ("none" | "full" | "selective"), the chunked-loss
+    wrapper, then FSDP2 (each decoder layer, then the root; compute in `compute_dtype`, gradients
+    reduced in fp32). The parameters keep the dtype they were built in (the master weights).
+
+    Split from build_fsdp_model so benchmarks can hand in a model built directly on the GPU at a real
+    shape with random weights and still train exactly what the loop trains."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from raytune_ft.models.build import decoder_layers
+    from raytune_ft.models.gated_delta import enable_packing
+
+    enable_packing(lm)
+    layers = decoder_layers(lm)
+    _set_activation_checkpointing(lm, layers, activation_checkpointing)
+    model = PackedCausalLM(lm, loss_chunk)
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    if not any(p.is_meta for p in model.parameters()):  # a meta model is filled by materialize_model
+        model.to(device)
+    return model
+
+
+def _set_activation_checkpointing(lm, layers, mode: str) -> None:
+    if mode == "none":
+        return
+    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if mode == "selective":
+        # layer-selective: recompute every other decoder layer, keep the rest's activations
+        for i, layer in enumerate(layers):
+            if i % 2 == 1 and hasattr(layer, "gradient_checkpointing"):
+                layer.gradient_checkpointing = False

@@ -1,0 +1,332 @@
+"""What a setting says is what the run does, in both loops: the LR floor on the last step, no clipping
+when `train.max_grad_norm` is 0 or null, several epochs, a schedule as long as the data, tokens/s of a
+resumed run, the data guard of a TRL resume.
+
+The unit tests drive the functions the loops call (`lr_at`, `recipe_scheduler`, `clip_gradients`, the
+TRL trainer on CPU); the `slow` ones run the real loops inside Ray Train on local Ray (gloo).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from raytune_ft.recipe import Recipe, TrainConfig, validate
+
+
+# ---------------------------------------------------------------- the LR floor, both loops
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_lr_reaches_the_floor_on_the_last_step_in_both_loops(schedule):
+    from raytune_ft.train.common import lr_at
+    from raytune_ft.train.trl.trainer import recipe_scheduler
+
+    t = TrainConfig(lr=2e-3, schedule=schedule, min_lr_ratio=0.1, warmup_steps=2)
+    total = 10
+    fsdp = [t.lr * lr_at(s, t, total) for s in range(total)]
+    # the TRL loop: the scheduler the trainer steps after each optimizer step, on two parameter groups
+    # (LoRA's multiplied LR), read as the optimizer sees it at each step
+    p1, p2 = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([{"params": [p1], "lr": t.lr}, {"params": [p2], "lr": 10 * t.lr}], lr=t.lr)
+    sched = recipe_scheduler(opt, t, total)
+    trl, trl_lora = [], []
+    for _ in range(total):
+        trl.append(opt.param_groups[0]["lr"])
+        trl_lora.append(opt.param_groups[1]["lr"])
+        opt.step()
+        sched.step()
+    np.testing.assert_allclose(trl, fsdp, rtol=1e-12)
+    np.testing.assert_allclose(trl_lora, [10 * x for x in fsdp], rtol=1e-12)
+    assert fsdp[-1] == pytest.approx(0.1 * t.lr)              # the floor, on the last step
+    assert fsdp[1] == fsdp[2] == pytest.approx(t.lr)          # warmup reaches the peak, decay starts there
+    assert all(a > b for a, b in zip(fsdp[2:], fsdp[3:]))     # then falls every step
+    # past the schedule's end (an estimate too short) the LR stays at the floor
+    assert t.lr * lr_at(total + 5, t, total) == pytest.approx(0.1 * t.lr)
+
+
+# ---------------------------------------------------------------- max_grad_norm = 0 / null
+
+def _grads(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model(torch.randn(16, 8)).pow(2).sum().backward()
+    return model, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("max_norm", [0.0, None])
+def test_fsdp_no_clipping_leaves_gradients_unchanged(max_norm):
+    from raytune_ft.train.fsdp_loop import clip_gradients
+
+    model, before = _grads()
+    norm = clip_gradients(list(model.parameters()), max_norm)
+    for g, p in zip(before, model.parameters()):
+        assert torch.equal(g, p.grad)
+    assert float(norm) == pytest.approx(float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in before]))))
+    # a real limit does clip: the test can fail
+    model, before = _grads()
+    clip_gradients(list(model.parameters()), 1e-3)
+    after = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert float(torch.linalg.vector_norm(after)) == pytest.approx(1e-3, rel=1e-3)
+
+
+def _trl_step_grads(fixtures_blocks, max_grad_norm):
+    """Gradients the TRL loop's trainer hands its optimizer in its first step (CPU, no Ray)."""
+    from transformers import TrainerCallback
+
+    from raytune_ft.models.build import load_causal_lm
+    from raytune_ft.train.batch import collate_blocks
+    from raytune_ft.train.common import WorkerLog
+    from raytune_ft.train.trl.data import facade, release_facades
+    from raytune_ft.train.trl.loop import _sft_config
+    from raytune_ft.train.trl.trainer import trainer_class
+
+    r = _tiny_trl_recipe()
+    r.train.max_grad_norm = max_grad_norm
+    seen = {}
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+            seen["grads"] = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+
+    import tempfile
+
+    from raytune_ft.models.tiny import local_tokenizer
+
+    tok = local_tokenizer()
+    lm = load_causal_lm(r.model, tokenizer_vocab_size=len(tok), device="cpu", dtype=torch.float32, seed=0)
+    from raytune_ft.models.gated_delta import enable_packing
+
+    enable_packing(lm)
+    with tempfile.TemporaryDirectory() as out:
+        args = _sft_config(r, out, 1, on_gpu=False, bf16=False, log=WorkerLog(1, r))
+        args.save_strategy = "no"
+        trainer = trainer_class()(model=lm, args=args, train_dataset=facade(fixtures_blocks),
+                                  processing_class=tok, data_collator=collate_blocks, callbacks=[Grab()])
+        trainer.raytune_train_blocks = fixtures_blocks
+        trainer.raytune_eval_blocks = []
+        trainer.raytune_recipe = r
+        trainer.raytune_pause = {"s": 0.0}
+        trainer.train()
+    release_facades()
+    return seen["grads"]
+
+
+def _tiny_trl_recipe() -> Recipe:
+    r = Recipe(job="settings_trl")
+    r.model.local_tiny = True
+    r.model.family = "qwen3"
+    r.model.dtype = "float32"
+    r.data.source = "builtin:chat:200"
+    r.data.seq_len = 256
+    r.data.pack_window = 64
+    r.train.loop = "trl"
+    r.train.lr = 1e-3
+    r.train.schedule = "constant"
+    r.train.log_every = 1
+    r.train.checkpoint_every = 100
+    r.scaling.num_workers = 1
+    r.scaling.use_gpu = False
+    r.scaling.backend = "gloo"
+    r.scaling.max_failures = 0
+    r.registry.enabled = False
+    return r
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trl_no_clipping_leaves_gradients_unchanged():
+    from raytune_ft.data.builtin import builtin_chat
+    from raytune_ft.data.packing import pack_blocks
+    from raytune_ft.data.sft import render_sft
+    from raytune_ft.models.tiny import local_tokenizer
+
+    tok = local_tokenizer()
+    blocks = list(pack_blocks([render_sft(tok, row["messages"]) for row in builtin_chat(40, seed=3)], 256))[:1]
+    unclipped = _trl_step_grads(blocks, 1e9)          # a limit far above the norm: the raw gradients
+    for setting in (0.0, None):
+        got = _trl_step_grads(blocks, setting)
+        assert len(got) == len(unclipped)
+        for a, b in zip(got, unclipped):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    clipped = _trl_step_grads(blocks, 1e-4)           # a real limit does clip: the test can fail
+    norm = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in clipped])))
+    assert norm == pytest.approx(1e-4, rel=1e-2)
+
+
+# ---------------------------------------------------------------- FSDP2: epochs and schedule length
+
+def _fsdp_recipe(storage, name: str, source: str, **train) -> Recipe:
+    r = Recipe(job="settings_fsdp")
+    r.model.local_tiny = True
+    r.model.dtype = "float32"
+    r.data.source = source
+    r.data.seq_len = 256
+    r.data.pack_window = 16
+    r.train.lr = 2e-3
+    r.train.max_steps = None
+    r.train.log_every = 1
+    r.train.checkpoint_every = 1000
+    r.train.activation_checkpointing = "none"
+    for k, v in train.items():
+        setattr(r.train, k, v)
+    r.scaling.num_workers = 2
+    r.scaling.use_gpu = False
+    r.scaling.backend = "gloo"
+    r.scaling.max_failures = 0
+    r.tracking.storage_path = str(storage)
+    r.tracking.run_name = name
+    r.registry.enabled = False
+    return validate(r)
+
+
+def _fit(recipe: Recipe) -> tuple[dict, dict]:
+    from raytune_ft.train.launch import build_trainer
+
+    result = build_trainer(recipe, mlflow_run_id=None, total_steps=recipe.train.max_steps).fit()
+    states = {}
+    for rank in range(recipe.scaling.num_workers):
+        with open(os.path.join(result.checkpoint.path, "train_state", f"rank{rank}.json")) as f:
+            states[rank] = json.load(f)
+    return result, states
+
+
+def _data_rows(recipe: Recipe) -> list:
+    from raytune_ft.data.pipeline import build_dataset
+    from raytune_ft.models.tiny import local_tokenizer
+
+    return [r for r in build_dataset(recipe.data, local_tokenizer(), split="train").take_all() if not r["skip_reason"]]
+
+
+def _epoch_totals(states: dict, epoch: int) -> dict:
+    from raytune_ft.data.packing import DataCounters
+
+    total = DataCounters()
+    for st in states.values():
+        total.merge(DataCounters.from_dict(st["epoch_counters"][epoch]))
+    return total.to_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_epochs_train_every_block_twice_and_cosine_ends_at_its_floor(ray_local, tmp_path):
+    r = _fsdp_recipe(tmp_path, "epochs", "builtin:chat:160", epochs=2, schedule="cosine", min_lr_ratio=0.1)
+    rows = _data_rows(r)
+    _, states = _fit(r)
+    st = states[0]
+    assert st["epoch"] == 1 and len(st["epoch_counters"]) == 2
+    for epoch in (0, 1):
+        c = _epoch_totals(states, epoch)
+        assert c["conversations_packed"] == len(rows)                            # every conversation
+        assert c["real_tokens"] == sum(len(x["input_ids"]) for x in rows)         # every token, once
+    # the two epochs saw the conversations in a different order (a different shuffle seed)
+    assert len(st["epoch_fingerprints"]) == 1 and st["epoch_fingerprints"][0] != st["data_fingerprint"]
+    # every step of both epochs trained, and the schedule was counted for exactly those steps
+    steps = st["epoch_steps"][0] + st["steps_in_epoch"]
+    assert st["epoch_steps"][0] > 0 and st["steps_in_epoch"] > 0
+    assert [h["step"] for h in st["history"]] == list(range(1, steps + 1))
+    assert st["total_steps"] == steps
+    lrs = [h["lr"] for h in st["history"]]
+    assert lrs[-1] == pytest.approx(0.1 * r.train.lr)
+    assert all(a > b for a, b in zip(lrs, lrs[1:]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_resume_inside_the_second_epoch_matches_an_uninterrupted_run(ray_local, tmp_path):
+    straight = _fsdp_recipe(tmp_path, "straight", "builtin:chat:120", epochs=2, schedule="constant")
+    _, full = _fit(straight)
+    first_epoch = full[0]["epoch_steps"][0]
+    stop = first_epoch + 2                      # two steps into the second epoch
+    # ends one step later without a final checkpoint: the latest one (step `stop`) is resumable
+    part_r = _fsdp_recipe(tmp_path, "resumed", "builtin:chat:120", epochs=2, schedule="constant",
+                          max_steps=stop + 1, checkpoint_every=stop, save_final=False)
+    _, part = _fit(part_r)
+    assert part[0]["step"] == stop and part[0]["epoch"] == 1
+    again = _fsdp_recipe(tmp_path, "resumed", "builtin:chat:120", epochs=2, schedule="constant")
+    _, resumed = _fit(again)
+    assert resumed[0]["resumed_from"] == [stop]
+    full_l = [h["loss"] for h in full[0]["history"]]
+    res_l = [h["loss"] for h in resumed[0]["history"]]
+    assert len(res_l) == len(full_l)
+    np.testing.assert_allclose(res_l, full_l, rtol=1e-5)
+    for rank in (0, 1):
+        assert resumed[rank]["counters"] == full[rank]["counters"]
+
+
+def _low_efficiency_source(path, n: int) -> str:
+    """Conversations of ~150 tokens in 256-token blocks: one conversation per block, ~60% full."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
+    with open(path, "w") as f:
+        for i in range(n):
+            answer = " ".join(words[(i + k) % len(words)] for k in range(34 + i % 5))
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"list {i}"},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_poorly_packed_data_trains_every_block_and_ends_at_the_floor(ray_local, tmp_path):
+    src = _low_efficiency_source(tmp_path / "long.jsonl", 40)
+    r = _fsdp_recipe(tmp_path, "lowpack", src, schedule="cosine", min_lr_ratio=0.1)
+    rows = _data_rows(r)
+    _, states = _fit(r)
+    c = _epoch_totals(states, 0)
+    assert c["real_tokens"] / (c["real_tokens"] + c["padding_tokens"]) < 0.9     # far below 0.995
+    assert c["conversations_packed"] == len(rows) == 40                            # every conversation
+    real_blocks = [st["epoch_counters"][0]["blocks"] - st["epoch_counters"][0]["equalisation_padding_blocks"]
+                   for st in states.values()]
+    st = states[0]
+    # the busiest rank sets the steps; each of its blocks is a step (1 block per step here)
+    assert st["step"] == st["total_steps"] == max(real_blocks)
+    assert st["history"][-1]["lr"] == pytest.approx(0.1 * r.train.lr)
+
+
+# ---------------------------------------------------------------- tokens/s of a resumed run
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_resumed_run_reports_tokens_per_s_of_its_own_attempt(ray_local, tmp_path):
+    from raytune_ft.run import run
+
+    # the first attempt ends after step 5 without a final checkpoint: the second resumes from step 4
+    first = _fsdp_recipe(tmp_path, "tps", "builtin:chat:200", schedule="constant", max_steps=5,
+                         checkpoint_every=4, save_final=False)
+    s1 = run(first, local=True, register=False)
+    again = _fsdp_recipe(tmp_path, "tps", "builtin:chat:200", schedule="constant", max_steps=8,
+                         checkpoint_every=4)
+    s2 = run(again, local=True, register=False)
+    assert s1.attempt_tokens == s1.tokens > 0 and s1.tokens_per_s == pytest.approx(s1.tokens / s1.attempt_seconds)
+    assert s2.steps == 8 and s2.tokens > s2.attempt_tokens > 0
+    with open(os.path.join(s2.checkpoint, "train_state", "rank0.json")) as f:
+        st = json.load(f)
+    assert st["resumed_from"] == [4] and st["tokens_total"] == s2.tokens
+    assert s2.tokens_per_s == pytest.approx(s2.attempt_tokens / s2.attempt_seconds)   # this attempt's
+    assert s2.run_seconds > s2.attempt_seconds                                        # earlier attempt's too
+    assert s2.run_tokens_per_s == pytest.approx(s2.tokens / s2.run_seconds)
+    assert s2.tokens_per_s != pytest.approx(s2.tokens / s2.attempt_seconds)          # the old, inflated figure
+    assert any("this attempt" in line for line in s2.lines())
+
+
+# ---------------------------------------------------------------- TRL: the data guard on resume
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_trl_resume_with_a_changed_packing_window_stops(ray_local, tmp_path):
+    from raytune_ft.run import run
+
+    r = _tiny_trl_recipe()
+    r.tracking.storage_path = str(tmp_path)
+    r.tracking.run_name = "trl_guard"
+    r.train.max_steps = 4
+    r.train.checkpoint_every = 2
+    r.train.save_final = False               # the latest checkpoint stays a resumable one
+    run(validate(r), local=True, register=False)
+    r.train.max_steps = 8
+    r.data.pack_window = 20
+    with pytest.raises(Exception, match="DataOrderChanged|fingerprint mismatch"):
+        run(validate(r), local=True, register=False)
+
