@@ -150,6 +150,10 @@ def runs(tmp_path_factory):
         from raytune_ft.train.checkpoint import read_meta
 
         out["window_steps"] = {os.path.basename(d): read_meta(d).get("step") for d in out["window_dirs"]}
+        # rank 1's states and whether each folder held a DCP shard, read before the re-submit removes the orphan
+        out["window_rank1"] = {d: _state(d, 1) for d in out["window_dirs"]
+                               if os.path.exists(os.path.join(d, "train_state", "rank1.json"))}
+        out["window_has_dcp"] = {d for d in out["window_dirs"] if os.path.isdir(os.path.join(d, "dcp"))}
 
         # 2. the same job re-submitted under the same name
         out["window_recipe"] = window
@@ -175,14 +179,13 @@ def runs(tmp_path_factory):
 
 def _orphan(runs) -> str:
     """The step-10 folder written by the failed attempt (rank 1's files are complete in it)."""
-    found = [d for d in runs["window_dirs"]
-             if os.path.exists(os.path.join(d, "train_state", "rank1.json")) and _state(d, 1)["step"] == STEPS]
+    found = [d for d, st in runs["window_rank1"].items() if st["step"] == STEPS]
     assert len(found) == 1, runs["window_dirs"]
     return found[0]
 
 
 def _reference(runs) -> dict:
-    return _state(_orphan(runs), 1)
+    return runs["window_rank1"][_orphan(runs)]
 
 
 def _assert_history_matches(history: list[dict], reference: list[dict]) -> None:
@@ -200,12 +203,14 @@ def test_death_in_checkpoint_window_keeps_previous_checkpoint(runs):
     assert "Training" in type(err).__name__ or "Worker" in type(err).__name__, repr(err)
     orphan = _orphan(runs)
     # the folder is on storage, with rank 1's complete shard and train state...
-    assert os.path.isdir(os.path.join(orphan, "dcp")) and _state(orphan, 1)["step"] == STEPS
+    assert orphan in runs["window_has_dcp"] and runs["window_rank1"][orphan]["step"] == STEPS
     # ...but Ray never registered it: the latest checkpoint is step 8's
     snapshot = runs["window_snapshot"]
     assert os.path.basename(orphan) not in snapshot
     registered = [name for name in runs["window_steps"] if name in snapshot]
     assert sorted(runs["window_steps"][name] for name in registered) == [4, 8], (registered, snapshot)
+    # the re-submit removed it when it started (storage cannot fill with such folders)
+    assert not os.path.exists(orphan)
 
 
 @pytest.mark.timeout(900)
