@@ -330,3 +330,15 @@ def test_trl_resume_with_a_changed_packing_window_stops(ray_local, tmp_path):
     with pytest.raises(Exception, match="DataOrderChanged|fingerprint mismatch"):
         run(validate(r), local=True, register=False)
 
+
+
+# ---------------------------------------------------------------- MFU: the peak it is relative to
+
+def test_progress_line_names_the_peak_its_mfu_is_relative_to():
+    from raytune_ft.hardware import mfu_metrics
+    from raytune_ft.train.common import WorkerLog
+
+    m = {"step": 3, "loss": 1.0, "tokens_per_s": 1.0, **mfu_metrics(0.4 * 989e12, "NVIDIA H200")}
+    line = WorkerLog.progress_line(m, 10, 1.0)
+    assert "MFU 40.0% of 989 TFLOP/s" in line
+    assert "MFU n/a" in WorkerLog.progress_line({**m, **mfu_metrics(1e12, None)}, 10, 1.0)

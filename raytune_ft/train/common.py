@@ -132,7 +132,8 @@ class WorkerLog:
         if "tokens_per_s" in m:
             parts.append(f"{m['tokens_per_s']:,.0f} tok/s")
         if m.get("mfu"):
-            parts.append(f"MFU {100 * m['mfu']:.1f}%")
+            peak = f" of {m['mfu_peak_tflops']:,.0f} TFLOP/s" if m.get("mfu_peak_tflops") else ""
+            parts.append(f"MFU {100 * m['mfu']:.1f}%{peak}")
         elif "mfu" in m:
             parts.append("MFU n/a (no GPU peak)")   # on CPU, or a GPU without a known peak
         if "peak_mem_gib" in m:

@@ -167,7 +167,7 @@ def report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ran
                 if "tokens_per_s" in logs:
                     shown += f" | {logs['tokens_per_s']:,.0f} tok/s"
                     if logs.get("mfu"):
-                        shown += f" | MFU {logs['mfu']:.1%}"
+                        shown += f" | MFU {logs['mfu']:.1%} of {logs['mfu_peak_tflops']:,.0f} TFLOP/s"
                     if "peak_mem_gib" in logs:
                         shown += f" | mem {logs['peak_mem_gib']:.1f} GiB"
                 if shown:
