@@ -2,7 +2,7 @@
 
 1. render + mask + pack throughput (tokens/s on one core): real Qwen3 tokenizer, Qwen3.8-27B template,
    the UltraChat rows of the fixtures, 20 passes; peer: TRL's training-template assistant mask
-   (/work/shared/peers/data_peer.py, run as a subprocess under the same `taskset`).
+   (../shared/peers/data_peer.py, run as a subprocess under the same `taskset`).
 2. packing at 32,768-token blocks: 20,000 lengths drawn from a lognormal fitted to the real rendered
    lengths (the peer's exact recipe, seed 0); efficiency, blocks, conversations cut; peers: TRL bfd and
    greedy chop, from the same peer run.
@@ -86,7 +86,8 @@ def measure_ours(shared: str, passes: int = 20) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--shared", default=os.environ.get("SHARED", "/work/shared"))
+    ap.add_argument("--shared", default=os.environ.get(
+        "SHARED", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared")))
     ap.add_argument("--no-peer", action="store_true")
     args = ap.parse_args(argv)
     peers, ours = [], []

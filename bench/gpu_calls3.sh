@@ -9,7 +9,7 @@
 # each is made):
 #   .tl1         tilelang (fla's gated-delta-net backward on Hopper with Triton 3.6)         ~48 MB
 #   .tl2         tilelang's needs (z3-solver, apache-tvm-ffi, torch-c-dlpack-ext, ml-dtypes) ~32 MB
-#   .gpuwheels   mlflow-skinny and its needs not in the image                                 ~15 MB
+#   .gpuwheels   mlflow-skinny and its needs not in the image (cryptography, cffi, pycparser too) ~20 MB
 #   .devpkgs     Ray (trimmed tarball) + trl/datasets/liger/fla wheels                        ~36 MB
 #   .pytestwheels  pytest, pytest-timeout and their needs                                     ~2 MB
 #   .ccwheel     a causal-conv1d wheel built for this GPU (optional; bench/build_causal_conv1d.sh)
@@ -46,6 +46,10 @@ install_present() {   # whatever came with this call; each folder once per machi
   done
   if ls .ccwheel/*.whl >/dev/null 2>&1 && [ ! -d "$CC_SITE/causal_conv1d" ]; then
     pip_into "$CC_SITE" .ccwheel/*.whl && echo "installed: causal-conv1d wheel ($(ls .ccwheel))"
+  fi
+  # the wheel of an earlier build is over a returned file's size: it comes back as its installed tree, packed
+  if [ -f .ccwheel/ccsite.tgz ] && [ ! -d "$CC_SITE/causal_conv1d" ]; then
+    mkdir -p "$CC_SITE" && tar xzf .ccwheel/ccsite.tgz -C "$CC_SITE" && echo "installed: causal-conv1d (packed tree)"
   fi
 }
 
@@ -212,6 +216,61 @@ fp8ray() {
 on_gpus() {  # on_gpus DEVICES LOGNAME FUNC...: run a function on some GPUs, output to $O/LOGNAME.log
   local devs=$1 name=$2; shift 2
   ( export CUDA_VISIBLE_DEVICES=$devs; "$@" ) > "$O/$name.log" 2>&1
+}
+
+# ---------------------------------------------------------------- the third session's calls, both issues
+# Two H200s; four calls sent back to back (bench/README.md): two that only install, then two that work.
+# Call 3: GPU 0 measures bf16 vs float8 tensorwise (nothing else on that GPU); GPU 1 runs the GPU suite's
+# kernel tests with causal-conv1d and without, then the start-up check's time. Call 4: the suite's FSDP2
+# through Ray Train on both GPUs beside the loss parity on GPU 1; then float8 rowwise on GPU 0.
+session_install() { install_present; install_fp8; }
+
+session_ready() {
+  local need; need=$(missing ray mlflow fla tilelang z3 tvm_ffi liger_kernel trl pytest pytest_timeout torchao)
+  [ -z "$need" ] || { echo "still missing: $need"; return 1; }
+  [ -d "$CC_SITE/causal_conv1d" ] || echo "note: no causal-conv1d; its runs are skipped"
+  info > "$O/info.txt" 2>&1; head -4 "$O/info.txt"
+}
+
+kernel_tests() {   # kernel_tests LABEL [EXTRA_PYTHONPATH]: the suite without its Ray Train part
+  local label=$1 extra=${2:-}
+  PYTHONPATH=${extra:+$extra:}$PYTHONPATH timeout ${SUITE_S:-280} $PY -m pytest -m gpu \
+    tests/gpu/test_packed_equality.py tests/gpu/test_kernel_check_gpu.py -v -s -ra -p no:cacheprovider \
+    --timeout 260 --junitxml="$O/suite_$label.xml" > "$O/suite_$label.log" 2>&1
+  echo "RESULT {\"suite\": \"$label\", \"exit\": $?}" >> "$O/suite_$label.log"
+}
+
+session_a() {
+  session_install; session_ready || return 0
+  fp8_pair() {
+    run 280 27b16_bf16 $PY $F27 --layers 16 --master bf16
+    run 280 27b16_fp8_tensorwise $PY $F27 --layers 16 --master bf16 --precision fp8 --fp8-recipe tensorwise
+  }
+  kernels_gpu1() {
+    kernel_tests cc "$CC_SITE"
+    SUITE_S=170 kernel_tests nocc
+    check_time cc "$CC_SITE"; check_time nocc
+  }
+  on_gpus 0 fp8_speed fp8_pair & on_gpus 1 kernels_gpu1 kernels_gpu1 & wait
+  grep -h "RESULT\|Error" "$O"/fp8_speed.log | cut -c1-1200
+  grep -h -E "PASSED|FAILED|SKIPPED|ERROR|RESULT|passed|failed" "$O"/suite_*.log | cut -c1-400 | tail -80
+  grep -h -E "RESULT|kernels in use|switched off" "$O"/kernels_gpu1.log | cut -c1-600 | tail -20
+}
+
+session_b() {   # as run in calls 7-8 (the Ray suite needs `cryptography` for mlflow's registry store: .gpuwheels)
+  session_install; session_ready || return 0
+  ray_suite() {
+    PYTHONPATH=$CC_SITE:$PYTHONPATH timeout 400 $PY -m pytest -m gpu tests/gpu/test_fsdp_ray_gpu.py -v -s -ra \
+      -p no:cacheprovider --timeout 390 --junitxml="$O/suite_ray.xml" > "$O/suite_ray.log" 2>&1
+    echo "RESULT {\"suite\": \"ray\", \"exit\": $?}" >> "$O/suite_ray.log"
+  }
+  parity() {   # real rows + enough builtin rows that no block repeats within 300 steps
+    run 480 fp8_parity $PY bench/fp8_parity.py --tokenizer /tmp/tok/qwen3 --rows "/tmp/fp8data/*.jsonl" \
+      --builtin-rows 45000 --lr 1e-4 --steps 300 --recipes tensorwise --out "$O"
+  }
+  ray_suite & on_gpus 1 fp8_parity parity & wait
+  grep -h -E "PASSED|FAILED|SKIPPED|ERROR|RESULT|passed|failed" "$O"/suite_ray.log | cut -c1-600 | tail -30
+  grep -h "RESULT\|Error" "$O"/fp8_parity.log | cut -c1-1500
 }
 
 "$@"
