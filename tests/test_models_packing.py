@@ -57,12 +57,22 @@ def _valid(labels):
     return labels[1:] != -100
 
 
+def _tiny_model(family: str):
+    torch.manual_seed(0)
+    model = load_causal_lm(ModelConfig(family=family, local_tiny=True), seed=1)
+    model.eval()
+    return family, model
+
+
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3"])
 def tiny(request):
-    torch.manual_seed(0)
-    model = load_causal_lm(ModelConfig(family=request.param, local_tiny=True), seed=1)
-    model.eval()
-    return request.param, model
+    return _tiny_model(request.param)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_5():
+    """The family with gated-delta-net layers only."""
+    return _tiny_model("qwen3_5")
 
 
 def test_packed_forward_equals_separate(tiny):
@@ -139,11 +149,9 @@ def test_two_rows_flattened(tiny):
                 s += n
 
 
-def test_unpatched_qwen3_5_refuses_or_leaks(tiny):
+def test_unpatched_qwen3_5_refuses_or_leaks(tiny_qwen3_5):
     """Without our patch transformers' torch path refuses cu_seqlens/seq_idx and leaks with position_ids."""
-    family, model = tiny
-    if family != "qwen3_5":
-        pytest.skip("gated-delta-net only")
+    family, model = tiny_qwen3_5
     from transformers import AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), attn_implementation="sdpa")
