@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from raytune_ft import storage
+from raytune_ft.env import redact_exception
 
 # Fault injection for tests: "BYTES" or "BYTES@STEP" makes the free-space probe report BYTES free (from
 # checkpoint step STEP on), as a filesystem that small would.
@@ -86,7 +87,7 @@ def start_attempt(rank: int, log: Callable[[str], None] = storage._print) -> lis
         try:
             removed = storage.remove_orphans(fs, run_path, log=log)
         except OSError as e:  # cleanup is housekeeping: a storage hiccup here must not stop the run
-            log(f"could not clear unreported checkpoints: {type(e).__name__}: {e}")
+            log(f"could not clear unreported checkpoints: {redact_exception(e)}")
     _barrier()
     return removed
 
