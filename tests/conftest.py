@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+# one S3 server (SeaweedFS on loopback) per session, shared by every module that asks for it
+from tests.s3_server import s3_env, s3_server  # noqa: E402,F401
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("RAYTUNE_FIXTURES", REPO.parent / "shared" / "fixtures"))
 

@@ -11,7 +11,6 @@ import pytest
 
 from raytune_ft import registry, storage
 from tests.mlflow_server import make_tiny_qwen2_checkpoint
-from tests.s3_server import s3_env, s3_server  # noqa: F401  (fixtures)
 
 
 @pytest.fixture

@@ -9,14 +9,16 @@
    attempt's orphan holds the per-step losses of an uninterrupted run (every rank keeps the all-reduced
    history); the restarted attempt, resumed from step 8 off S3, must reproduce them.
 2. The fault stops; the same job re-submitted finishes (resumes from step 8), exports, and its registration
-   times out (registry.timeout_s=0.5): the summary prints a retry command naming the s3:// checkpoint.
+   cannot run (registry.num_cpus=512: no node of this local Ray can take the task, which is killed after
+   registry.timeout_s=2 and a 1 s grace): the summary prints a retry command naming the s3:// checkpoint.
 3. That command, run as printed, registers version 1.
 4. The finished run submitted again ends at once: no training, no new checkpoint, the same version returned.
 Nothing of the run is written under the local storage default (./runs of the launch folder).
 
 TRL 4B recipe (1 worker, 8 steps, checkpoint + eval every 4): its worker SIGKILLs itself at step 6
 (RAYTUNE_FAULT_AT_STEP); Ray restarts it, it rebuilds the trainer from the step-4 checkpoint read from S3, and
-step 5, trained by both attempts, logs the same loss twice. Registration times out; the retry command works.
+step 5, trained by both attempts, logs the same loss twice. Registration cannot run either; the retry command
+works.
 
 Small storage: the free-space probe is patched (RAYTUNE_FAULT_FREE_BYTES, read by the workers; no filesystem
 of a few kB can be mounted portably here) to report 1000 bytes from step 8: the step-4 checkpoint is written,
@@ -38,13 +40,14 @@ import pytest
 
 from raytune_ft import storage
 from tests.conftest import REPO
-from tests.s3_server import s3_server  # noqa: F401  (fixture)
 
 STEPS, EVERY = 10, 4
 FAULT_UPLOAD = "RAYTUNE_FAULT_AFTER_UPLOAD"
 FAULT_AT_STEP = "RAYTUNE_FAULT_AT_STEP"
 FAULT_FREE = "RAYTUNE_FAULT_FREE_BYTES"
 REL_TOL = 1e-5
+# the post-fit registration task asks for more CPUs than this local Ray has: it never starts, and is given up
+NO_ROOM_TO_REGISTER = ("registry.num_cpus=512", "registry.timeout_s=2")
 
 
 def _recipe(job: str, storage_path: str, run_name: str, *sets: str):
@@ -97,9 +100,11 @@ def _run_cli(cmd: str, env: dict, cwd) -> subprocess.CompletedProcess:
 def s3_runs(s3_server, tmp_path_factory):
     import ray
 
+    from raytune_ft.registry import task as registry_task
     from raytune_ft.run import run
 
     work = tmp_path_factory.mktemp("s3_launch")
+    saved_grace, registry_task._KILL_GRACE_S = registry_task._KILL_GRACE_S, 1.0
     saved_env = {k: os.environ.get(k) for k in [*s3_server.env(), "RAYTUNE_TRACKING_HOME", "RAYTUNE_LOCAL_STORAGE",
                                                 FAULT_UPLOAD, FAULT_AT_STEP, FAULT_FREE]}
     saved_cwd = os.getcwd()
@@ -116,7 +121,7 @@ def s3_runs(s3_server, tmp_path_factory):
     try:
         # ---- 27B recipe
         r27 = _recipe("qwen27b_b300", root, "s3-27b", f"train.max_steps={STEPS}",
-                      f"train.checkpoint_every={EVERY}", "scaling.max_failures=1", "registry.timeout_s=0.5",
+                      f"train.checkpoint_every={EVERY}", "scaling.max_failures=1", *NO_ROOM_TO_REGISTER,
                       "registry.name=main.default.s3_27b")
         out["r27"] = r27
         watcher = FolderWatcher(fs, f"{bucket}/runs/s3-27b")
@@ -146,7 +151,7 @@ def s3_runs(s3_server, tmp_path_factory):
 
         # ---- TRL 4B recipe: a worker killed at step 6, resumed from S3
         r4 = _recipe("qwen3_4b_full", root, "s3-4b", "train.max_steps=8", "train.checkpoint_every=4",
-                     "train.eval_every=4", "train.log_every=1", "scaling.max_failures=1", "registry.timeout_s=0.5",
+                     "train.eval_every=4", "train.log_every=1", "scaling.max_failures=1", *NO_ROOM_TO_REGISTER,
                      "registry.name=main.default.s3_4b")
         out["r4"] = r4
         os.environ[FAULT_AT_STEP] = "6:0"
@@ -174,6 +179,7 @@ def s3_runs(s3_server, tmp_path_factory):
         return out
     finally:
         ray.shutdown()
+        registry_task._KILL_GRACE_S = saved_grace
         os.chdir(saved_cwd)
         for k, v in saved_env.items():
             if v is None:

@@ -10,7 +10,6 @@ import pytest
 
 from raytune_ft import storage
 from raytune_ft.storage_plan import storage_plan
-from tests.s3_server import s3_env, s3_server  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(params=["local", "s3"])
