@@ -206,7 +206,7 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
         full = _storage_full(e)       # said in plain words, not as Ray's wrapping of a worker's error
         shown = full or e
         tracking.end_run(recipe, run_id, status="FAILED", tags={
-            "raytune.status": "failed", "raytune.error": f"{type(shown).__name__}: {shown}"[:4000]})
+            "raytune.status": "failed", "raytune.error": redact_exception(shown)[:4000]})
         if full is not None:
             raise full from e
         raise

@@ -26,7 +26,7 @@ import re
 import shutil
 import urllib.parse
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import pyarrow.fs as pafs
 
@@ -319,13 +319,14 @@ def reported_checkpoints(fs: pafs.FileSystem, run_path: str) -> Reported | None:
     return Reported(kept=kept, latest=latest, metrics=metrics)
 
 
-def orphan_checkpoints(fs: pafs.FileSystem, run_path: str) -> list[str]:
+def orphan_checkpoints(fs: pafs.FileSystem, run_path: str, protect: Iterable[str] = ()) -> list[str]:
     """checkpoint_* folders that no report made Ray's (left by an attempt that died between upload and report).
 
+    `protect`: folder names that are never orphans whatever Ray's record says (the one being resumed from).
     Only safe to act on while no attempt of the run is writing: at the start of an attempt, or before `fit`.
     """
     reported = reported_checkpoints(fs, run_path)
-    keep = reported.names if reported else set()
+    keep = (reported.names if reported else set()) | set(protect)
     return [n for n in checkpoint_dirs(fs, run_path) if n not in keep]
 
 
@@ -333,10 +334,12 @@ def _print(msg: str) -> None:
     print(f"[raytune_ft] {msg}", flush=True)
 
 
-def remove_orphans(fs: pafs.FileSystem, run_path: str, log: Callable[[str], None] = _print) -> list[str]:
-    """Delete the orphan checkpoint folders of the run (never one Ray registered); returns their names."""
+def remove_orphans(fs: pafs.FileSystem, run_path: str, log: Callable[[str], None] = _print,
+                   protect: Iterable[str] = ()) -> list[str]:
+    """Delete the orphan checkpoint folders of the run (never one Ray registered, never one in `protect`);
+    returns their names."""
     removed = []
-    for name in orphan_checkpoints(fs, run_path):
+    for name in orphan_checkpoints(fs, run_path, protect):
         path = f"{run_path.rstrip('/')}/{name}"
         size = tree_bytes(fs, path)
         try:

@@ -102,6 +102,10 @@ def test_orphan_checkpoints_removed_reported_ones_kept(where):
     assert len(logged) == 3 and "never reported" in logged[0]
     assert storage.latest_checkpoint_bytes(fs, run) == 100
     assert storage.remove_orphans(fs, run) == []
+    # a folder named in protect (the one an attempt resumes from) is never removed, whatever the record says
+    storage.write_bytes(fs, f"{run}/{names[4]}/dcp/__0_0.distcp", b"x")
+    assert storage.remove_orphans(fs, run, protect=[names[4]]) == []
+    assert storage.checkpoint_dirs(fs, run) == [names[1], names[3], names[4]]
 
 
 def test_room_check_and_disk_full_wording(where):

@@ -81,12 +81,20 @@ def start_attempt(rank: int, log: Callable[[str], None] = storage._print) -> lis
     """Rank 0 removes orphan checkpoint folders of earlier attempts (never one Ray registered); all wait.
 
     Safe here: no attempt of this run is writing, the previous one's workers are gone."""
+    import ray.train
+
     removed: list[str] = []
     if rank == 0:
         fs, run_path = run_location()
+        ckpt = ray.train.get_checkpoint()
+        resuming = ckpt.path.rstrip("/").rsplit("/", 1)[-1] if ckpt is not None else None
         try:
-            removed = storage.remove_orphans(fs, run_path, log=log)
-        except OSError as e:  # cleanup is housekeeping: a storage hiccup here must not stop the run
+            if resuming and storage.reported_checkpoints(fs, run_path) is None:
+                # resuming, yet no record of Ray's checkpoints to tell orphans from kept ones: remove nothing
+                log("no record of the run's reported checkpoints: unreported folders left in place")
+            else:
+                removed = storage.remove_orphans(fs, run_path, log=log, protect=[resuming] if resuming else [])
+        except (OSError, ValueError) as e:  # housekeeping: a storage hiccup or a torn record must not stop the run
             log(f"could not clear unreported checkpoints: {redact_exception(e)}")
     _barrier()
     return removed

@@ -12,12 +12,11 @@ The final checkpoint is reported last; with `train.load_best_at_end` it holds th
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
 from raytune_ft.recipe import Recipe
-from raytune_ft.train.checkpoint import META_FILE, write_meta
+from raytune_ft.train.checkpoint import write_meta
 from raytune_ft.train.common import WorkerLog
 from raytune_ft.train.trl.base import TRAINER_FILES, write_train_state
 
@@ -74,21 +73,6 @@ def save_meta(d: str, recipe: Recipe, state, last: dict, *, final: bool, extra: 
     })
 
 
-def finished_step() -> int | None:
-    """The step of the run's final checkpoint when that is the latest one, else None."""
-    import ray.train
-
-    ckpt = ray.train.get_checkpoint()
-    if ckpt is None:
-        return None
-    try:   # read the one small file where the checkpoint lies (no download of the model)
-        with ckpt.filesystem.open_input_stream(f"{ckpt.path.rstrip('/')}/{META_FILE}") as f:
-            meta = json.loads(f.read())
-    except (FileNotFoundError, OSError):
-        return None
-    return int(meta.get("step") or 0) if meta.get("final") else None
-
-
 def restore_hf_checkpoint(out_dir: str, rank: int, log: WorkerLog) -> tuple[str | None, dict]:
     """Rebuild a Hugging Face checkpoint folder from the Ray checkpoint to resume from (if any).
 
@@ -104,9 +88,11 @@ def restore_hf_checkpoint(out_dir: str, rank: int, log: WorkerLog) -> tuple[str 
     # its own RNG state and train state; never the other ranks' files
     fs, root = ckpt.filesystem, ckpt.path.rstrip("/")
     st = storage.read_json(fs, f"{root}/train_state/rank{rank}.json")
-    if st is None or not storage.list_files(fs, f"{root}/trainer"):
-        log.info("the latest checkpoint has no trainer state: starting over")
-        return None, {}
+    if st is None:   # starting this rank over while the others resume would desynchronise the ranks
+        raise RuntimeError(f"checkpoint {root} has no train state for rank {rank}: it was written by a run "
+                           "with a different number of workers; resume with the same scaling.num_workers")
+    if not storage.list_files(fs, f"{root}/trainer"):
+        raise RuntimeError(f"checkpoint {root} has no trainer state (trainer/) to resume from")
     dst = os.path.join(out_dir, f"checkpoint-{st['step']}")
     os.makedirs(dst, exist_ok=True)
 

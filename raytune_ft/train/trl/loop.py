@@ -22,7 +22,7 @@ from raytune_ft.recipe import Recipe
 from raytune_ft.train.batch import collate_blocks, count_steps, worker_blocks
 from raytune_ft.train.common import WorkerLog, recipe_from_config
 from raytune_ft.train.trl.base import ray_report
-from raytune_ft.train.trl.checkpoint import (finished_step, restore_hf_checkpoint, save_final, save_meta,
+from raytune_ft.train.trl.checkpoint import (restore_hf_checkpoint, save_final, save_meta,
                                              save_train_state)
 from raytune_ft.train.trl.data import RankBlocks, facade, release_facades
 from raytune_ft.train.trl.trainer import report_callback, trainer_class
@@ -44,15 +44,10 @@ def train_trl(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     log = WorkerLog(rank, recipe, config.get("mlflow_run_id"))
-    finished = finished_step()
-    if finished is not None:
-        # a worker lost after the final checkpoint was registered, or the finished run submitted again
-        # under its name: the run is complete, and that final checkpoint stays its result
-        log.info(f"the run already ended at step {finished} (its final checkpoint is the latest): nothing "
-                 "to train; use a new tracking.run_name to train again")
-        ray_report({"step": finished, "done": True, "already_finished": True}, None)
+    from raytune_ft.train.ckpt_storage import report_if_finished, start_attempt
+
+    if report_if_finished(log):   # the final checkpoint is the latest: it stays the run's result
         return
-    from raytune_ft.train.ckpt_storage import start_attempt
 
     start_attempt(rank, log.info)          # checkpoint folders of dead attempts off the storage
     on_gpu = recipe.scaling.use_gpu and torch.cuda.is_available()
