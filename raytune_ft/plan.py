@@ -76,7 +76,7 @@ class DatasetSize:
 KNOWN_DATASETS: dict[tuple[str, str], DatasetSize] = {
     ("hf://HuggingFaceH4/ultrachat_200k", "train_sft"): DatasetSize(
         207_865, 1_322,
-        "UltraChat 200k train_sft: 207,865 rows x mean 1,322 tokens (Qwen3.8 template; data_peer.py, issue 4)"),
+        "UltraChat 200k train_sft: 207,865 rows x mean 1,322 tokens (Qwen3.8 template, counted over the whole split)"),
 }
 
 

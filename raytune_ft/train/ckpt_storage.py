@@ -132,14 +132,14 @@ class SaveGuard:
         self.free: int | None = None
 
     def _decide(self, step: int, final: bool) -> tuple[int, int, int]:
-        fs, run_path = self.st.fs, self.st.root
-        needed = storage.latest_checkpoint_bytes(fs, run_path) or self.first_estimate
-        if final:
-            needed += self.export_estimate
+        free = _probe(self.st, step)
+        extra = self.export_estimate if final else 0
+        if free is None:   # the storage cannot say (an object store): no listing of the last checkpoint for nothing
+            return self.first_estimate + extra, -1, 0
+        needed = (storage.latest_checkpoint_bytes(self.st.fs, self.st.root) or self.first_estimate) + extra
         if not self.st.remote and _same_device(tempfile.gettempdir(), self.st.root):
             needed *= 2   # each rank stages its part on the same disk before Ray copies it into the run folder
-        free = _probe(self.st, step)
-        return needed, (-1 if free is None else free), int(free is not None and free < needed)
+        return needed, free, int(free < needed)
 
     def check(self, step: int, final: bool = False) -> None:
         """Raise StorageFullError on every rank when the storage says the step's checkpoint will not fit."""
