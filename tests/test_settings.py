@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from raytune_ft.recipe import Recipe, TrainConfig, validate
+from tests.test_fsdp_loop import tiny_recipe
 
 
 # ---------------------------------------------------------------- the LR floor, both loops
@@ -159,26 +160,13 @@ def test_trl_no_clipping_leaves_gradients_unchanged():
 # ---------------------------------------------------------------- FSDP2: epochs and schedule length
 
 def _fsdp_recipe(storage, name: str, source: str, **train) -> Recipe:
-    r = Recipe(job="settings_fsdp")
-    r.model.local_tiny = True
-    r.model.dtype = "float32"
+    """test_fsdp_loop's tiny 2-worker recipe with the recipe's default schedule, no step cap, no periodic
+    checkpoint, and the given data."""
+    r = tiny_recipe(storage, name, **{"schedule": TrainConfig().schedule, "max_steps": None,
+                                      "checkpoint_every": 1000, **train})
+    r.job = "settings_fsdp"
     r.data.source = source
-    r.data.seq_len = 256
     r.data.pack_window = 16
-    r.train.lr = 2e-3
-    r.train.max_steps = None
-    r.train.log_every = 1
-    r.train.checkpoint_every = 1000
-    r.train.activation_checkpointing = "none"
-    for k, v in train.items():
-        setattr(r.train, k, v)
-    r.scaling.num_workers = 2
-    r.scaling.use_gpu = False
-    r.scaling.backend = "gloo"
-    r.scaling.max_failures = 0
-    r.tracking.storage_path = str(storage)
-    r.tracking.run_name = name
-    r.registry.enabled = False
     return validate(r)
 
 
