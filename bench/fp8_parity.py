@@ -3,20 +3,27 @@
 A small qwen3_5 model (default: 4 layers, 3 gated-delta-net : 1 attention, hidden 1024, MLP 3072, the
 27B's gated-delta-net and attention head shapes) with transformers' random init is trained from the
 same initial weights once per precision, on the same packed blocks in the same order: real chat rows
-(JSONL files, e.g. the fixtures' UltraChat and Capybara rows) plus the builtin chat tasks (arithmetic,
-reversal, copying), tokenized with a real tokenizer and the project's SFT masking, packed by the
-pipeline's packer, repeated as needed. The step is the FSDP2 loop's (shard_packed_model, StepBatch,
+(JSONL files, e.g. the fixtures' UltraChat and Capybara rows), rows of real text made from the running
+Python's standard library (`--stdlib-rows`: the user turn names a module and quotes ten lines of it, the
+assistant turn continues the file; a loss that stays near 1-2 nats for a few hundred steps, where the
+builtin tasks are nearly memorised and their losses fall to 0.2) and the builtin chat tasks
+(`--builtin-rows`), tokenized with a real tokenizer and the project's SFT masking, shuffled, packed by
+the pipeline's packer, repeated only if the steps outrun them. `--bf16-seeds 2` adds a bf16 run from
+other initial weights: how far two equally good bf16 runs lie apart, the spread float8 is read against. The step is the FSDP2 loop's (shard_packed_model, StepBatch,
 forward_backward, clip, fused AdamW) with fp32 master weights, bf16 compute and, by default,
 train.compile's compiled MLPs; float8 goes through the loop's own conversion (raytune_ft.train.fp8).
 
-    python3 bench/fp8_parity.py --tokenizer /tmp/tok/qwen3 --rows DIR/*.jsonl --steps 300 --out $OUT
+    python3 bench/fp8_parity.py --tokenizer /tmp/tok/qwen3 --rows DIR/*.jsonl --stdlib-rows 9000 \
+        --builtin-rows 0 --bf16-seeds 2 --steps 300 --out $OUT
     python bench/fp8_parity.py --plot-from fp8_parity.json --out DIR     # the figure from a run's JSON
     SHAPE=tiny DEVICE=cpu python bench/fp8_parity.py --steps 6 --log-every 2 --warmup 2 --cpu-check
 
-Prints a `RESULT {json}` line per precision (losses, tokens/s, converted linears) and a final one with
-the logged losses of each float8 recipe against bf16: at every `--log-every` step after the warm-up,
-|fp8 - bf16| / bf16 (the loop logs the loss of the logging step; no smoothing), its maximum and whether
-it is within `--tol`. Writes fp8_parity.json and, where matplotlib is installed, fp8_parity.png to --out.
+Prints a `RESULT {json}` line per run (losses, tokens/s, converted linears) and a final one with
+the logged losses of each float8 recipe (and of each other bf16 seed) against bf16: at every
+`--log-every` step after the warm-up, |fp8 - bf16| / bf16 of the step's loss (what the FSDP2 loop
+logs: the loss of the logging step, no smoothing), its maximum and whether it is within `--tol`; and
+the same for the mean loss of the `--log-every` steps up to each logged step (what Hugging Face's
+Trainer logs). Writes fp8_parity.json and, where matplotlib is installed, fp8_parity.png to --out.
 """
 from __future__ import annotations
 
@@ -59,8 +66,46 @@ def load_tokenizer(path: str | None):
     return tokenizer_for(ModelConfig(name=path, tokenizer=path))
 
 
-def make_blocks(tok, row_files: list[str], builtin_rows: int, seq: int) -> tuple[list[dict], dict]:
-    """Packed blocks of the rows (files first, then the builtin chat tasks), in the pipeline's format."""
+def stdlib_rows(n: int, context: int = 10, lines: int = 40) -> list[dict]:
+    """Up to `n` chat rows of real text: the running Python's standard library (tests excluded, files
+    in sorted order), then, if more are asked for, the installed transformers package's own source.
+    The user turn names the file and quotes `context` lines, the assistant turn is the next `lines`
+    lines. Deterministic for one Python and one transformers version."""
+    import sysconfig
+
+    import transformers
+
+    rows: list[dict] = []
+    for root in (sysconfig.get_paths()["stdlib"], os.path.dirname(transformers.__file__)):
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if d not in (
+                "test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3"))
+            for name in sorted(filenames):
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(dirpath, name)
+                with open(path, encoding="utf-8", errors="replace") as fh:
+                    text = fh.read().splitlines()
+                rel = os.path.relpath(path, os.path.dirname(root))
+                for start in range(context, len(text) - lines // 2, context + lines):
+                    before = "\n".join(text[start - context:start])
+                    after = "\n".join(text[start:start + lines])
+                    if not after.strip():
+                        continue
+                    rows.append({"messages": [
+                        {"role": "user", "content": f"Continue `{rel}` from line {start + 1}:\n```python\n{before}\n```"},
+                        {"role": "assistant", "content": f"```python\n{after}\n```"}]})
+                    if len(rows) >= n:
+                        return rows
+    return rows
+
+
+def make_blocks(tok, row_files: list[str], builtin_rows: int, seq: int,
+                stdlib: int = 0) -> tuple[list[dict], dict]:
+    """Packed blocks of the rows (files, standard-library text, builtin chat tasks; shuffled with a
+    fixed seed), in the pipeline's format."""
+    import random
+
     from raytune_ft.data.builtin import builtin_chat
     from raytune_ft.data.packing import DataCounters, pack_blocks
     from raytune_ft.data.pipeline import tokenize_rows
@@ -70,12 +115,16 @@ def make_blocks(tok, row_files: list[str], builtin_rows: int, seq: int) -> tuple
         with open(f) as fh:
             rows += [json.loads(line) for line in fh if line.strip()]
     n_file_rows = len(rows)
+    text_rows = stdlib_rows(stdlib) if stdlib else []
+    rows += text_rows
     rows += builtin_chat(builtin_rows, seed=0)
+    random.Random(0).shuffle(rows)
     cols = tokenize_rows(rows, tok)
     examples = [(ids, mask) for ids, mask in zip(cols["input_ids"], cols["mask"]) if ids]
     counters = DataCounters()
     blocks = list(pack_blocks(examples, seq, counters=counters, pad_id=tok.pad_token_id or 0))
-    info = {"file_rows": n_file_rows, "builtin_rows": builtin_rows, "conversations": len(examples),
+    info = {"file_rows": n_file_rows, "stdlib_rows": len(text_rows), "builtin_rows": builtin_rows,
+            "python": sys.version.split()[0], "conversations": len(examples),
             "blocks": len(blocks), "real_tokens": counters.real_tokens,
             "supervised_tokens": counters.supervised_tokens}
     return blocks, info
@@ -90,7 +139,7 @@ def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
 
 
 def train_curve(cfg, init_state: dict, blocks: list[dict], dev: torch.device, a, precision: str) -> dict:
-    """Train `a.steps` steps from `init_state` in `precision` ("bf16" or "fp8:<recipe>")."""
+    """Train `a.steps` steps from `init_state` in `precision` ("bf16", "bf16:seed<k>" or "fp8:<recipe>")."""
     from raytune_ft.models.build import decoder_layers
     from raytune_ft.train import fp8
     from raytune_ft.train.batch import StepBatch
@@ -141,20 +190,34 @@ def train_curve(cfg, init_state: dict, blocks: list[dict], dev: torch.device, a,
     return rec
 
 
+def window_means(curve: list[float], every: int) -> list[float]:
+    """The mean loss of the `every` steps up to each step (fewer at the start)."""
+    return [float(np.mean(curve[max(0, i + 1 - every):i + 1])) for i in range(len(curve))]
+
+
 def compare(curves: dict[str, list[float]], warmup: int, log_every: int, tol: float) -> dict:
-    """Each float8 curve against bf16 at the logged steps after warm-up (1-based step numbers)."""
+    """Each other curve (float8 recipes, other bf16 seeds) against bf16 at the logged steps after
+    warm-up (1-based step numbers): the step's loss, and the mean of the `log_every` steps up to it."""
     ref = curves["bf16"]
-    logged = [s for s in range(log_every, len(ref) + 1, log_every) if s > warmup]
+    ref_mean = window_means(ref, log_every)
+    logged = [s for s in range(log_every, len(ref) + 1, log_every) if s > warmup and ref[s - 1] > 0]
     out = {"logged_steps": logged, "tol": tol}
     for name, cur in curves.items():
         if name == "bf16":
             continue
+        cur_mean = window_means(cur, log_every)
         rel = [abs(cur[s - 1] - ref[s - 1]) / abs(ref[s - 1]) for s in logged]
-        every = [abs(c - r) / abs(r) for c, r in zip(cur[warmup:], ref[warmup:])]
+        rel_mean = [abs(cur_mean[s - 1] - ref_mean[s - 1]) / abs(ref_mean[s - 1]) for s in logged]
+        every = [abs(c - r) / abs(r) for c, r in zip(cur[warmup:], ref[warmup:]) if r > 0]   # 0: no labels
         out[name] = {"max_rel_diff_logged": round(max(rel), 5) if rel else None,
                      "mean_rel_diff_logged": round(float(np.mean(rel)), 5) if rel else None,
+                     "within_tol_logged": sum(r <= tol for r in rel),
                      "max_rel_diff_any_step": round(max(every), 5) if every else None,
                      "within_tol": bool(rel) and max(rel) <= tol,
+                     "max_rel_diff_window_mean": round(max(rel_mean), 5) if rel_mean else None,
+                     "within_tol_window_mean": bool(rel_mean) and max(rel_mean) <= tol,
+                     "signed_mean_rel_diff_logged": round(float(np.mean(
+                         [(cur[s - 1] - ref[s - 1]) / ref[s - 1] for s in logged])), 5) if rel else None,
                      "final_loss": cur[-1], "final_loss_bf16": ref[-1]}
     return out
 
@@ -185,7 +248,7 @@ def plot(result: dict, path: str) -> str | None:
     tol = 100 * cmp_["tol"]
     ax2.axhspan(-tol, tol, color="green", alpha=0.08)
     ax2.axhline(0, color="black", lw=0.6)
-    ax2.set_ylabel("(fp8 - bf16) / bf16, %")
+    ax2.set_ylabel("(run - bf16) / bf16, %")
     ax2.set_xlabel(f"step (logged every {steps[1] - steps[0] if len(steps) > 1 else 1} after warm-up)")
     ax2.grid(alpha=0.3)
     fig.savefig(path)
@@ -197,6 +260,11 @@ def main(argv=None) -> dict:
     p.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: the project's tiny one)")
     p.add_argument("--rows", nargs="*", default=[], help="JSONL chat files (globs allowed)")
     p.add_argument("--builtin-rows", type=int, default=6000, help="builtin chat tasks added to the rows")
+    p.add_argument("--stdlib-rows", type=int, default=0,
+                   help="rows of real text: the running Python's standard library, then transformers' source (above)")
+    p.add_argument("--bf16-seeds", type=int, default=1,
+                   help="bf16 runs from this many initial weights (seed 0 is the reference; the others "
+                        "measure the run-to-run spread)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--intermediate", type=int, default=3072)
@@ -233,12 +301,20 @@ def main(argv=None) -> dict:
     files = sorted(f for pat in a.rows for f in glob.glob(pat))
     tok = load_tokenizer(a.tokenizer)
     t = time.perf_counter()
-    blocks, data = make_blocks(tok, files, a.builtin_rows, a.seq)
+    blocks, data = make_blocks(tok, files, a.builtin_rows, a.seq, stdlib=a.stdlib_rows)
+    if len(blocks) < a.steps:
+        print(f"note: {len(blocks)} blocks for {a.steps} steps: blocks repeat", flush=True)
     data["tokenize_s"] = round(time.perf_counter() - t, 1)
     cfg = parity_config(-(-len(tok) // 128) * 128, a.layers, a.hidden, a.intermediate)   # aligned lm_head
-    init = {k: v.detach().cpu().clone() for k, v in gc.build_random_lm(cfg, dev, torch.float32).state_dict().items()}
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+    def init_weights(seed: int) -> dict:
+        lm = gc.build_random_lm(cfg, dev, torch.float32, seed=seed)
+        state = {k: v.detach().cpu().clone() for k, v in lm.state_dict().items()}
+        del lm
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        return state
+
+    init = init_weights(0)
     head = {"model": {k: getattr(cfg, k) for k in ("num_hidden_layers", "hidden_size", "intermediate_size",
                                                      "vocab_size")},
             "params_m": round(sum(v.numel() for v in init.values()) / 1e6, 1), "data": data,
@@ -246,21 +322,26 @@ def main(argv=None) -> dict:
             "master": "fp32", "compute": "bf16", "versions": gc.versions()}
     gc.emit({"bench": "fp8_parity_setup", **head})
     curves, runs = {}, {}
-    for precision in ["bf16"] + [f"fp8:{r}" for r in a.recipes.split(",") if r]:
-        rec = train_curve(cfg, init, blocks, dev, a, precision)
+    recipes = [f"fp8:{r}" for r in a.recipes.split(",") if r]   # order: what a short call must keep first
+    runs_to_make = ["bf16"] + recipes[:1] + [f"bf16:seed{k}" for k in range(1, a.bf16_seeds)] + recipes[1:]
+    title = (f"qwen3_5 {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}: "
+             f"{a.steps} steps x {a.seq} tokens, fp32 master, bf16 compute")
+    result: dict = {}
+    for precision in runs_to_make:
+        seed = int(precision.split(":seed", 1)[1]) if ":seed" in precision else 0
+        rec = train_curve(cfg, init if seed == 0 else init_weights(seed), blocks, dev, a, precision)
         gc.emit(rec)
         curves[precision] = rec["losses"]
         runs[precision] = {k: v for k, v in rec.items() if k not in ("losses", "grad_norms")}
-    result = {**head, "runs": runs, "curves": curves, "compare": compare(curves, a.warmup, a.log_every, a.tol),
-              "title": f"qwen3_5 {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}: "
-                       f"{a.steps} steps x {a.seq} tokens, fp32 master, bf16 compute"}
-    with open(os.path.join(a.out, "fp8_parity.json"), "w") as f:
-        json.dump(result, f)
+        # written after every run, so a call that runs out of time keeps the curves it has
+        result = {**head, "runs": runs, "curves": curves, "title": title,
+                  "compare": compare(curves, a.warmup, a.log_every, a.tol)}
+        with open(os.path.join(a.out, "fp8_parity.json"), "w") as f:
+            json.dump(result, f)
     png = plot(result, os.path.join(a.out, "fp8_parity.png"))
     gc.emit({"bench": "fp8_parity", "compare": {k: v for k, v in result["compare"].items() if k != "logged_steps"},
              "runs": runs, "figure": png or "matplotlib absent: --plot-from fp8_parity.json elsewhere"})
     return result
-
 
 if __name__ == "__main__":
     main()

@@ -16,7 +16,7 @@
 #   .ccsrc       causal-conv1d's sdist, built here when no wheel came (optional; takes minutes)
 # Logs and RESULT lines go to $OUT.
 set -u -o pipefail
-source "$(dirname "$0")/gpu_lib.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_lib.sh"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 RAY_COLOR_PREFIX=0
 export TOKENIZERS_PARALLELISM=false
 O=${OUT:-/tmp/out}
@@ -273,4 +273,5 @@ session_b() {   # as run in calls 7-8 (the Ray suite needs `cryptography` for ml
   grep -h "RESULT\|Error" "$O"/fp8_parity.log | cut -c1-1500
 }
 
-"$@"
+# run the named function when executed; only define them when sourced (bench/gpu_calls4.sh)
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then "$@"; fi
