@@ -233,8 +233,9 @@ def plot(result: dict, path: str) -> str | None:
     fig = Figure(figsize=(9, 6.5), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     ax, ax2 = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])
+    color = {name: f"C{i}" for i, name in enumerate(curves)}   # one colour per run in both panels
     for name, ys in curves.items():
-        ax.plot(range(1, len(ys) + 1), ys, label=name, lw=1.0 if name == "bf16" else 0.8,
+        ax.plot(range(1, len(ys) + 1), ys, label=name, color=color[name], lw=1.0 if name == "bf16" else 0.8,
                 alpha=0.9 if name == "bf16" else 0.8)
     ax.set_ylabel("training loss (per step)")
     ax.set_title(result.get("title", "float8 vs bf16"), fontsize=10)
@@ -244,10 +245,12 @@ def plot(result: dict, path: str) -> str | None:
     ref = curves["bf16"]
     for name, ys in curves.items():
         if name != "bf16":
-            ax2.plot(steps, [100 * (ys[s - 1] - ref[s - 1]) / ref[s - 1] for s in steps], marker=".", label=name)
+            ax2.plot(steps, [100 * (ys[s - 1] - ref[s - 1]) / ref[s - 1] for s in steps], marker=".", label=name,
+                     color=color[name])
     tol = 100 * cmp_["tol"]
     ax2.axhspan(-tol, tol, color="green", alpha=0.08)
     ax2.axhline(0, color="black", lw=0.6)
+    ax2.legend(fontsize=8)
     ax2.set_ylabel("(run - bf16) / bf16, %")
     ax2.set_xlabel(f"step (logged every {steps[1] - steps[0] if len(steps) > 1 else 1} after warm-up)")
     ax2.grid(alpha=0.3)

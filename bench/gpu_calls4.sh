@@ -90,8 +90,11 @@ work_c() {   # the suite's Ray Train part on one GPU; the fp32-master pair at th
   }
   on_gpus 0 ray_1gpu pytest_gpu ray_1gpu "$(left 10)" tests/gpu/test_fsdp_ray_gpu.py \
     & on_gpus 1 fp8_fp32master fp32_pair & wait
-  suite_summary
   grep -h "RESULT\|Error" "$O"/fp8_fp32master.log | cut -c1-1200
+  if [ "$(left)" -gt 180 ]; then   # then on both GPUs, if time is left (work_b's runs may have used it)
+    on_gpus 0,1 ray_2gpu pytest_gpu ray_2gpu "$(left)" tests/gpu/test_fsdp_ray_gpu.py
+  fi
+  suite_summary
 }
 
 "$@"

@@ -351,3 +351,52 @@ def test_the_loops_build_converts_a_meta_model_and_trains(tmp_path, monkeypatch,
         assert torch.isfinite(loss_sum / denom)
     assert not torch.equal(before, w.full_tensor())
     assert w._local_tensor._precomputed_scale is not None
+
+
+# ------------------------------------------------------------- the loss-parity bench's own arithmetic
+# bench/fp8_parity.py decides the "within 2% at every logged step": its comparison and its real
+# text rows are checked here, where a mistake would pass a bad curve or train on broken rows.
+
+def test_parity_compare_reads_the_logged_steps_and_window_means():
+    from bench.fp8_parity import compare, window_means
+
+    ref = [10.0] * 20 + [2.0] * 10
+    fp8 = list(ref)
+    fp8[22] = 2.1                                     # step 23: 5% off, between two logged steps
+    fp8[29] = 2.03                                    # step 30 (logged): 1.5% off
+    seed = [r * 0.97 for r in ref]                    # 3% below everywhere
+    out = compare({"bf16": ref, "fp8:tensorwise": fp8, "bf16:seed1": seed}, warmup=10, log_every=5, tol=0.02)
+    assert out["logged_steps"] == [15, 20, 25, 30]
+    t = out["fp8:tensorwise"]
+    assert t["within_tol"] and t["within_tol_logged"] == 4
+    assert t["max_rel_diff_logged"] == pytest.approx(0.015, abs=1e-6)
+    assert t["max_rel_diff_any_step"] == pytest.approx(0.05, abs=1e-6)          # step 23 is seen here
+    assert t["max_rel_diff_window_mean"] == pytest.approx(0.1 / 5 / 2.0, abs=1e-6)   # steps 21-25
+    s = out["bf16:seed1"]
+    assert not s["within_tol"] and s["within_tol_logged"] == 0
+    assert s["signed_mean_rel_diff_logged"] == pytest.approx(-0.03, abs=1e-6)
+    assert window_means([1.0, 3.0, 5.0], 2) == [1.0, 2.0, 4.0]
+
+
+def test_parity_skips_steps_without_labels():
+    from bench.fp8_parity import compare
+
+    ref = [3.0, 0.0, 2.0, 0.0]                        # steps 2 and 4: blocks with no supervised token
+    out = compare({"bf16": ref, "fp8:rowwise": [3.0, 0.0, 2.02, 0.0]}, warmup=0, log_every=1, tol=0.02)
+    assert out["logged_steps"] == [1, 3]
+    assert out["fp8:rowwise"]["max_rel_diff_logged"] == pytest.approx(0.01, abs=1e-6)
+
+
+def test_parity_text_rows_render_with_the_real_tokenizer(fixtures):
+    from bench.fp8_parity import load_tokenizer, stdlib_rows
+    from raytune_ft.data.pipeline import tokenize_rows
+
+    rows = stdlib_rows(40)
+    assert len(rows) == 40 and rows == stdlib_rows(40)                     # deterministic
+    user, assistant = rows[3]["messages"]
+    assert user["role"] == "user" and user["content"].startswith("Continue `python3.")
+    assert assistant["role"] == "assistant" and assistant["content"].startswith("```python\n")
+    cols = tokenize_rows(rows, load_tokenizer(str(fixtures / "tokenizers" / "qwen3")))
+    assert all(cols["input_ids"]) and not any(cols["skip_reason"])
+    for ids, mask in zip(cols["input_ids"], cols["mask"]):
+        assert 0 < sum(mask) < len(ids)                                     # loss on the continuation only
