@@ -95,8 +95,10 @@ def test_worker_environment_forwards_no_credentials(monkeypatch):
     for k in SECRET_VARS:
         monkeypatch.setenv(k, "sk-should-not-be-forwarded")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/mnt/shared/jit/triton")
     env = _worker_env()
     assert env.get("HF_HUB_OFFLINE") == "1"        # the forwarding works...
+    assert env.get("TRITON_CACHE_DIR") == "/mnt/shared/jit/triton"
     assert not set(SECRET_VARS) & set(env)          # ...and leaves credentials out
 
 

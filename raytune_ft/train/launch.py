@@ -7,8 +7,11 @@ from raytune_ft.recipe import Recipe, absolute_local_paths, recipe_from_dict
 
 
 def _worker_env() -> dict[str, str]:
+    # the JIT caches too: on a persistent disk they turn the start-up kernel check's first-run compile
+    # (minutes on a fresh node) into seconds for every later run (README, troubleshooting)
     keep = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "RAYTUNE_HF_ROOT", "HF_HOME",
             "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
+            "TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
             "RAYTUNE_FAULT_AFTER_UPLOAD", "RAYTUNE_FAULT_AT_STEP", "RAYTUNE_FAULT_FREE_BYTES")
     return {k: os.environ[k] for k in keep if k in os.environ}
 
