@@ -80,6 +80,20 @@ work_b() {
   fi
 }
 
+# check_cold_warm (a fresh one-GPU machine; carry .tl1 + .devpkgs/wheels, then .tl2 + .ccwheel): the start-up
+# check of the 27B shape in three fresh processes in a row, and what the on-disk JIT caches hold after each
+check_cold_warm() {
+  install
+  need_or_say fla tilelang z3 tvm_ffi liger_kernel || return 0
+  local i
+  for i in 1 2 3; do
+    PYTHONPATH=$CC_SITE:$PYTHONPATH timeout "$(left 20)" $PY -m raytune_ft.models.kernel_check \
+      --model qwen3.8-27b --repeat 1 2>&1 | grep -E "RESULT|kernels in use|Error" | cut -c1-300 | sed "s/^/[process $i] /"
+    echo "[process $i] on disk: triton $(find ~/.triton/cache -type f 2>/dev/null | wc -l) files," \
+      "tilelang $(find ~/.tilelang -type f 2>/dev/null | wc -l) files ($(date +%T))"
+  done
+}
+
 work_c() {   # the suite's Ray Train part on one GPU; the fp32-master pair at the 8-layer cut on the other
   install
   need_or_say ray mlflow torchao fla tilelang z3 tvm_ffi || return 0
