@@ -51,6 +51,19 @@ def test_only_the_big_decoder_linears_of_the_27b_shape_are_converted():
     assert "Float8" not in type(layer0.input_layernorm).__name__
 
 
+def test_every_decoder_linear_of_the_4b_shape_is_converted():
+    """The Qwen3-4B shape through the FSDP2 loop: hidden 2560, MLP 9728, 32 query heads and 8 KV heads of
+    128 (k/v 2560 -> 1024): every projection of every layer qualifies; lm_head, embeddings, norms do not."""
+    from raytune_ft.models.tiny import real_config
+
+    lm = _meta_lm(real_config("qwen3-4b", num_hidden_layers=2))
+    converted = fp8.convert_to_fp8(decoder_layers(lm), "rowwise")
+    per_layer = sorted(["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj",
+                        "self_attn.q_proj", "self_attn.v_proj"])
+    assert converted == [f"{i}.{n}" for i in range(2) for n in per_layer]
+    assert type(lm.lm_head) is nn.Linear and type(lm.model.embed_tokens) is nn.Embedding
+
+
 def test_filter_needs_multiples_of_16_or_32_and_size():
     keep, keep_mx = fp8.fp8_linear_filter("tensorwise"), fp8.fp8_linear_filter("mxfp8")
     with torch.device("meta"):
