@@ -93,6 +93,9 @@ def test_setup_installs_project_with_gpu_extra_on_gpu_nodes(cfg):
     with open(REPO / "pyproject.toml", "rb") as f:
         extras = tomllib.load(f)["project"]["optional-dependencies"]
     assert "gpu" in extras
+    names = {re.split(r"[<>=;\[ ]", d, maxsplit=1)[0] for d in extras["gpu"]}
+    # what the start-up kernel check verifies on the node, plus tilelang (fla's Hopper backward) and torchao
+    assert {"liger-kernel", "flash-linear-attention", "causal-conv1d", "tilelang", "torchao"} <= names
     prepared = _prepared(cfg)
     worker = " && ".join(prepared["worker_setup_commands"])
     head = " && ".join(prepared["head_setup_commands"])
