@@ -217,6 +217,14 @@ def count_steps(blocks: Iterable[dict], per_step: int, *, flag_device: torch.dev
     return -(-max_over_ranks(n, flag_device or torch.device("cpu"), group) // per_step)
 
 
+def count_run_steps(open_blocks: Callable[[int, DataCounters], Iterable[dict]], per_step: int, epochs: int, *,
+                    flag_device: torch.device | None = None, group: Any = None) -> int:
+    """Optimizer steps of `epochs` passes, each from the start (`count_steps` per pass: a collective and
+    a full pass over the data each, tokenize + pack, no training). Both loops count their schedule so."""
+    return sum(count_steps(open_blocks(e, DataCounters()), per_step, flag_device=flag_device, group=group)
+               for e in range(epochs))
+
+
 class EpochFeeds:
     """`epochs` passes over this rank's data, a `StepFeed` each, resumable inside any of them.
 
@@ -227,9 +235,9 @@ class EpochFeeds:
     """
 
     def __init__(self, open_blocks: Callable[[int, DataCounters], Iterable[dict]], *, epochs: int, per_step: int,
-                 seq_len: int, rank: int, state: dict, flag_device: torch.device | None = None, group: Any = None):
+                 seq_len: int, rank: int, state: dict, group: Any = None):
         self.open_blocks, self.epochs, self.per_step, self.seq_len = open_blocks, epochs, per_step, seq_len
-        self.rank, self.flag_device, self.group = rank, flag_device, group
+        self.rank, self.group = rank, group
         self.epoch = int(state.get("epoch", 0))
         saved = state.get("epoch_counters") or ([state["counters"]] if state.get("counters") else [])
         self.finished = [DataCounters.from_dict(c) for c in saved[:self.epoch]]
@@ -245,7 +253,7 @@ class EpochFeeds:
     def _open(self, skip: int, fingerprint: int | None) -> StepFeed:
         return StepFeed(self.open_blocks(self.epoch, self.counters), per_step=self.per_step, seq_len=self.seq_len,
                         counters=self.counters, rank=self.rank, skip_blocks=skip, fingerprint=fingerprint,
-                        flag_device=self.flag_device, group=self.group)
+                        group=self.group)
 
     def next_blocks(self) -> list[dict] | None:
         """The next step's blocks, moving on to the next epoch when one ends; None after the last."""

@@ -41,18 +41,28 @@ def load_train_checkpoint(directory: str, model, optimizer, rank: int, *, fs: pa
     `directory` is a path on `fs` (default: the local filesystem), read where it lies: `.metadata`, this
     rank's shard file and its train-state file, nothing of the other ranks. `reads` gets the files opened.
     """
-    from raytune_ft import storage
-
     fs = fs or pafs.LocalFileSystem()
     directory = directory if not isinstance(fs, pafs.LocalFileSystem) else os.path.abspath(directory)
-    path = f"{directory.rstrip('/')}/train_state/rank{rank}.json"
-    state = storage.read_json(fs, path)
+    state = read_train_state(fs, directory, rank)
+    opened = dcp_io.load(fs, directory, model, optimizer, rank)
+    if reads is not None:
+        reads.extend(opened + [train_state_path(directory, rank)])
+    return state
+
+
+def train_state_path(directory: str, rank: int) -> str:
+    return f"{directory.rstrip('/')}/train_state/rank{rank}.json"
+
+
+def read_train_state(fs: pafs.FileSystem, directory: str, rank: int) -> dict:
+    """This rank's train state in a checkpoint (both loops); a clear error where the checkpoint has none
+    for this rank: starting one rank over while the others resume would desynchronise them."""
+    from raytune_ft import storage
+
+    state = storage.read_json(fs, train_state_path(directory, rank))
     if state is None:
         raise RuntimeError(f"checkpoint {directory} has no train state for rank {rank}: it was written by a run "
                            "with a different number of workers; resume with the same scaling.num_workers")
-    opened = dcp_io.load(fs, directory, model, optimizer, rank)
-    if reads is not None:
-        reads.extend(opened + [path])
     return state
 
 

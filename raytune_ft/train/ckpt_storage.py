@@ -89,11 +89,7 @@ def start_attempt(rank: int, log: Callable[[str], None] = storage._print) -> lis
         ckpt = ray.train.get_checkpoint()
         resuming = ckpt.path.rstrip("/").rsplit("/", 1)[-1] if ckpt is not None else None
         try:
-            if resuming and storage.reported_checkpoints(fs, run_path) is None:
-                # resuming, yet no record of Ray's checkpoints to tell orphans from kept ones: remove nothing
-                log("no record of the run's reported checkpoints: unreported folders left in place")
-            else:
-                removed = storage.remove_orphans(fs, run_path, log=log, protect=[resuming] if resuming else [])
+            removed = storage.remove_orphans(fs, run_path, log=log, protect=[resuming] if resuming else [])
         except (OSError, ValueError) as e:  # housekeeping: a storage hiccup or a torn record must not stop the run
             log(f"could not clear unreported checkpoints: {redact_exception(e)}")
     _barrier()
@@ -157,11 +153,17 @@ class SaveGuard:
 
     def write(self, fn: Callable[[], Any], step: int) -> Any:
         """Run a save or an upload; an out-of-space failure in it comes out as a StorageFullError."""
-        try:
-            return fn()
-        except BaseException as e:
-            err = storage.disk_full_error(e, self.st.uri(), self.needed, self.free,
-                                          what=f"the step-{step} checkpoint")
-            if err is not None and err is not e:
-                raise err from e
-            raise
+        return write_checkpoint(fn, self.st, step, self.needed, self.free)
+
+
+def write_checkpoint(fn: Callable[[], Any], st: "storage.Storage", step: int, needed: int | None = None,
+                     free: int | None = None) -> Any:
+    """Run the step's save or upload to `st`; an out-of-space failure in it comes out as a
+    StorageFullError naming the storage (with the bytes needed and free where they are known)."""
+    try:
+        return fn()
+    except BaseException as e:
+        err = storage.disk_full_error(e, st.uri(), needed, free, what=f"the step-{step} checkpoint")
+        if err is not None and err is not e:
+            raise err from e
+        raise

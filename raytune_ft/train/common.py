@@ -167,6 +167,11 @@ class WorkerLog:
         except Exception as e:   # a resumed run logs the same value again; a different one is refused
             self.info(f"MLflow param {key} not logged ({type(e).__name__})")
 
+    def mfu_basis(self, basis: str) -> None:
+        """Say what the run's MFU figures are relative to: the log line and the MLflow param (both loops)."""
+        self.info(f"MFU basis: {basis}")
+        self.log_param("mfu_peak_basis", basis)
+
     def log_metrics(self, m: dict, step: int) -> None:
         if self.mlflow is None:
             return

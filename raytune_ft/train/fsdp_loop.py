@@ -23,7 +23,7 @@ from raytune_ft.data.packing import DataCounters
 from raytune_ft.recipe import Recipe
 from raytune_ft.train import checkpoint as ckpt_io
 from raytune_ft.train import ckpt_storage
-from raytune_ft.train.batch import EpochFeeds, StepBatch, count_steps, worker_blocks
+from raytune_ft.train.batch import EpochFeeds, StepBatch, count_run_steps, worker_blocks
 from raytune_ft.train.common import WorkerLog, lr_at, recipe_from_config, report
 from raytune_ft.train.fp8 import precompute_fp8_scales
 from raytune_ft.train.fsdp_model import PackedCausalLM, build_fsdp_model, compile_pointwise, shard_packed_model
@@ -84,10 +84,9 @@ def train_fsdp(config: dict) -> None:
     if state["step"]:   # a restart on a storage that cannot take the next checkpoint stops here, not steps later
         guard.check(state["step"] + t_cfg.checkpoint_every)
     feed = _open_data(recipe, config, state, rank=rank, device=device)
-    total_steps = _schedule_length(recipe, config, state, feed, log)
+    total_steps = _schedule_length(recipe, state, feed, log)
     window = _Window(device, lm.config, world, state)
-    log.info(f"MFU basis: {window.mfu_basis}")
-    log.log_param("mfu_peak_basis", window.mfu_basis)
+    log.mfu_basis(window.mfu_basis)
 
     step = state["step"]
     last_metrics: dict = {}
@@ -172,20 +171,18 @@ def _open_data(recipe: Recipe, config: dict, state: dict, *, rank: int, device: 
                       seq_len=recipe.data.seq_len, rank=rank, state=state, group=group)
 
 
-def _schedule_length(recipe: Recipe, config: dict, state: dict, feed: EpochFeeds, log: WorkerLog) -> int:
+def _schedule_length(recipe: Recipe, state: dict, feed: EpochFeeds, log: WorkerLog) -> int:
     """Optimizer steps of the run, for an LR schedule that must know its end (0: none needed).
 
     `train.max_steps` when set; else, for a decaying schedule, counted: one extra pass per epoch
     (tokenize + pack, no training) counts every rank's blocks exactly as the feed will run them, so
     the schedule ends on the run's last step. Counted once: a resumed attempt reads it back."""
     t = recipe.train
-    total = int(config.get("total_steps") or t.max_steps or 0)
+    total = int(t.max_steps or 0)
     if not total and t.schedule != "constant":
         total = int(state.get("counted_steps") or 0)
         if not total:
-            per_step = t.grad_accum * t.micro_batch_size
-            total = sum(count_steps(feed.open_blocks(e, DataCounters()), per_step, group=feed.group)
-                        for e in range(t.epochs))
+            total = count_run_steps(feed.open_blocks, feed.per_step, t.epochs, group=feed.group)
             log.info(f"schedule length: counted {total} optimizer steps for {t.epochs} epoch(s) (one extra "
                      "pass over the data per epoch; set train.max_steps to skip it)")
         state["counted_steps"] = total
@@ -266,10 +263,12 @@ class _Window:
         return time.perf_counter() - self.t_start
 
     def attempt_metrics(self, state: dict) -> dict:
-        """Tokens and seconds of this attempt and of the run, for the end-of-run report."""
+        """Tokens and seconds of this attempt and of the run, for the end-of-run report (the run's seconds
+        also into `state`, for the final checkpoint)."""
         seconds = self.elapsed()
+        state["run_train_seconds"] = self.seconds_before + seconds
         return {"tokens": state["tokens_total"], "attempt_tokens": state["tokens_total"] - self.tokens_before,
-                "train_seconds": seconds, "run_train_seconds": self.seconds_before + seconds}
+                "train_seconds": seconds, "run_train_seconds": state["run_train_seconds"]}
 
 
 def _finish(recipe: Recipe, model, opt, lm, tok, rank: int, state: dict, step: int, feed: EpochFeeds,
@@ -281,7 +280,6 @@ def _finish(recipe: Recipe, model, opt, lm, tok, rank: int, state: dict, step: i
     final = dict(last_metrics)
     final.update({"step": step, "loss": state["history"][-1]["loss"] if state["history"] else float("nan"),
                   "done": True, **window.attempt_metrics(state)})
-    state["run_train_seconds"] = final["run_train_seconds"]
     final |= feed.total_counters().as_metrics()
     if recipe.train.save_final:
         _save_and_report(recipe, model, opt, rank, state, final, log, final=True, lm=lm, tokenizer=tok,

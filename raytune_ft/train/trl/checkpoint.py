@@ -16,7 +16,7 @@ import os
 import shutil
 
 from raytune_ft.recipe import Recipe
-from raytune_ft.train.checkpoint import write_meta
+from raytune_ft.train.checkpoint import read_train_state, write_meta
 from raytune_ft.train.common import WorkerLog
 from raytune_ft.train.trl.base import TRAINER_FILES, write_train_state
 
@@ -56,7 +56,8 @@ def save_train_state(d: str, rank: int, step: int, blocks, metrics: dict) -> Non
     write_train_state(d, rank, {"step": step, "epoch": blocks.epoch, "blocks_consumed": blocks.blocks_consumed,
                                 "data_fingerprint": blocks.fingerprint, "counters": blocks.counters.to_dict(),
                                 "tokens_total": metrics["tokens"],
-                                "run_train_seconds": metrics["run_train_seconds"]})
+                                "run_train_seconds": metrics["run_train_seconds"],
+                                "counted_steps": blocks.counted_steps})
 
 
 def save_meta(d: str, recipe: Recipe, state, last: dict, *, final: bool, extra: dict | None = None) -> None:
@@ -87,12 +88,7 @@ def restore_hf_checkpoint(out_dir: str, rank: int, log: WorkerLog) -> tuple[str 
     # read where it lies, only what this rank needs: model (or adapter), optimizer, scheduler, trainer state,
     # its own RNG state and train state; never the other ranks' files
     fs, root = ckpt.filesystem, ckpt.path.rstrip("/")
-    st = storage.read_json(fs, f"{root}/train_state/rank{rank}.json")
-    if st is None:   # starting this rank over while the others resume would desynchronise the ranks
-        raise RuntimeError(f"checkpoint {root} has no train state for rank {rank}: it was written by a run "
-                           "with a different number of workers; resume with the same scaling.num_workers")
-    if not storage.list_files(fs, f"{root}/trainer"):
-        raise RuntimeError(f"checkpoint {root} has no trainer state (trainer/) to resume from")
+    st = read_train_state(fs, root, rank)
     dst = os.path.join(out_dir, f"checkpoint-{st['step']}")
     os.makedirs(dst, exist_ok=True)
 
@@ -100,7 +96,9 @@ def restore_hf_checkpoint(out_dir: str, rank: int, log: WorkerLog) -> tuple[str 
         name = rel.rsplit("/", 1)[-1]
         return not name.startswith("rng_state") or name in (f"rng_state_{rank}.pth", "rng_state.pth")
 
-    for sub in ("hf", "adapter", "trainer"):
+    if not storage.download(fs, f"{root}/trainer", dst, only=mine):   # one listing: what it copied
+        raise RuntimeError(f"checkpoint {root} has no trainer state (trainer/) to resume from")
+    for sub in ("hf", "adapter"):
         storage.download(fs, f"{root}/{sub}", dst, only=mine)
     log.info(f"resuming from step {st['step']} ({st['blocks_consumed']} blocks consumed on rank {rank})")
     return dst, st

@@ -9,7 +9,7 @@ end to end as one row with the varlen signals, TRL's padding-free format.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -29,8 +29,7 @@ class RankBlocks(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, recipe: Recipe, *, rank: int, flag_device: torch.device, epoch: int = 0,
-                 skip_blocks: int = 0, fingerprint: int | None = None,
-                 blocks_fn: Callable[[int, DataCounters], Iterator[dict]] | None = None):
+                 skip_blocks: int = 0, fingerprint: int | None = None, counted_steps: int | None = None):
         self.recipe, self.rank, self.flag_device = recipe, rank, flag_device
         self.epoch = epoch                          # the epoch of the current (or next) pass
         self.counters = DataCounters()
@@ -39,14 +38,10 @@ class RankBlocks(torch.utils.data.IterableDataset):
         self.real_tokens = 0
         self.flops = 0.0                            # model FLOPs of the real blocks fed (set flops_config)
         self.flops_config = None
-        self._blocks_fn = blocks_fn or self._worker_blocks
+        self.counted_steps = counted_steps          # the run's counted schedule length, if it was counted
         self._pending: tuple[dict, Iterator[dict]] | None = None
         self._passes = 0
         self._feed: StepFeed | None = None
-
-    def pass_blocks(self, epoch: int, counters: DataCounters) -> Iterator[dict]:
-        """The blocks of one epoch's pass over this rank's share, from its start."""
-        return self._blocks_fn(epoch, counters)
 
     @property
     def blocks_consumed(self) -> int:
@@ -57,9 +52,6 @@ class RankBlocks(torch.utils.data.IterableDataset):
     def fingerprint(self) -> int | None:
         return self._feed.fingerprint if self._feed is not None else self._resume[1]
 
-    def _worker_blocks(self, epoch: int, counters: DataCounters) -> Iterator[dict]:
-        return worker_blocks(self.recipe, counters=counters, epoch=epoch)
-
     def _pass(self) -> Iterator[dict]:
         from raytune_ft.hardware import flops_per_block
 
@@ -69,7 +61,8 @@ class RankBlocks(torch.utils.data.IterableDataset):
         self._passes += 1
         if self.epoch >= self.recipe.train.epochs:
             return
-        self._feed = StepFeed(self._blocks_fn(self.epoch, self.counters), per_step=self.per_step,
+        self._feed = StepFeed(worker_blocks(self.recipe, counters=self.counters, epoch=self.epoch),
+                              per_step=self.per_step,
                               seq_len=self.recipe.data.seq_len, counters=self.counters, rank=self.rank,
                               skip_blocks=skip, fingerprint=fingerprint, flag_device=self.flag_device)
         for block in self._feed:

@@ -19,16 +19,13 @@ import torch.distributed as dist
 
 from raytune_ft.data.packing import DataCounters
 from raytune_ft.recipe import Recipe
-from raytune_ft.train.batch import collate_blocks, count_steps, worker_blocks
+from raytune_ft.train.batch import collate_blocks, count_run_steps, worker_blocks
 from raytune_ft.train.common import WorkerLog, recipe_from_config
 from raytune_ft.train.trl.base import ray_report
 from raytune_ft.train.trl.checkpoint import (restore_hf_checkpoint, save_final, save_meta,
                                              save_train_state)
 from raytune_ft.train.trl.data import RankBlocks, facade, release_facades
 from raytune_ft.train.trl.trainer import report_callback, trainer_class
-
-_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
-
 
 def train_trl(config: dict) -> None:
     """Ray Train worker entry point for the TRL recipes (full fine-tune or LoRA)."""
@@ -85,15 +82,16 @@ def train_trl(config: dict) -> None:
     resume_dir, resumed = restore_hf_checkpoint(out_dir, rank, log)
     train_blocks = RankBlocks(recipe, rank=rank, flag_device=flag_device, epoch=int(resumed.get("epoch", 0)),
                               skip_blocks=int(resumed.get("blocks_consumed", 0)),
-                              fingerprint=resumed.get("data_fingerprint"))
+                              fingerprint=resumed.get("data_fingerprint"),
+                              counted_steps=resumed.get("counted_steps"))
     train_blocks.flops_config = lm.config
     eval_blocks = _validation_blocks(recipe, log)
 
-    max_steps = int(config.get("total_steps") or t.max_steps or 0)
+    max_steps = int(t.max_steps or resumed.get("counted_steps") or 0)
     if not max_steps:
-        per_step = t.micro_batch_size * t.grad_accum
-        max_steps = max(1, sum(count_steps(train_blocks.pass_blocks(e, DataCounters()), per_step,
-                                           flag_device=flag_device) for e in range(t.epochs)))
+        max_steps = max(1, count_run_steps(lambda e, c: worker_blocks(recipe, counters=c, epoch=e),
+                                           train_blocks.per_step, t.epochs, flag_device=flag_device))
+        train_blocks.counted_steps = max_steps      # saved with the train state: a resumed attempt reads it back
         log.info(f"counted {max_steps} optimizer steps for {t.epochs} epoch(s) (one extra pass over the "
                  "data per epoch; set train.max_steps to skip it)")
 
@@ -206,7 +204,7 @@ def _sft_config(recipe: Recipe, out_dir: str, max_steps: int, *, on_gpu: bool, b
         gradient_accumulation_steps=t.grad_accum, learning_rate=t.lr, weight_decay=t.weight_decay,
         # Hugging Face reads 0 as no clipping; the schedule is the recipe's own (trainer.recipe_scheduler)
         adam_beta1=t.betas[0], adam_beta2=t.betas[1], max_grad_norm=t.max_grad_norm or 0.0,
-        warmup_steps=t.warmup_steps, lr_scheduler_type=_SCHEDULES[t.schedule],
+        warmup_steps=t.warmup_steps,
         logging_steps=t.log_every, eval_strategy="steps" if eval_steps else "no", eval_steps=eval_steps,
         save_strategy="steps", save_steps=t.checkpoint_every, save_total_limit=t.keep_checkpoints,
         load_best_model_at_end=t.load_best_at_end, metric_for_best_model="eval_loss" if eval_steps else None,

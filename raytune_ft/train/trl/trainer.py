@@ -123,8 +123,7 @@ def report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ran
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.window = (time.perf_counter(), pause["s"], train_blocks.real_tokens, train_blocks.flops)
-            log.info(f"MFU basis: {mfu_basis(device_name)}")
-            log.log_param("mfu_peak_basis", mfu_basis(device_name))
+            log.mfu_basis(mfu_basis(device_name))
 
         def throughput(self) -> dict[str, float]:
             """tokens/s (all ranks), per worker, MFU and peak memory since the last train log; evaluation
@@ -186,17 +185,10 @@ def report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ran
                 if rank == 0:
                     save_meta(d, recipe, state, self.last, final=False)
                 log.info(f"checkpoint at step {state.global_step}")
-                try:
-                    ray_report(metrics, d)                 # the upload to storage happens in here
-                except BaseException as e:               # out of space: said so, not in torch's words
-                    from raytune_ft import storage
-                    from raytune_ft.train.ckpt_storage import run_storage
+                # the upload to storage happens in ray_report; out of space is said so, not in torch's words
+                from raytune_ft.train.ckpt_storage import run_storage, write_checkpoint
 
-                    full = storage.disk_full_error(e, run_storage().uri(), None, None,
-                                                   what=f"the step-{state.global_step} checkpoint")
-                    if full is not None and full is not e:
-                        raise full from e
-                    raise
+                write_checkpoint(lambda: ray_report(metrics, d), run_storage(), state.global_step)
 
         def metrics(self, state, blocks: RankBlocks) -> dict:
             """The last logged figures, with this attempt's and the run's tokens and seconds (a
