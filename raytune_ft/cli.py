@@ -69,17 +69,19 @@ def _print_plan(recipe: Recipe, **kwargs) -> None:
     except ImportError:
         return
     try:
-        print(memory_plan(recipe, **kwargs).render())
-        _print_storage_plan(recipe)
+        plan = memory_plan(recipe, **kwargs)
+        print(plan.render())
+        _print_storage_plan(recipe, plan.shape)
     except ValueError as e:  # an unknown model shape or GPU: the recipe itself is fine
         print(f"(no memory plan: {redact(str(e))})")
 
 
-def _print_storage_plan(recipe: Recipe) -> None:
-    """What the run writes to tracking.storage_path: per checkpoint, the export, the peak."""
+def _print_storage_plan(recipe: Recipe, shape) -> None:
+    """What the run writes to tracking.storage_path: per checkpoint, the export, the peak (`shape`: the
+    model shape the memory plan just read)."""
     from raytune_ft.storage_plan import storage_plan
 
-    print("\n".join(storage_plan(recipe).lines()))
+    print("\n".join(storage_plan(recipe, shape).lines()))
 
 
 def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = None, *, prog: str = "job") -> int:
@@ -359,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {redact(str(e))}", file=sys.stderr)
             return 2
         print(plan.render())
-        _print_storage_plan(recipe)
+        _print_storage_plan(recipe, plan.shape)
         return 0 if plan.fits else 1
     if args.command == "runs":
         storages = args.storage or [*DEFAULT_STORAGE, *filter(None, [os.environ.get("RAYTUNE_LOCAL_STORAGE")])]

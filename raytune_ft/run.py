@@ -115,7 +115,7 @@ def _storage_full(exc: BaseException):
     return None
 
 
-def _write_plots(recipe: Recipe, ckpt, run_id: str, last_step: int) -> list[str]:
+def _write_plots(recipe: Recipe, st, run_path: str, ckpt, run_id: str, last_step: int) -> list[str]:
     """Loss and throughput PNGs in <run folder>/plots, logged to the MLflow run; never fails the run.
 
     Only the two small history files are read from the checkpoint (rank 0's train state, the trainer
@@ -125,14 +125,13 @@ def _write_plots(recipe: Recipe, ckpt, run_id: str, last_step: int) -> list[str]
     from raytune_ft import storage
     from raytune_ft.plots import plot_finished_run
 
-    st, run_path = storage.run_storage(recipe)
     try:
         with tempfile.TemporaryDirectory(prefix="raytune_plots_") as tmp:
             src = os.path.join(tmp, "checkpoint")
+            # the FSDP2 loop writes the first, the TRL loop both; download copies nothing of a missing one
             for rel in ("train_state/rank0.json", "trainer/trainer_state.json"):
-                if storage.exists(ckpt.filesystem, f"{ckpt.path.rstrip('/')}/{rel}"):
-                    storage.download(ckpt.filesystem, f"{ckpt.path.rstrip('/')}/{rel}", os.path.dirname(
-                        os.path.join(src, rel)))
+                storage.download(ckpt.filesystem, f"{ckpt.path.rstrip('/')}/{rel}",
+                                 os.path.dirname(os.path.join(src, rel)))
             out = os.path.join(tmp, "plots") if st.remote else os.path.join(run_path, "plots")
             every = recipe.train.checkpoint_every
             paths = plot_finished_run(src, out, tracking_uri=recipe.tracking_uri, run_id=run_id,
@@ -199,7 +198,7 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
     t0 = time.time()
     ensure_ray(local)
     run_id = tracking.start_run(recipe)
-    trainer = build_trainer(recipe, mlflow_run_id=run_id, total_steps=recipe.train.max_steps)
+    trainer = build_trainer(recipe, mlflow_run_id=run_id)
     try:
         result = trainer.fit()
     except BaseException as e:
@@ -218,12 +217,13 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
         metrics = _last_logged_metrics(recipe, run_id) or metrics
     if ckpt is None and recipe.train.save_final:
         raise RuntimeError("training finished without a checkpoint")
+    st, run_path = storage.run_storage(recipe)
     meta, data, plots, ckpt_uri = {}, {}, [], None
     if ckpt is not None:   # the small files are read where the checkpoint lies: nothing else is fetched
         ckpt_uri = storage.open_checkpoint(ckpt.path, ckpt.filesystem)[2]
         meta = read_meta_at(ckpt.filesystem, ckpt.path)
         data = merged_data_counters(ckpt.path, ckpt.filesystem)
-        plots = _write_plots(recipe, ckpt, run_id, int(meta.get("step") or 0))
+        plots = _write_plots(recipe, st, run_path, ckpt, run_id, int(meta.get("step") or 0))
     summary = RunSummary(
         job=recipe.job, run_name=recipe.tracking.run_name, status="trained", steps=int(metrics.get("step", 0)),
         tokens=int(metrics.get("tokens", 0)), final_loss=meta.get("final_loss", metrics.get("loss")),
@@ -265,7 +265,6 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
                                   **_data_metrics(data)})
     except Exception as e:  # the run is trained and (maybe) registered: tracking must not lose it
         print(f"[raytune_ft] could not close the MLflow run: {type(e).__name__}")
-    st, run_path = storage.run_storage(recipe)
     storage.write_json(st.fs, f"{run_path}/summary.json", asdict(summary))
     _keep_tracking_db(recipe, st, run_path)
     return summary

@@ -319,14 +319,22 @@ def reported_checkpoints(fs: pafs.FileSystem, run_path: str) -> Reported | None:
     return Reported(kept=kept, latest=latest, metrics=metrics)
 
 
-def orphan_checkpoints(fs: pafs.FileSystem, run_path: str, protect: Iterable[str] = ()) -> list[str]:
+def orphan_checkpoints(fs: pafs.FileSystem, run_path: str, protect: Iterable[str] = (),
+                       log: Callable[[str], None] | None = None) -> list[str]:
     """checkpoint_* folders that no report made Ray's (left by an attempt that died between upload and report).
 
     `protect`: folder names that are never orphans whatever Ray's record says (the one being resumed from).
-    Only safe to act on while no attempt of the run is writing: at the start of an attempt, or before `fit`.
+    With something to protect (an attempt resuming) and no record of Ray's, none: orphans cannot be told
+    from the checkpoints Ray keeps (said through `log`). Only safe to act on while no attempt of the run is
+    writing: at the start of an attempt, or before `fit`.
     """
+    protect = set(protect)
     reported = reported_checkpoints(fs, run_path)
-    keep = (reported.names if reported else set()) | set(protect)
+    if reported is None and protect:
+        if log is not None:
+            log("no record of the run's reported checkpoints: unreported folders left in place")
+        return []
+    keep = (reported.names if reported else set()) | protect
     return [n for n in checkpoint_dirs(fs, run_path) if n not in keep]
 
 
@@ -339,7 +347,7 @@ def remove_orphans(fs: pafs.FileSystem, run_path: str, log: Callable[[str], None
     """Delete the orphan checkpoint folders of the run (never one Ray registered, never one in `protect`);
     returns their names."""
     removed = []
-    for name in orphan_checkpoints(fs, run_path, protect):
+    for name in orphan_checkpoints(fs, run_path, protect, log=log):
         path = f"{run_path.rstrip('/')}/{name}"
         size = tree_bytes(fs, path)
         try:

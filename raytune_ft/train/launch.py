@@ -16,8 +16,7 @@ def _worker_env() -> dict[str, str]:
     return {k: os.environ[k] for k in keep if k in os.environ}
 
 
-def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, total_steps: int | None,
-                  blocks_by_rank: dict | None = None):
+def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, blocks_by_rank: dict | None = None):
     """The TorchTrainer for `recipe`; re-running with the same run name resumes from its last checkpoint."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -48,7 +47,7 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, total_steps: int
     # their own working folder or home (a second, empty store there would take their metrics)
     shipped = absolute_local_paths(recipe_from_dict(recipe.to_dict()))
     shipped.tracking.tracking_uri = shipped.tracking_uri
-    config = {"recipe": shipped.to_dict(), "mlflow_run_id": mlflow_run_id, "total_steps": total_steps}
+    config = {"recipe": shipped.to_dict(), "mlflow_run_id": mlflow_run_id}
     if blocks_by_rank is not None:
         config["blocks_by_rank"] = blocks_by_rank
         datasets, dataset_config = None, None
