@@ -7,6 +7,7 @@ modules that are slow throughout, so a test file needs no marker of its own (one
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -69,6 +70,28 @@ SECRET_VARS = ("DATABRICKS_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MLFLOW
                "MLFLOW_TRACKING_PASSWORD", "DATABRICKS_CLIENT_SECRET")
 
 
+@contextlib.contextmanager
+def local_job_process(cwd, overrides: list[str], *, extra_env: dict | None = None, drop_env: tuple = (),
+                      prefix: str = "rtjob", timeout: int = 900):
+    """`python jobs/qwen27b_b300.py --local --set=...` run in `cwd` as a user runs it (a subprocess with its
+    own local Ray: RAY_ADDRESS dropped) with Ray's files in a short RAY_TMPDIR of its own (AF_UNIX paths are
+    <= 107 bytes), removed afterwards. Yields (the finished process, the RAY_TMPDIR)."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    ray_tmp = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    env = {**os.environ, **(extra_env or {}), "RAY_TMPDIR": str(ray_tmp), "PYTHONUNBUFFERED": "1"}
+    for k in ("RAY_ADDRESS", *drop_env):
+        env.pop(k, None)
+    cmd = [sys.executable, str(REPO / "jobs" / "qwen27b_b300.py"), "--local", *[f"--set={o}" for o in overrides]]
+    try:
+        yield subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, timeout=timeout), ray_tmp
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def local_job(tmp_path_factory):
     """The 27B recipe's --local job, run once per session as a user runs it (a subprocess, its own local
@@ -80,38 +103,45 @@ def local_job(tmp_path_factory):
     """
     import json
     import secrets
-    import shutil
-    import subprocess
-    import sys
-    import tempfile
 
     work = tmp_path_factory.mktemp("localjob")
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rtjob", dir="/tmp"))
     planted = {k: f"sk-{k.lower()}-{secrets.token_hex(16)}" for k in SECRET_VARS}
-    env = {**os.environ, **planted, "RAY_TMPDIR": str(ray_tmp), "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
     overrides = [f"tracking.storage_path={work / 'runs'}", "train.log_every=1"]
-    cmd = [sys.executable, str(REPO / "jobs" / "qwen27b_b300.py"), "--local"] + [f"--set={o}" for o in overrides]
-    try:
-        proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, timeout=900)
+    with local_job_process(work, overrides, extra_env=planted) as (proc, ray_tmp):
         summary_path = work / "runs" / "qwen27b-local" / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
         yield {"proc": proc, "planted": planted, "work": work, "ray_tmp": ray_tmp, "summary": summary,
                "overrides": overrides}
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def local_job_recipe(overrides):
     """The resolved recipe the local_job fixture ran."""
-    import importlib.util
+    from raytune_ft.cli import _job_recipe
 
-    from raytune_ft.cli import resolve
+    return _job_recipe("qwen27b_b300", True, overrides)
 
-    spec = importlib.util.spec_from_file_location("_job27b", REPO / "jobs" / "qwen27b_b300.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
-    return resolve(job.recipe, job.local, local=True, overrides=overrides)
+
+def train_state(ckpt_dir, rank: int = 0) -> dict:
+    """Rank `rank`'s train state in a checkpoint folder on the local filesystem."""
+    import pyarrow.fs as pafs
+
+    from raytune_ft.train.checkpoint import read_train_state
+
+    return read_train_state(pafs.LocalFileSystem(), os.path.abspath(ckpt_dir), rank)
+
+
+def run_with_fault(recipe, fault_env: dict[str, str]) -> Exception | None:
+    """run(recipe, local=True) with `fault_env` set for this run only (launch._worker_env forwards the
+    RAYTUNE_FAULT_* variables to the workers); the exception the run raised, None when it finished."""
+    from raytune_ft.env import scoped_env
+    from raytune_ft.run import run
+
+    with scoped_env(fault_env):
+        try:
+            run(recipe, local=True)
+        except Exception as e:  # noqa: BLE001 - the run is meant to fail
+            return e
+    return None
 
 
 @pytest.fixture(autouse=True)

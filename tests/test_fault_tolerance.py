@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import glob
 import importlib.util
-import json
 import os
 import signal
 import threading
@@ -27,7 +26,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_with_fault, train_state
 
 STEPS, EVERY = 10, 4
 FAULT_ENV = "RAYTUNE_FAULT_AFTER_UPLOAD"
@@ -51,11 +50,6 @@ def _recipe(storage, run_name: str, max_failures: int):
         f"tracking.storage_path={storage}", f"tracking.run_name={run_name}",
         f"train.max_steps={STEPS}", f"train.checkpoint_every={EVERY}",
         f"scaling.max_failures={max_failures}", "registry.enabled=false"])
-
-
-def _state(ckpt_dir: str, rank: int) -> dict:
-    with open(os.path.join(ckpt_dir, "train_state", f"rank{rank}.json")) as f:
-        return json.load(f)
 
 
 def worker_pids(run_name: str) -> dict[int, int]:
@@ -135,14 +129,7 @@ def runs(tmp_path_factory):
     try:
         # 1. rank 1 dies in the window between uploading the final checkpoint and reporting it
         window = _recipe(storage, "window", max_failures=0)
-        os.environ[FAULT_ENV] = f"{STEPS}:1"     # forwarded to the workers by launch._worker_env
-        try:
-            run(window, local=True)
-            out["window_error"] = None
-        except Exception as e:  # noqa: BLE001 - the run is meant to fail
-            out["window_error"] = e
-        finally:
-            os.environ.pop(FAULT_ENV, None)
+        out["window_error"] = run_with_fault(window, {FAULT_ENV: f"{STEPS}:1"})
         out["window_dirs"] = sorted(glob.glob(os.path.join(window.run_dir, "checkpoint_*")))
         with open(os.path.join(window.run_dir, SNAPSHOT)) as f:
             out["window_snapshot"] = f.read()
@@ -151,7 +138,7 @@ def runs(tmp_path_factory):
 
         out["window_steps"] = {os.path.basename(d): read_meta(d).get("step") for d in out["window_dirs"]}
         # rank 1's states and whether each folder held a DCP shard, read before the re-submit removes the orphan
-        out["window_rank1"] = {d: _state(d, 1) for d in out["window_dirs"]
+        out["window_rank1"] = {d: train_state(d, 1) for d in out["window_dirs"]
                                if os.path.exists(os.path.join(d, "train_state", "rank1.json"))}
         out["window_has_dcp"] = {d for d in out["window_dirs"] if os.path.isdir(os.path.join(d, "dcp"))}
 
@@ -222,12 +209,12 @@ def test_resubmit_same_name_resumes_from_last_registered_checkpoint(runs):
     assert summary.steps == STEPS
     assert os.path.basename(summary.checkpoint) not in {os.path.basename(d) for d in runs["window_dirs"]}
     for rank in (0, 1):
-        st = _state(summary.checkpoint, rank)
+        st = train_state(summary.checkpoint, rank)
         assert st["resumed_from"] == [8], st.get("resumed_from")
         assert st["step"] == STEPS
         _assert_history_matches(st["history"], ref["history"])
     # rank 1 consumed exactly the blocks, and counted exactly the rows, of the uninterrupted run
-    st1 = _state(summary.checkpoint, 1)
+    st1 = train_state(summary.checkpoint, 1)
     assert st1["blocks_consumed"] == ref["blocks_consumed"]
     assert st1["counters"] == ref["counters"]
     # the re-submit reopened the job's MLflow run instead of starting another one
@@ -250,10 +237,10 @@ def test_killed_worker_is_restarted_and_resumes_exactly(runs):
     assert summary.steps == STEPS
     ref = _reference(runs)
     for rank in (0, 1):
-        st = _state(summary.checkpoint, rank)
+        st = train_state(summary.checkpoint, rank)
         # one restart, from a registered checkpoint (step 4, or 8 if the kill came late)
         assert len(st["resumed_from"]) == 1 and st["resumed_from"][0] in (4, 8), st.get("resumed_from")
         _assert_history_matches(st["history"], ref["history"])
-    st1 = _state(summary.checkpoint, 1)
+    st1 = train_state(summary.checkpoint, 1)
     assert st1["blocks_consumed"] == ref["blocks_consumed"]
     assert st1["counters"] == ref["counters"]

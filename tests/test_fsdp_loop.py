@@ -4,7 +4,6 @@ Each test runs the real loop (`train_fsdp`) inside a real Ray Train TorchTrainer
 """
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from raytune_ft.recipe import Recipe, validate
+from tests.conftest import train_state
 
 
 def tiny_recipe(storage, name: str, **train) -> Recipe:
@@ -42,11 +42,8 @@ def tiny_recipe(storage, name: str, **train) -> Recipe:
 def fit(recipe: Recipe, blocks_by_rank=None):
     from raytune_ft.train.launch import build_trainer
 
-    result = build_trainer(recipe, mlflow_run_id=None, total_steps=recipe.train.max_steps,
-                           blocks_by_rank=blocks_by_rank).fit()
-    with open(os.path.join(result.checkpoint.path, "train_state", "rank0.json")) as f:
-        state = json.load(f)
-    return result, state
+    result = build_trainer(recipe, mlflow_run_id=None, blocks_by_rank=blocks_by_rank).fit()
+    return result, train_state(result.checkpoint.path)
 
 
 def fixed_blocks(n: int, seq_len: int = 256):

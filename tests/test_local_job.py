@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.conftest import REPO, local_job_recipe
+from tests.conftest import local_job_process, local_job_recipe, train_state
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +27,7 @@ def test_local_job_trains_and_registers(local_run):
     for line in ("steps            20", "registered       main.default.qwen27b_local version 1", "checkpoint"):
         assert line in out, out[-3000:]
     # the loss falls on the learnable generated data
-    with open(os.path.join(summary["checkpoint"], "train_state", "rank0.json")) as f:
-        hist = json.load(f)["history"]
+    hist = train_state(summary["checkpoint"])["history"]
     assert [h["step"] for h in hist] == list(range(1, 21))
     assert hist[-1]["loss"] < hist[0]["loss"] - 0.5
     assert summary["data"]["rows_read"] > 0 and summary["data"]["blocks"] > 0
@@ -65,24 +64,13 @@ def test_local_job_from_any_folder_logs_every_step_to_the_run_it_names(tmp_path)
     (./runs), started from a folder that is not the Ray workers' working folder. Every step's metrics
     reach the MLflow run the summary names, and no second MLflow store appears anywhere, the workers'
     folders (under Ray's temp dir) included."""
-    import shutil
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
     from mlflow import MlflowClient
 
     work = tmp_path / "clone"
     work.mkdir()
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rtpath", dir="/tmp"))   # short: AF_UNIX paths <= 107 bytes
-    env = {**os.environ, "RAY_TMPDIR": str(ray_tmp), "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
-    env.pop("RAYTUNE_LOCAL_STORAGE", None)
-    cmd = [sys.executable, str(REPO / "jobs" / "qwen27b_b300.py"), "--local", "--set=train.max_steps=4",
-           "--set=train.log_every=1", "--set=train.checkpoint_every=2", "--set=registry.enabled=false"]
-    try:
-        proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, timeout=800)
+    sets = ["train.max_steps=4", "train.log_every=1", "train.checkpoint_every=2", "registry.enabled=false"]
+    with local_job_process(work, sets, drop_env=("RAYTUNE_LOCAL_STORAGE",), prefix="rtpath",
+                           timeout=800) as (proc, ray_tmp):
         out = (proc.stdout + proc.stderr).decode(errors="replace")
         assert proc.returncode == 0, out[-4000:]
         run_dir = work / "runs" / "qwen27b-local"
@@ -96,5 +84,3 @@ def test_local_job_from_any_folder_logs_every_step_to_the_run_it_names(tmp_path)
         stray = [p for root in (work, ray_tmp) for p in root.rglob("mlflow.db") if p != db]
         assert not stray, stray
         assert "MLflow logging off" not in out and "MLflow metric logging failed" not in out, out[-3000:]
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -15,7 +15,8 @@ import os
 import pytest
 
 from raytune_ft.env import scoped_env
-from tests.test_fault_tolerance import EVERY, STATE_TRACKING_ENV, STEPS, RankKiller, _job, _state
+from tests.conftest import train_state
+from tests.test_fault_tolerance import EVERY, STATE_TRACKING_ENV, STEPS, RankKiller, _job
 
 RUN = "multinode"
 
@@ -92,7 +93,7 @@ def test_two_workers_on_two_nodes_train_checkpoint_and_resume(two_node_run):
     # trained to the end; both ranks resumed from the checkpoint registered before the kill
     assert summary.steps == STEPS
     for rank in (0, 1):
-        st = _state(summary.checkpoint, rank)
+        st = train_state(summary.checkpoint, rank)
         assert len(st["resumed_from"]) == 1 and st["resumed_from"][0] in (4, 8)
         assert [h["step"] for h in st["history"]] == list(range(1, STEPS + 1))
     # the final checkpoint holds both nodes' shards in one folder on the shared storage

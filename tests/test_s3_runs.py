@@ -27,7 +27,6 @@ the bytes needed and the bytes free, and the step-4 checkpoint is intact and sti
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shlex
@@ -39,9 +38,11 @@ import time
 import pytest
 
 from raytune_ft import storage
-from tests.conftest import REPO
+from raytune_ft.env import scoped_env
+from tests.conftest import run_with_fault
+from tests.test_fault_tolerance import STEPS, _assert_history_matches
 
-STEPS, EVERY = 10, 4
+EVERY = 4
 FAULT_UPLOAD = "RAYTUNE_FAULT_AFTER_UPLOAD"
 FAULT_AT_STEP = "RAYTUNE_FAULT_AT_STEP"
 FAULT_FREE = "RAYTUNE_FAULT_FREE_BYTES"
@@ -51,13 +52,9 @@ NO_ROOM_TO_REGISTER = ("registry.num_cpus=512", "registry.timeout_s=2")
 
 
 def _recipe(job: str, storage_path: str, run_name: str, *sets: str):
-    from raytune_ft.cli import resolve
+    from raytune_ft.cli import _job_recipe
 
-    spec = importlib.util.spec_from_file_location(f"job_s3_{job}", REPO / "jobs" / f"{job}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return resolve(mod.recipe, mod.local, local=True, overrides=[
-        f"tracking.storage_path={storage_path}", f"tracking.run_name={run_name}", *sets])
+    return _job_recipe(job, True, [f"tracking.storage_path={storage_path}", f"tracking.run_name={run_name}", *sets])
 
 
 class FolderWatcher(threading.Thread):
@@ -105,94 +102,63 @@ def s3_runs(s3_server, tmp_path_factory):
 
     work = tmp_path_factory.mktemp("s3_launch")
     saved_grace, registry_task._KILL_GRACE_S = registry_task._KILL_GRACE_S, 1.0
-    saved_env = {k: os.environ.get(k) for k in [*s3_server.env(), "RAYTUNE_TRACKING_HOME", "RAYTUNE_LOCAL_STORAGE",
-                                                FAULT_UPLOAD, FAULT_AT_STEP, FAULT_FREE]}
     saved_cwd = os.getcwd()
     # the AWS_* variables are in place before Ray starts: its workers and tasks reach S3 the way a node does
-    os.environ.update(s3_server.env())
-    os.environ["RAYTUNE_TRACKING_HOME"] = str(work / "tracking_home")
-    os.environ.pop("RAYTUNE_LOCAL_STORAGE", None)
-    os.chdir(work)              # where ./runs, the local default, would appear
-    bucket = s3_server.bucket()
-    root = f"s3://{bucket}/runs"
-    fs = s3_server.filesystem()
-    out: dict = {"work": work, "root": root, "fs": fs, "bucket": bucket}
-    ray.init(address="local", num_cpus=8, include_dashboard=False)
-    try:
-        # ---- 27B recipe
-        r27 = _recipe("qwen27b_b300", root, "s3-27b", f"train.max_steps={STEPS}",
-                      f"train.checkpoint_every={EVERY}", "scaling.max_failures=1", *NO_ROOM_TO_REGISTER,
-                      "registry.name=main.default.s3_27b")
-        out["r27"] = r27
-        watcher = FolderWatcher(fs, f"{bucket}/runs/s3-27b")
-        watcher.start()
-        os.environ[FAULT_UPLOAD] = f"{STEPS}:1"
+    with scoped_env({**s3_server.env(), "RAYTUNE_TRACKING_HOME": str(work / "tracking_home")},
+                    keep=("RAYTUNE_LOCAL_STORAGE",)):
+        os.environ.pop("RAYTUNE_LOCAL_STORAGE", None)
+        os.chdir(work)              # where ./runs, the local default, would appear
+        bucket = s3_server.bucket()
+        root = f"s3://{bucket}/runs"
+        fs = s3_server.filesystem()
+        out: dict = {"work": work, "root": root, "fs": fs, "bucket": bucket}
+        ray.init(address="local", num_cpus=8, include_dashboard=False)
         try:
-            run(r27, local=True)
-            out["faulty_error"] = None
-        except Exception as e:  # noqa: BLE001 - every attempt dies: the run is meant to fail
-            out["faulty_error"] = e
+            # ---- 27B recipe
+            r27 = _recipe("qwen27b_b300", root, "s3-27b", f"train.max_steps={STEPS}",
+                          f"train.checkpoint_every={EVERY}", "scaling.max_failures=1", *NO_ROOM_TO_REGISTER,
+                          "registry.name=main.default.s3_27b")
+            out["r27"] = r27
+            watcher = FolderWatcher(fs, f"{bucket}/runs/s3-27b")
+            watcher.start()
+            out["faulty_error"] = run_with_fault(r27, {FAULT_UPLOAD: f"{STEPS}:1"})   # every attempt dies
+            out["after_faulty"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
+            t = time.time()
+            out["finished"] = run(r27, local=True)
+            out["finished_s"] = time.time() - t
+            watcher.stop.set()
+            watcher.join(timeout=10)
+            out["watcher"] = watcher
+            cmd = out["finished"].retry_command
+            out["retry"] = _run_cli(cmd, dict(os.environ), work) if cmd else None
+            out["folders_before_again"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
+            t = time.time()
+            out["again"] = run(r27, local=True)
+            out["again_s"] = time.time() - t
+            out["folders_after_again"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
+
+            # ---- TRL 4B recipe: a worker killed at step 6, resumed from S3
+            r4 = _recipe("qwen3_4b_full", root, "s3-4b", "train.max_steps=8", "train.checkpoint_every=4",
+                         "train.eval_every=4", "train.log_every=1", "scaling.max_failures=1", *NO_ROOM_TO_REGISTER,
+                         "registry.name=main.default.s3_4b")
+            out["r4"] = r4
+            with scoped_env({FAULT_AT_STEP: "6:0"}):
+                out["trl"] = run(r4, local=True)
+            cmd = out["trl"].retry_command
+            out["trl_retry"] = _run_cli(cmd, dict(os.environ), work) if cmd else None
+
+            # ---- a storage too small for the step-8 checkpoint (local folder, patched free-space probe)
+            small_root = work / "small_storage"
+            rs = _recipe("qwen27b_b300", str(small_root), "small", f"train.max_steps={STEPS}",
+                         f"train.checkpoint_every={EVERY}", "scaling.max_failures=1", "registry.enabled=false",
+                         f"tracking.tracking_uri=sqlite:///{work / 'small_mlflow.db'}")
+            out["small_recipe"] = rs
+            out["small_error"] = run_with_fault(rs, {FAULT_FREE: "1000@8"})   # meant to stop
+            return out
         finally:
-            os.environ.pop(FAULT_UPLOAD, None)
-        out["after_faulty"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
-        t = time.time()
-        out["finished"] = run(r27, local=True)
-        out["finished_s"] = time.time() - t
-        watcher.stop.set()
-        watcher.join(timeout=10)
-        out["watcher"] = watcher
-        cmd = out["finished"].retry_command
-        out["retry"] = _run_cli(cmd, dict(os.environ), work) if cmd else None
-        out["folders_before_again"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
-        t = time.time()
-        out["again"] = run(r27, local=True)
-        out["again_s"] = time.time() - t
-        out["folders_after_again"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
-
-        # ---- TRL 4B recipe: a worker killed at step 6, resumed from S3
-        r4 = _recipe("qwen3_4b_full", root, "s3-4b", "train.max_steps=8", "train.checkpoint_every=4",
-                     "train.eval_every=4", "train.log_every=1", "scaling.max_failures=1", *NO_ROOM_TO_REGISTER,
-                     "registry.name=main.default.s3_4b")
-        out["r4"] = r4
-        os.environ[FAULT_AT_STEP] = "6:0"
-        try:
-            out["trl"] = run(r4, local=True)
-        finally:
-            os.environ.pop(FAULT_AT_STEP, None)
-        cmd = out["trl"].retry_command
-        out["trl_retry"] = _run_cli(cmd, dict(os.environ), work) if cmd else None
-
-        # ---- a storage too small for the step-8 checkpoint (local folder, patched free-space probe)
-        small_root = work / "small_storage"
-        rs = _recipe("qwen27b_b300", str(small_root), "small", f"train.max_steps={STEPS}",
-                     f"train.checkpoint_every={EVERY}", "scaling.max_failures=1", "registry.enabled=false",
-                     f"tracking.tracking_uri=sqlite:///{work / 'small_mlflow.db'}")
-        out["small_recipe"] = rs
-        os.environ[FAULT_FREE] = "1000@8"
-        try:
-            run(rs, local=True)
-            out["small_error"] = None
-        except Exception as e:  # noqa: BLE001 - meant to stop
-            out["small_error"] = e
-        finally:
-            os.environ.pop(FAULT_FREE, None)
-        return out
-    finally:
-        ray.shutdown()
-        registry_task._KILL_GRACE_S = saved_grace
-        os.chdir(saved_cwd)
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _history_equal(history: list[dict], reference: list[dict]) -> None:
-    assert [h["step"] for h in history] == [h["step"] for h in reference] == list(range(1, STEPS + 1))
-    for h, r in zip(history, reference):
-        assert h["loss"] == pytest.approx(r["loss"], rel=REL_TOL), (h, r)
-        assert h["lr"] == pytest.approx(r["lr"], rel=1e-12), (h, r)
+            ray.shutdown()
+            registry_task._KILL_GRACE_S = saved_grace
+            os.chdir(saved_cwd)
 
 
 @pytest.mark.timeout(1500)
@@ -215,7 +181,7 @@ def test_27b_on_s3_dies_in_checkpoint_window_every_attempt_storage_stays_bounded
     for name in restarted:
         st = w.final_states[name]
         assert st["resumed_from"] == [8], st.get("resumed_from")
-        _history_equal(st["history"], reference["history"])
+        _assert_history_matches(st["history"], reference["history"])
     s3_runs["reference"] = reference
 
 
@@ -230,7 +196,7 @@ def test_27b_on_s3_finishes_once_the_fault_stops_exports_and_retry_registers(s3_
         st = storage.read_json(fs, f"{ckpt}/train_state/rank{rank}.json")
         assert st["resumed_from"] == [8] and st["step"] == STEPS
         if "reference" in s3_runs:
-            _history_equal(st["history"], s3_runs["reference"]["history"])
+            _assert_history_matches(st["history"], s3_runs["reference"]["history"])
     assert storage.exists(fs, f"{ckpt}/hf/config.json") and storage.exists(fs, f"{ckpt}/dcp/.metadata")
     # the summary and plots are in the run folder on S3; MLflow's artifacts (the logged model) too
     summary = storage.read_json(fs, f"{s3_runs['bucket']}/runs/s3-27b/summary.json")

@@ -8,13 +8,13 @@ TRL trainer on CPU); the `slow` ones run the real loops inside Ray Train on loca
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
 import torch
 
 from raytune_ft.recipe import Recipe, TrainConfig, validate
+from tests.conftest import train_state
 from tests.test_fsdp_loop import tiny_recipe
 
 
@@ -173,12 +173,8 @@ def _fsdp_recipe(storage, name: str, source: str, **train) -> Recipe:
 def _fit(recipe: Recipe) -> tuple[dict, dict]:
     from raytune_ft.train.launch import build_trainer
 
-    result = build_trainer(recipe, mlflow_run_id=None, total_steps=recipe.train.max_steps).fit()
-    states = {}
-    for rank in range(recipe.scaling.num_workers):
-        with open(os.path.join(result.checkpoint.path, "train_state", f"rank{rank}.json")) as f:
-            states[rank] = json.load(f)
-    return result, states
+    result = build_trainer(recipe, mlflow_run_id=None).fit()
+    return result, {rank: train_state(result.checkpoint.path, rank) for rank in range(recipe.scaling.num_workers)}
 
 
 def _data_rows(recipe: Recipe) -> list:
@@ -289,8 +285,7 @@ def test_resumed_run_reports_tokens_per_s_of_its_own_attempt(ray_local, tmp_path
     s2 = run(again, local=True, register=False)
     assert s1.attempt_tokens == s1.tokens > 0 and s1.tokens_per_s == pytest.approx(s1.tokens / s1.attempt_seconds)
     assert s2.steps == 8 and s2.tokens > s2.attempt_tokens > 0
-    with open(os.path.join(s2.checkpoint, "train_state", "rank0.json")) as f:
-        st = json.load(f)
+    st = train_state(s2.checkpoint)
     assert st["resumed_from"] == [4] and st["tokens_total"] == s2.tokens
     assert s2.tokens_per_s == pytest.approx(s2.attempt_tokens / s2.attempt_seconds)   # this attempt's
     assert s2.run_seconds > s2.attempt_seconds                                        # earlier attempt's too

@@ -188,14 +188,10 @@ def test_span_edge_rule_token_belongs_where_it_starts(qwen2):
 def test_27b_recipe_states_the_template_defaults_and_readme_shows_its_row(qwen3, qwen38_template, conversations):
     """The 27B recipe's explicit template_kwargs render exactly what the template's defaults render (the
     notebook's behaviour), and the README's example row is that rendering."""
-    import importlib.util
-
+    from raytune_ft.cli import _load_job
     from tests.conftest import REPO
 
-    spec = importlib.util.spec_from_file_location("_job27b_template", REPO / "jobs" / "qwen27b_b300.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
-    kwargs = job.recipe().data.template_kwargs
+    kwargs = _load_job("qwen27b_b300").recipe().data.template_kwargs
     assert kwargs == {"enable_thinking": True, "reasoning_effort": "xhigh"}
     for messages in conversations[:4]:
         assert render_sft(qwen3, messages, chat_template=qwen38_template, **kwargs) == \

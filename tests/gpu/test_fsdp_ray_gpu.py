@@ -13,7 +13,6 @@ too; the final hf/ export must load in transformers on the GPU with every weight
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import math
 import os
@@ -21,7 +20,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import run_with_fault, train_state
 
 STEPS, EVERY = 8, 4
 LOSS_REL = 1e-2
@@ -30,22 +29,14 @@ FAULT_ENV = "RAYTUNE_FAULT_AFTER_UPLOAD"
 
 
 def _recipe(storage, run_name: str, ngpu: int):
-    from raytune_ft.cli import resolve
+    from raytune_ft.cli import _job_recipe
 
-    spec = importlib.util.spec_from_file_location("job27b_gpu", REPO / "jobs" / "qwen27b_b300.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
-    return resolve(job.recipe, job.local, local=True, overrides=[
+    return _job_recipe("qwen27b_b300", True, [
         f"tracking.storage_path={storage}", f"tracking.run_name={run_name}", "registry.enabled=false",
         f"train.max_steps={STEPS}", f"train.checkpoint_every={EVERY}", "train.log_every=1",
         f"data.source=builtin:chat:{max(600, 160 * ngpu)}",
         "scaling.use_gpu=true", f"scaling.num_workers={ngpu}", f"scaling.gpus_per_node={ngpu}",
         "scaling.backend=nccl", "scaling.max_failures=0", "model.dtype=bfloat16"])
-
-
-def _state(ckpt_dir: str, rank: int = 0) -> dict:
-    with open(os.path.join(ckpt_dir, "train_state", f"rank{rank}.json")) as f:
-        return json.load(f)
 
 
 @pytest.fixture(scope="module")
@@ -61,17 +52,9 @@ def gpu_runs(tmp_path_factory):
     try:
         out["straight"] = run(_recipe(storage, "straight", ngpu), local=True)
         resumed = _recipe(storage, "resumed", ngpu)
-        os.environ[FAULT_ENV] = f"{STEPS}:0"          # forwarded to the workers by launch._worker_env
-        try:
-            run(resumed, local=True)
-            out["fault_error"] = None
-        except Exception as e:  # noqa: BLE001 - meant to fail
-            out["fault_error"] = e
-        finally:
-            os.environ.pop(FAULT_ENV, None)
+        out["fault_error"] = run_with_fault(resumed, {FAULT_ENV: f"{STEPS}:0"})   # meant to fail
         out["resumed"] = run(resumed, local=True)
     finally:
-        os.environ.pop(FAULT_ENV, None)
         ray.shutdown()
     return out
 
@@ -81,7 +64,7 @@ def test_resume_matches_the_uninterrupted_run(gpu_runs):
     assert gpu_runs["fault_error"] is not None, "rank 0 was meant to die in the step-8 checkpoint window"
     straight, resumed = gpu_runs["straight"], gpu_runs["resumed"]
     assert straight.steps == STEPS and resumed.steps == STEPS
-    a, b = _state(straight.checkpoint), _state(resumed.checkpoint)
+    a, b = train_state(straight.checkpoint), train_state(resumed.checkpoint)
     assert b.get("resumed_from") == [EVERY], b.get("resumed_from")
     assert [h["step"] for h in a["history"]] == [h["step"] for h in b["history"]] == list(range(1, STEPS + 1))
     worst = max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a["history"], b["history"]))
