@@ -206,7 +206,8 @@ def compare(curves: dict[str, list[float]], warmup: int, log_every: int, tol: fl
         if name == "bf16":
             continue
         cur_mean = window_means(cur, log_every)
-        rel = [abs(cur[s - 1] - ref[s - 1]) / abs(ref[s - 1]) for s in logged]
+        signed = [(cur[s - 1] - ref[s - 1]) / ref[s - 1] for s in logged]   # logged steps have ref > 0
+        rel = [abs(x) for x in signed]
         rel_mean = [abs(cur_mean[s - 1] - ref_mean[s - 1]) / abs(ref_mean[s - 1]) for s in logged]
         every = [abs(c - r) / abs(r) for c, r in zip(cur[warmup:], ref[warmup:]) if r > 0]   # 0: no labels
         out[name] = {"max_rel_diff_logged": round(max(rel), 5) if rel else None,
@@ -216,8 +217,7 @@ def compare(curves: dict[str, list[float]], warmup: int, log_every: int, tol: fl
                      "within_tol": bool(rel) and max(rel) <= tol,
                      "max_rel_diff_window_mean": round(max(rel_mean), 5) if rel_mean else None,
                      "within_tol_window_mean": bool(rel_mean) and max(rel_mean) <= tol,
-                     "signed_mean_rel_diff_logged": round(float(np.mean(
-                         [(cur[s - 1] - ref[s - 1]) / ref[s - 1] for s in logged])), 5) if rel else None,
+                     "signed_mean_rel_diff_logged": round(float(np.mean(signed)), 5) if rel else None,
                      "final_loss": cur[-1], "final_loss_bf16": ref[-1]}
     return out
 
@@ -325,13 +325,12 @@ def main(argv=None) -> dict:
             "master": "fp32", "compute": "bf16", "versions": gc.versions()}
     gc.emit({"bench": "fp8_parity_setup", **head})
     curves, runs = {}, {}
-    recipes = [f"fp8:{r}" for r in a.recipes.split(",") if r]   # order: what a short call must keep first
-    runs_to_make = ["bf16"] + recipes[:1] + [f"bf16:seed{k}" for k in range(1, a.bf16_seeds)] + recipes[1:]
+    recipes = [(f"fp8:{r}", 0) for r in a.recipes.split(",") if r]   # order: what a short call must keep first
+    runs_to_make = [("bf16", 0), *recipes[:1], *[(f"bf16:seed{k}", k) for k in range(1, a.bf16_seeds)], *recipes[1:]]
     title = (f"qwen3_5 {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}: "
              f"{a.steps} steps x {a.seq} tokens, fp32 master, bf16 compute")
     result: dict = {}
-    for precision in runs_to_make:
-        seed = int(precision.split(":seed", 1)[1]) if ":seed" in precision else 0
+    for precision, seed in runs_to_make:
         rec = train_curve(cfg, init if seed == 0 else init_weights(seed), blocks, dev, a, precision)
         gc.emit(rec)
         curves[precision] = rec["losses"]

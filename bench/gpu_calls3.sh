@@ -71,6 +71,23 @@ print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))
 EOF
 }
 
+need_or_say() {   # need_or_say MODULE...: 0 when all are importable, else says which are missing and fails
+  local need; need=$(missing "$@")
+  [ -z "$need" ] && return 0
+  echo "installed what came with this call; still missing: $need (send the next group of carry folders now:" \
+    "the machine keeps /tmp ~30 s)"
+  return 1
+}
+
+# pytest_gpu LABEL SECONDS EXTRA_PYTHONPATH FILE...: GPU tests under a time limit, the log (and with JUNIT=1
+# a junit report) in $O, the exit code appended to the log as a RESULT line
+pytest_gpu() {
+  local label=$1 secs=$2 extra=$3; shift 3
+  PYTHONPATH=${extra:+$extra:}$PYTHONPATH timeout "$secs" $PY -m pytest -m gpu "$@" -v -s -ra -p no:cacheprovider \
+    --timeout $((secs > 20 ? secs - 10 : 0)) ${JUNIT:+--junitxml="$O/suite_$label.xml"} > "$O/suite_$label.log" 2>&1
+  echo "RESULT {\"suite\": \"$label\", \"exit\": $?}" >> "$O/suite_$label.log"
+}
+
 info() {
   nvidia-smi --query-gpu=index,name,memory.total,driver_version,compute_cap --format=csv
   $PY - <<'EOF'
@@ -86,13 +103,9 @@ EOF
 
 # suite LABEL [EXTRA_PYTHONPATH]: the GPU test suite once, its log and a junit report in $OUT
 suite() {
-  local label=$1 extra=${2:-} rc
-  echo "=== suite $label ($(date +%T))"
-  PYTHONPATH=${extra:+$extra:}$PYTHONPATH timeout ${SUITE_S:-420} $PY -m pytest -m gpu tests/gpu -v -s \
-    -p no:cacheprovider --timeout 400 --junitxml="$O/suite_$label.xml" > "$O/suite_$label.log" 2>&1
-  rc=$?
-  grep -E "PASSED|FAILED|SKIPPED|ERROR|RESULT|^=+ .*(passed|failed|skipped|error)" "$O/suite_$label.log" | tail -80
-  echo "RESULT {\"suite\": \"$label\", \"exit\": $rc}"
+  echo "=== suite $1 ($(date +%T))"
+  JUNIT=1 pytest_gpu "$1" "${SUITE_S:-420}" "${2:-}" tests/gpu
+  grep -E "PASSED|FAILED|SKIPPED|ERROR|RESULT|^=+ .*(passed|failed|skipped|error)" "$O/suite_$1.log" | tail -80
 }
 
 # check_time LABEL [EXTRA_PYTHONPATH]: the start-up check alone in a fresh process (first run pays the JIT)
@@ -110,13 +123,9 @@ check_time() {
 # liger and pytest are all installed. One suite and its timing take up to ~7 minutes: with a 10-minute
 # call, send "kernels nocc" and then "kernels cc" (both see /tmp's installs while the machine is warm).
 kernels() {
-  local which=${1:-both} need
+  local which=${1:-both}
   install_present
-  need=$(missing ray mlflow fla tilelang z3 tvm_ffi liger_kernel trl pytest pytest_timeout)
-  if [ -n "$need" ]; then
-    echo "installed what came with this call; still missing: $need (send the next call now: the machine keeps /tmp ~30 s)"
-    return 0
-  fi
+  need_or_say ray mlflow fla tilelang z3 tvm_ffi liger_kernel trl pytest pytest_timeout || return 0
   if [ "$which" != nocc ]; then build_causal_conv1d; fi
   info > "$O/info.txt" 2>&1; cat "$O/info.txt"
   if [ "$which" != cc ]; then
@@ -171,14 +180,10 @@ fp8_loss_parity() {   # bf16, fp8 tensorwise, fp8 rowwise from the same weights;
 fp8_parity_then_fp32() { fp8_loss_parity; fp8_fp32master; }
 
 fp8() {   # fp8 [speed|parity|all]: default all on two GPUs, speed on one
-  local which=${1:-} need n
+  local which=${1:-} n
   install_present
   install_fp8
-  need=$(missing torchao fla tilelang z3 tvm_ffi)
-  if [ -n "$need" ]; then
-    echo "installed what came with this call; still missing: $need (send the next call now: the machine keeps /tmp ~30 s)"
-    return 0
-  fi
+  need_or_say torchao fla tilelang z3 tvm_ffi || return 0
   $PY -c "import torchao, torch; print('torchao', torchao.__version__, 'torch', torch.__version__)" 2>&1 | tail -1
   n=$(nvidia-smi -L | wc -l)
   info > "$O/info.txt" 2>&1; head -3 "$O/info.txt"
@@ -201,11 +206,9 @@ RAY27="jobs/qwen27b_b300.py --no-register --set model.name=/tmp/m27b16 --set mod
   --set train.log_every=2 --set train.checkpoint_every=1000 --set train.save_final=false
   --set registry.enabled=false --set tracking.storage_path=/tmp/runs"
 fp8ray() {
-  local need
   install_present
   install_fp8
-  need=$(missing ray mlflow torchao fla tilelang z3 tvm_ffi)
-  if [ -n "$need" ]; then echo "still missing: $need"; return 0; fi
+  need_or_say ray mlflow torchao fla tilelang z3 tvm_ffi || return 0
   mkdir -p /tmp/runs
   $PY -c "from raytune_ft.models.tiny import real_config; real_config('qwen3.8-27b', num_hidden_layers=16).save_pretrained('/tmp/m27b16')"
   on_gpus 0,1 fp8ray_bf16 run 290 ray27b16_bf16 $PY $RAY27 --set tracking.run_name=ray27b16-bf16
@@ -226,18 +229,13 @@ on_gpus() {  # on_gpus DEVICES LOGNAME FUNC...: run a function on some GPUs, out
 session_install() { install_present; install_fp8; }
 
 session_ready() {
-  local need; need=$(missing ray mlflow fla tilelang z3 tvm_ffi liger_kernel trl pytest pytest_timeout torchao)
-  [ -z "$need" ] || { echo "still missing: $need"; return 1; }
+  need_or_say ray mlflow fla tilelang z3 tvm_ffi liger_kernel trl pytest pytest_timeout torchao || return 1
   [ -d "$CC_SITE/causal_conv1d" ] || echo "note: no causal-conv1d; its runs are skipped"
   info > "$O/info.txt" 2>&1; head -4 "$O/info.txt"
 }
 
 kernel_tests() {   # kernel_tests LABEL [EXTRA_PYTHONPATH]: the suite without its Ray Train part
-  local label=$1 extra=${2:-}
-  PYTHONPATH=${extra:+$extra:}$PYTHONPATH timeout ${SUITE_S:-280} $PY -m pytest -m gpu \
-    tests/gpu/test_packed_equality.py tests/gpu/test_kernel_check_gpu.py -v -s -ra -p no:cacheprovider \
-    --timeout 260 --junitxml="$O/suite_$label.xml" > "$O/suite_$label.log" 2>&1
-  echo "RESULT {\"suite\": \"$label\", \"exit\": $?}" >> "$O/suite_$label.log"
+  JUNIT=1 pytest_gpu "$1" "${SUITE_S:-280}" "${2:-}" tests/gpu/test_packed_equality.py tests/gpu/test_kernel_check_gpu.py
 }
 
 session_a() {
@@ -259,11 +257,7 @@ session_a() {
 
 session_b() {   # as run in calls 7-8 (the Ray suite needs `cryptography` for mlflow's registry store: .gpuwheels)
   session_install; session_ready || return 0
-  ray_suite() {
-    PYTHONPATH=$CC_SITE:$PYTHONPATH timeout 400 $PY -m pytest -m gpu tests/gpu/test_fsdp_ray_gpu.py -v -s -ra \
-      -p no:cacheprovider --timeout 390 --junitxml="$O/suite_ray.xml" > "$O/suite_ray.log" 2>&1
-    echo "RESULT {\"suite\": \"ray\", \"exit\": $?}" >> "$O/suite_ray.log"
-  }
+  ray_suite() { JUNIT=1 pytest_gpu ray 400 "$CC_SITE" tests/gpu/test_fsdp_ray_gpu.py; }
   parity() {   # real rows + enough builtin rows that no block repeats within 300 steps
     run 480 fp8_parity $PY bench/fp8_parity.py --tokenizer /tmp/tok/qwen3 --rows "/tmp/fp8data/*.jsonl" \
       --builtin-rows 45000 --lr 1e-4 --steps 300 --recipes tensorwise --out "$O"

@@ -20,20 +20,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/gpu_calls3.sh"
 DEADLINE=$((SECONDS + ${CALL_S:-560}))
 left() { local s=$((DEADLINE - SECONDS - ${1:-0})); [ "$s" -gt 10 ] && echo "$s" || echo 10; }
 
-install() { install_present; install_fp8; }
-
-need_or_say() {   # need_or_say MODULE...: 0 when all importable, else says what is missing
-  local need; need=$(missing "$@")
-  [ -z "$need" ] && return 0
-  echo "still missing: $need (send the next group of carry folders)"; return 1
-}
-
-pytest_gpu() {   # pytest_gpu LABEL SECONDS FILE...: GPU tests with causal-conv1d on the path, log in $O
-  local label=$1 secs=$2; shift 2
-  PYTHONPATH=$CC_SITE:$PYTHONPATH timeout "$secs" $PY -m pytest -m gpu "$@" -v -s -ra -p no:cacheprovider \
-    --timeout 900 > "$O/suite_$label.log" 2>&1
-  echo "RESULT {\"suite\": \"$label\", \"exit\": $?}" >> "$O/suite_$label.log"
-}
+install() { session_install; }
 
 suite_summary() {
   grep -h -E "PASSED|FAILED|SKIPPED|ERROR|RESULT|^=+ .*(passed|failed|skipped|error)" "$O"/suite_*.log \
@@ -48,7 +35,7 @@ work_a() {
   need_or_say torchao fla tilelang z3 tvm_ffi liger_kernel || return 0
   info > "$O/info.txt" 2>&1; head -4 "$O/info.txt"
   kernels_1gpu() {
-    pytest_gpu 1gpu_kernels "$(left 60)" tests/gpu/test_packed_equality.py tests/gpu/test_kernel_check_gpu.py
+    pytest_gpu 1gpu_kernels "$(left 60)" "$CC_SITE" tests/gpu/test_packed_equality.py tests/gpu/test_kernel_check_gpu.py
     check_time cc "$CC_SITE" > "$O/kernel_check_time.log" 2>&1
   }
   parity() { run "$(left 10)" fp8_parity $PY $PARITY --out "$O"; }
@@ -73,7 +60,7 @@ work_b() {
     --set train.fp8_recipe=tensorwise --set tracking.run_name=ray27b16-fp8
   grep -h "precision\|float8\|tok/s\|MFU\|Error\|OutOfMemory\|RESULT" "$O"/fp8ray_*.log | cut -c1-400 | tail -40
   if [ "$(left)" -gt 200 ]; then
-    on_gpus 0,1 ray_2gpu pytest_gpu ray_2gpu "$(left)" tests/gpu/test_fsdp_ray_gpu.py
+    on_gpus 0,1 ray_2gpu pytest_gpu ray_2gpu "$(left)" "$CC_SITE" tests/gpu/test_fsdp_ray_gpu.py
     suite_summary
   else
     echo "no time left for the suite's Ray Train part on both GPUs"
@@ -102,11 +89,11 @@ work_c() {   # the suite's Ray Train part on one GPU; the fp32-master pair at th
     run "$(left 10)" 27b8_fp32master_fp8_tensorwise $PY $F27 --layers 8 --master fp32 --precision fp8 \
       --fp8-recipe tensorwise
   }
-  on_gpus 0 ray_1gpu pytest_gpu ray_1gpu "$(left 10)" tests/gpu/test_fsdp_ray_gpu.py \
+  on_gpus 0 ray_1gpu pytest_gpu ray_1gpu "$(left 10)" "$CC_SITE" tests/gpu/test_fsdp_ray_gpu.py \
     & on_gpus 1 fp8_fp32master fp32_pair & wait
   grep -h "RESULT\|Error" "$O"/fp8_fp32master.log | cut -c1-1200
   if [ "$(left)" -gt 180 ]; then   # then on both GPUs, if time is left (work_b's runs may have used it)
-    on_gpus 0,1 ray_2gpu pytest_gpu ray_2gpu "$(left)" tests/gpu/test_fsdp_ray_gpu.py
+    on_gpus 0,1 ray_2gpu pytest_gpu ray_2gpu "$(left)" "$CC_SITE" tests/gpu/test_fsdp_ray_gpu.py
   fi
   suite_summary
 }
