@@ -14,25 +14,41 @@ import contextlib
 import os
 import re
 import traceback
-import urllib.parse
 from typing import Any, Iterable, Iterator
 
 # Names of environment variables whose values are credentials.
 SECRET_NAME = re.compile(r"token|secret|password|passwd|credential|api[_-]?key|access[_-]?key", re.IGNORECASE)
-_URI_PASSWORD = re.compile(r"(://[^/\s:@]+):[^@\s/]+@")
+
+
+def environ_snapshot() -> dict[str, str]:
+    """A copy of the process environment that another thread changing it cannot break.
+
+    Iterating os.environ looks each key up again, so a variable dropped meanwhile (MLflow's telemetry
+    thread sets and drops its own) raises KeyError; copying the underlying dict is one C call, which no
+    other Python thread can interleave with."""
+    env = os.environ
+    raw = getattr(env, "_data", None)
+    if isinstance(raw, dict):
+        return {env.decodekey(k): env.decodevalue(v) for k, v in raw.copy().items()}
+    for _ in range(100):     # another Python without os.environ._data: retry a torn read
+        try:
+            return dict(env)
+        except (KeyError, RuntimeError):
+            continue
+    return dict(env)
 
 
 def secret_values() -> list[str]:
     """Values of credential-looking environment variables in this process (long enough to be meaningful)."""
-    return [v for k, v in os.environ.items() if SECRET_NAME.search(k) and v and len(v) >= 8]
+    return [v for k, v in environ_snapshot().items() if SECRET_NAME.search(k) and v and len(v) >= 8]
 
 
 def redact(text: str) -> str:
-    """`text` with every credential value from the environment and any URI password replaced by ***."""
+    """`text` with every credential value from the environment replaced by ***, and each URI in it in
+    its public form (`public_uri`)."""
     for v in sorted(secret_values(), key=len, reverse=True):
         text = text.replace(v, "***")
-    # user:password@host inside URIs (tracking URIs of self-hosted servers sometimes carry them)
-    return _URI_PASSWORD.sub(r"\1:***@", text)
+    return _URI_IN_TEXT.sub(lambda m: _public_form(m.group(0)), text)
 
 
 def redact_exception(exc: BaseException, *, with_traceback: bool = False) -> str:
@@ -58,19 +74,43 @@ def scrub(obj: Any) -> Any:
     return redact(str(obj))
 
 
+# query parameters that name a place or a setting, never a credential: kept in a public URI; every other
+# parameter's value is masked (token=, sig=, X-Amz-Signature=, access_key=, secret_key=, ...)
+PUBLIC_QUERY_KEYS = frozenset({"endpoint_override", "endpoint", "scheme", "region", "experiment_id", "run_id"})
+# a URI inside free text: it ends at whitespace or a quote
+_URI_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
+
+
+def _public_form(uri: str) -> str:
+    """One URI without credentials: the password of user:password@ (or a userinfo that is a bare token)
+    masked, each query value outside PUBLIC_QUERY_KEYS masked, the fragment dropped."""
+    scheme, rest = uri.split("://", 1)
+    rest, _, _ = rest.partition("#")
+    before_query, q, query = rest.partition("?")
+    # userinfo ends at the last '@' before the query; a secret may hold a '/' that urlsplit would cut at
+    userinfo, at, after = before_query.rpartition("@")
+    if at and (":" in userinfo or "/" not in userinfo):
+        user, colon, _ = userinfo.partition(":")
+        # git-style https://<token>@host carries the credential as the user name
+        before_query = f"{user}:***@{after}" if colon else f"***@{after}"
+    if q:
+        pairs = []
+        for part in query.split("&"):
+            key, eq, _ = part.partition("=")
+            if key.lower() not in PUBLIC_QUERY_KEYS:      # a bare value (?<signature>) is masked too
+                part = f"{key}=***" if eq else "***"
+            pairs.append(part)
+        before_query += "?" + "&".join(pairs)
+    return f"{scheme}://{before_query}"
+
+
 def public_uri(uri: str | None) -> str | None:
-    """A URI fit for a log line or a file: no userinfo password, no query string (tokens live there)."""
+    """A URI fit to print, write or log: no password or token in its userinfo or its query, no fragment,
+    no credential value of the environment. Every URI the project shows goes through here (`redact`
+    applies it to each URI inside a text); the URI itself is unchanged for the code that uses it."""
     if not uri:
         return uri
-    parsed = urllib.parse.urlsplit(uri)
-    if parsed.password or parsed.query:
-        netloc = parsed.hostname or ""
-        if parsed.username:
-            netloc = f"{parsed.username}@{netloc}"
-        if parsed.port:
-            netloc += f":{parsed.port}"
-        uri = urllib.parse.urlunsplit((parsed.scheme, netloc, parsed.path, "", ""))
-    return redact(uri)
+    return redact(str(uri))
 
 
 @contextlib.contextmanager

@@ -226,3 +226,46 @@ def test_token_in_a_failing_registrations_exception_reaches_no_log_or_file(tmp_p
         assert tags["raytune.status"] == "trained_not_registered" and "***" in tags["raytune.registration_error"]
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_redaction_survives_another_thread_changing_the_environment(monkeypatch):
+    """MLflow's telemetry thread sets and drops its own variables while the driver redacts: reading the
+    environment must not fail (KeyError, 'dictionary changed size') nor miss a credential."""
+    import threading
+
+    from raytune_ft.env import redact, secret_values
+    from raytune_ft.recipe import Recipe
+    from raytune_ft.tracking import flat_params
+
+    token = f"sk-planted-{secrets.token_hex(12)}"
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", token)
+    # pad the environment so one pass over it is long enough for the other thread to cut in
+    for i in range(300):
+        monkeypatch.setenv(f"RAYTUNE_TEST_PAD_{i}", "x")
+    recipe = Recipe()
+    recipe.tracking.tracking_uri = f"https://ci:{token}@mlflow.example"
+    stop = threading.Event()
+
+    def churn():
+        i = 0
+        while not stop.is_set():
+            name = f"_RAYTUNE_TEST_CHURN_{i % 50}"
+            os.environ[name] = str(i)
+            os.environ.pop(name, None)
+            i += 1
+
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)          # switch threads as often as the interpreter can
+    mutator = threading.Thread(target=churn, daemon=True)
+    mutator.start()
+    try:
+        for _ in range(100):
+            assert token in secret_values()
+            assert token not in redact(f"bearer {token}")
+            assert token not in str(flat_params(recipe))
+    finally:
+        stop.set()
+        mutator.join(timeout=10)
+        sys.setswitchinterval(old_interval)
+        for i in range(50):
+            os.environ.pop(f"_RAYTUNE_TEST_CHURN_{i}", None)
