@@ -154,39 +154,66 @@ DEFAULT_STORAGE = ("~/raytune_runs", "./runs")   # TrackingConfig's default, the
 
 
 def find_runs(storages: list[str]) -> list[dict]:
-    """One dict per run folder under each storage path: from its summary.json, else from its MLflow store."""
+    """One dict per run folder under each storage path (a folder or s3://bucket/prefix): from its summary.json,
+    else from its MLflow store, else from the lease of a job that holds it."""
+    import pyarrow.fs as pafs
+
+    from raytune_ft import storage as st_mod
+
     rows: list[dict] = []
-    for storage in storages:
-        root = os.path.expanduser(storage)
-        if not os.path.isdir(root):
+    for where in storages:
+        try:
+            st = st_mod.resolve(where)
+            entries = st.fs.get_file_info(pafs.FileSelector(st.root, allow_not_found=True))
+        except (OSError, ValueError) as e:   # an unreachable bucket must not hide the other storages' runs
+            print(f"(could not list {where}: {redact(str(e)).splitlines()[0][:200]})", file=sys.stderr)
             continue
-        for name in os.listdir(root):
-            run_dir = os.path.join(root, name)
-            summary = os.path.join(run_dir, "summary.json")
-            if os.path.isfile(summary):
-                try:
-                    with open(summary) as f:
-                        s = json.load(f)
-                except (OSError, ValueError) as e:
-                    rows.append({"run_name": name, "status": f"unreadable summary.json ({type(e).__name__})",
-                                 "path": run_dir, "time": os.path.getmtime(summary)})
-                    continue
-                s.update(path=run_dir, time=os.path.getmtime(summary))
-                rows.append(s)
-            elif os.path.isfile(os.path.join(run_dir, "mlflow.db")):
-                rows.append(_run_from_mlflow(run_dir, name))
+        for info in entries:
+            if info.type == pafs.FileType.Directory:
+                row = _run_row(st, info.path, info.base_name)
+                if row is not None:
+                    rows.append(row)
     rows.sort(key=lambda r: r.get("time", 0), reverse=True)
     return rows
 
 
-def _run_from_mlflow(run_dir: str, name: str) -> dict:
+def _run_row(st, run_path: str, name: str) -> dict | None:
+    """The row of one folder of a storage, None when it is not a run's."""
+    import tempfile
+
+    import pyarrow.fs as pafs
+
+    from raytune_ft import storage as st_mod
+
+    uri = st.uri(run_path)
+    files = {f: st.fs.get_file_info(f"{run_path}/{f}") for f in ("summary.json", "mlflow.db")}
+    found = {f: i for f, i in files.items() if i.type == pafs.FileType.File}
+    if "summary.json" in found:
+        when = found["summary.json"].mtime.timestamp()
+        try:
+            s = json.loads(st_mod.read_bytes(st.fs, f"{run_path}/summary.json"))
+        except (OSError, ValueError) as e:
+            return {"run_name": name, "status": f"unreadable summary.json ({type(e).__name__})", "path": uri,
+                    "time": when}
+        s.update(path=uri, time=when)
+        return s
+    if "mlflow.db" in found:
+        when = found["mlflow.db"].mtime.timestamp()
+        if not st.remote:
+            return _run_from_mlflow(f"{run_path}/mlflow.db", name, uri, when)
+        with tempfile.TemporaryDirectory(prefix="raytune_runs_") as tmp:   # sqlite reads a local file only
+            st_mod.download(st.fs, f"{run_path}/mlflow.db", tmp)
+            return _run_from_mlflow(os.path.join(tmp, "mlflow.db"), name, uri, when)
+    return None
+
+
+def _run_from_mlflow(db_path: str, name: str, uri: str, when: float) -> dict:
     """A run without summary.json (still running, failed, or killed): what its MLflow store says."""
-    row = {"run_name": name, "path": run_dir, "time": os.path.getmtime(os.path.join(run_dir, "mlflow.db")),
-           "status": "no summary"}
+    row = {"run_name": name, "path": uri, "time": when, "status": "no summary"}
     try:
         import mlflow
 
-        client = mlflow.MlflowClient("sqlite:///" + os.path.abspath(os.path.join(run_dir, "mlflow.db")))
+        client = mlflow.MlflowClient("sqlite:///" + os.path.abspath(db_path))
         found = []
         for exp in client.search_experiments():
             found += client.search_runs([exp.experiment_id], filter_string=f"tags.`raytune.run_name` = '{name}'",
@@ -324,7 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
                           description="List runs found under the storage folders (their summary.json, or their "
                                       "MLflow store for runs that have not finished).")
     runs.add_argument("--storage", action="append", default=None, metavar="PATH",
-                      help=f"a tracking.storage_path to look in (repeatable; default: {', '.join(DEFAULT_STORAGE)}"
+                      help="a tracking.storage_path to look in, a folder or s3://bucket/prefix (repeatable; "
+                           f"default: {', '.join(DEFAULT_STORAGE)}"
                            " and $RAYTUNE_LOCAL_STORAGE)")
     runs.add_argument("--limit", type=int, default=20, help="show at most this many runs (default 20)")
     runs.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -15,7 +15,9 @@ through Ray's object store; each node's SDK reads its own environment instead.
 Storage that cannot fill silently (the plan of what a run writes is in storage_plan.py): a checkpoint folder that no report made Ray's (an attempt died between
 upload and report) is an orphan that Ray never deletes, so `remove_orphans` clears them when an attempt
 starts; `check_room` refuses to start a checkpoint that the free space of a local/shared filesystem cannot
-hold; `disk_full_error` turns torch's or pyarrow's out-of-space failure into one that names the storage.
+hold; `disk_full_error` turns torch's or pyarrow's out-of-space failure into one that names the storage,
+and `too_large_error` a file over the filesystem's or the object store's size limit into one that says so
+(free space would not help there).
 """
 from __future__ import annotations
 
@@ -397,8 +399,8 @@ def check_room(storage: Storage, needed: int | None, *, path: str | None = None,
     return free
 
 
-_FULL_TEXT = ("no space left on device", "disk quota exceeded", "not enough space", "file too large",
-              "unexpected pos", "inline_container", "enospc", "quotaexceeded", "entitytoolarge")
+_FULL_TEXT = ("no space left on device", "disk quota exceeded", "not enough space", "unexpected pos",
+              "inline_container", "enospc", "quotaexceeded")
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -411,7 +413,7 @@ def is_disk_full(exc: BaseException) -> bool:
         seen.add(id(exc))
         if isinstance(exc, StorageFullError):
             return True
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         text = str(exc).lower()
         if any(t in text for t in _FULL_TEXT):
@@ -429,3 +431,42 @@ def disk_full_error(exc: BaseException, storage_uri: str, needed: int | None, fr
         return None
     first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
     return StorageFullError(storage_uri, needed, free, what, cause=f"the write failed: {first}")
+
+
+class FileTooLargeError(RuntimeError):
+    """One file of a checkpoint is larger than the storage takes as one file or object: not a full disk."""
+
+    def __init__(self, storage: str, what: str, limit: str, cause: str):
+        self.storage, self.what, self.limit, self.cause = storage, what, limit, cause
+        super().__init__(f"storage {storage}: a file of {what} is too large for it ({cause}). Free space does not "
+                         f"help: {limit}. The last good checkpoint is kept.")
+
+    def __reduce__(self):
+        return (type(self), (self.storage, self.what, self.limit, self.cause))
+
+
+# (how the writer words it, what the limit is and what to do about it)
+_TOO_LARGE = (
+    ("entitytoolarge", "the S3 service refused an object of that size: S3 takes at most 5 GB in one PUT and "
+                       "5 TB in a multipart upload, and an S3-compatible server may set its largest object "
+                       "lower (raise that setting, or use a filesystem path)"),
+    ("file too large", "the filesystem, or the process's `ulimit -f`, has a maximum file size below the "
+                       "file's (FAT32/vfat: 4 GB); use a filesystem without that limit or raise the ulimit"),
+)
+
+
+def too_large_error(exc: BaseException, storage_uri: str, what: str = "the checkpoint") -> FileTooLargeError | None:
+    """The FileTooLargeError to raise instead of `exc` (EFBIG, S3's EntityTooLarge), or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, FileTooLargeError):
+            return exc
+        text = str(exc).lower()
+        efbig = isinstance(exc, OSError) and exc.errno == errno.EFBIG
+        for key, limit in _TOO_LARGE:
+            if key in text or (efbig and key == "file too large"):
+                first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+                return FileTooLargeError(storage_uri, what, limit, f"the write failed: {first}")
+        exc = exc.__cause__ or exc.__context__
+    return None

@@ -293,3 +293,44 @@ def test_plan_command_and_dry_run_print_the_storage_plan(capsys):
     assert "storage      per checkpoint 322.8 GB" in out and "peak 1.0 TB" in out and "final export 53.8 GB" in out
     assert cli.main(["run", "qwen27b_b300", "--dry-run"]) == 0
     assert "storage      per checkpoint 322.8 GB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("exc,limit", [
+    (OSError(errno.EFBIG, "File too large"), "maximum file size"),
+    (OSError("When completing multiple part upload for key 'r/checkpoint_x/dcp/__0_0.distcp': AWS Error "
+             "UNKNOWN (HTTP status 400) during CompleteMultipartUpload operation: EntityTooLarge: Your "
+             "proposed upload exceeds the maximum allowed object size."), "largest object"),
+])
+def test_a_file_too_large_is_not_called_storage_full(exc, limit):
+    wrapped = RuntimeError("save failed")
+    wrapped.__cause__ = exc
+    assert not storage.is_disk_full(wrapped)
+    assert storage.disk_full_error(wrapped, "s3://b/runs/r", needed=2_000, free=None) is None
+    err = storage.too_large_error(wrapped, "s3://b/runs/r", what="the step-4 checkpoint")
+    assert isinstance(err, storage.FileTooLargeError)
+    msg = str(err)
+    assert "is full" not in msg and "too large" in msg and limit in msg and "s3://b/runs/r" in msg, msg
+    import pickle
+    assert str(pickle.loads(pickle.dumps(err))) == msg
+    assert storage.too_large_error(OSError(errno.ENOSPC, "No space left on device"), "/x") is None
+
+
+def test_runs_command_lists_runs_on_s3(s3_env, capsys):
+    from dataclasses import asdict
+
+    from raytune_ft import cli
+    from raytune_ft.run import RunSummary
+
+    root = f"s3://{s3_env.bucket()}/team/runs"
+    st = storage.resolve(root)
+    done = RunSummary(job="qwen27b_b300", run_name="on-s3", status="registered", steps=12, final_loss=2.5,
+                      registered_name="main.default.m", registered_version="3")
+    storage.write_json(st.fs, st.path("on-s3", "summary.json"), asdict(done))
+    storage.write_bytes(st.fs, st.path("not-a-run", "notes.txt"), b"x")
+    assert cli.main(["runs", "--storage", root, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["run_name"] for r in rows] == ["on-s3"], rows
+    assert rows[0]["path"] == f"{root}/on-s3" and rows[0]["steps"] == 12 and rows[0]["time"] > 0
+    assert cli.main(["runs", "--storage", root]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert "on-s3" in line and "main.default.m v3" in line and "2.5000" in line

@@ -159,11 +159,14 @@ class SaveGuard:
 def write_checkpoint(fn: Callable[[], Any], st: "storage.Storage", step: int, needed: int | None = None,
                      free: int | None = None) -> Any:
     """Run the step's save or upload to `st`; an out-of-space failure in it comes out as a
-    StorageFullError naming the storage (with the bytes needed and free where they are known)."""
+    StorageFullError naming the storage (with the bytes needed and free where they are known), a file over
+    the storage's size limit as a FileTooLargeError."""
     try:
         return fn()
     except BaseException as e:
-        err = storage.disk_full_error(e, st.uri(), needed, free, what=f"the step-{step} checkpoint")
+        what = f"the step-{step} checkpoint"
+        err = (storage.disk_full_error(e, st.uri(), needed, free, what=what)
+               or storage.too_large_error(e, st.uri(), what))
         if err is not None and err is not e:
             raise err from e
         raise
