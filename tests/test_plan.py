@@ -130,7 +130,7 @@ def test_4b_on_one_h100_fp32_master_does_not_fit_bf16_does():
     plus autocast's bf16 copies, 4,096-token full logits and activations: over 80 GB less a 10% margin.
     bf16 halves the states: fits. With Liger's fused loss (the recipe's default on GPU) the logits shrink
     by 4 GiB and fp32 squeezes in under the margin (70.4 of 71.2 GiB); bf16 plans 32.9 GiB, and measured
-    33.3 GiB on an H200 (bench/RESULTS.md, second session)."""
+    33.3 GiB on an H200 (bench/RESULTS.md, 2026-11-29 evening)."""
     mod = job("qwen3_4b_full")
     fp32 = memory_plan(apply_overrides(mod.recipe(), ["train.master_weights=fp32", "train.use_liger=false"]))
     bf16 = memory_plan(apply_overrides(mod.recipe(), ["train.master_weights=bf16", "train.use_liger=false"]))
@@ -182,7 +182,7 @@ def test_formula_matches_hand_arithmetic():
     ("qwen3.8-27b", 16, 16384, 109.6),    # the seed loop on the 27B shape cut to 16 layers
 ])
 def test_plan_within_10_percent_of_measured_h200_peaks(name, layers, seq, measured_gib):
-    """Peaks measured on the lent H200 (torch.cuda.max_memory_allocated), all bf16 weights, one GPU, an
+    """Peaks measured on an H200 (torch.cuda.max_memory_allocated), all bf16 weights, one GPU, an
     unfused loss: the TRL-loop model of the plan (full logits) describes these runs."""
     from raytune_ft.models.tiny import real_config
 

@@ -1,0 +1,27 @@
+"""Benchmarks of raytune_ft (bench/README.md).
+
+    python -m bench gpu suite|speed|fp8|parity|kernel-check|startup|eval|all [--gpus 0,1] [--dry-run|--cpu-smoke]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import gpu_kit  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="area", required=True)
+    gpu = sub.add_parser("gpu", help="the GPU benchmarks and the GPU test suite, each part recorded in "
+                                     "bench/results/<date>.jsonl")
+    gpu_kit.add_arguments(gpu)
+    opts = p.parse_args(argv)
+    return gpu_kit.main(opts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

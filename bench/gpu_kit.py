@@ -1,0 +1,477 @@
+"""The GPU benchmarks a user runs on a GPU node: `python -m bench gpu SUBCOMMAND` (bench/README.md).
+
+Each subcommand is a list of parts; each part is one process under its own time limit (a crash, an
+out-of-memory or a hang costs that part, not the others), on the GPUs of `--gpus`. A part's output is
+passed through; its `RESULT {json}` lines and the figures read from the run (summary.json, the run's
+MLflow store) become a dated record in bench/results/<date>.jsonl (bench/records.py) and one `RESULT`
+line of the bench's own.
+
+The throughput runs go through Ray Train as a user's job does: jobs/qwen27b_b300.py as it ships (fp32
+master weights, full activation checkpointing, train.compile, 32,768-token blocks), with random weights
+of the real Qwen3.8-27B config cut to 8 layers per GPU (8.6 B parameters with fp32 weights, gradients and
+AdamW state fill one H200 beside 32k activations), generated conversations, and no final checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable
+
+from bench import records
+
+REPO = records.REPO
+PY = sys.executable
+SUBCOMMANDS = ("suite", "speed", "fp8", "parity", "kernel-check", "startup", "eval", "all")
+# a fresh node JIT-compiles the fla/tilelang/Triton kernels and the compiled layers before the first step
+# (minutes); each part's limit leaves room for that
+DEFAULT_TIMEOUT_S = {"suite": 560, "speed": 540, "fp8": 540, "parity": 580, "kernel-check": 300,
+                     "startup": 540, "eval": 540}
+STARTUP_KEYS = ("ray_workers_s", "model_build_s", "kernel_check_s", "compile_s", "first_step_s", "total_s")
+SUITE_PARTS = {"kernels": ["tests/gpu/test_packed_equality.py", "tests/gpu/test_kernel_check_gpu.py"],
+               "ray": ["tests/gpu/test_fsdp_ray_gpu.py"]}
+
+
+@dataclasses.dataclass
+class Part:
+    label: str
+    argv: list[str]
+    timeout_s: int
+    env: dict = dataclasses.field(default_factory=dict)
+    read: Callable[["Part", str, list[dict]], dict] | None = None   # (part, output, RESULT dicts) -> figures
+    prepare: Callable[[], None] | None = None                       # runs just before the part (not in --dry-run)
+    info: dict = dataclasses.field(default_factory=dict)           # settings recorded with the figures
+    bench: str = ""                                                 # the subcommand it belongs to
+
+
+# ---------------------------------------------------------------- running a part
+
+def run_process(argv: list[str], env: dict, timeout_s: int) -> tuple[int | str, str]:
+    """Run `argv` in the repository root, passing its output through; (exit code or 'timeout', output).
+    At the limit the whole process group goes (a Ray job's workers with it)."""
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", process_group=0)
+    timed_out = threading.Event()
+
+    def kill():
+        timed_out.set()
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+
+    timer = threading.Timer(timeout_s, kill)
+    timer.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            lines.append(line)
+        proc.wait()
+    finally:
+        timer.cancel()
+    sys.stdout.flush()
+    return ("timeout" if timed_out.is_set() else proc.returncode), "".join(lines)
+
+
+def result_lines(output: str) -> list[dict]:
+    """The JSON of every `RESULT {...}` line (Ray prefixes worker lines with their actor name)."""
+    out = []
+    for m in re.finditer(r"RESULT (\{.*\})\s*$", output, flags=re.M):
+        try:
+            out.append(json.loads(m.group(1)))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def part_env(gpus: str | None, extra: dict) -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_COLOR_PREFIX": "0", "TOKENIZERS_PARALLELISM": "false",
+           **extra}
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    return env
+
+
+def run_parts(bench: str, parts: list[Part], opts) -> list[dict]:
+    """Run (or with --dry-run print) each part; one RESULT line and one dated record per part."""
+    out = []
+    for part in parts:
+        bench = part.bench or bench
+        cmd = shlex.join(part.argv)
+        shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in part.env.items())
+        print(f"=== {bench} / {part.label}: {(shown + ' ') if shown else ''}{cmd}  (limit {part.timeout_s} s)",
+              flush=True)
+        if opts.dry_run:
+            continue
+        if part.prepare:
+            part.prepare()
+        t0 = time.time()
+        code, output = run_process(part.argv, part_env(opts.gpus, part.env), part.timeout_s)
+        figures: dict = {}
+        try:
+            figures = part.read(part, output, result_lines(output)) if part.read else {}
+        except Exception as e:   # a run that ended early leaves less to read; the record says so
+            figures = {"unreadable": f"{type(e).__name__}: {e}"}
+        rec = {"bench": bench, "label": part.label, "exit": code, "seconds": round(time.time() - t0, 1),
+               "gpus": opts.gpus, "command": cmd, "env": part.env, "settings": part.info, "figures": figures}
+        path = records.append(opts.results, rec)
+        print("RESULT " + json.dumps({k: rec[k] for k in ("bench", "label", "exit", "seconds", "figures")},
+                                     default=str), flush=True)
+        print(f"=== {bench} / {part.label}: exit {code}, {rec['seconds']} s; record appended to {path}", flush=True)
+        out.append(rec)
+    return out
+
+
+# ---------------------------------------------------------------- reading a Ray Train run
+
+def run_summary(storage: str, run_name: str) -> dict:
+    with open(os.path.join(storage, run_name, "summary.json")) as f:
+        return json.load(f)
+
+
+def metric_windows(summary: dict, names=("tokens_per_s", "tokens_per_s_per_worker", "mfu", "mfu_measured_matmul",
+                                        "peak_mem_gib", "loss")) -> dict:
+    """Each logged window's metrics from the run's MLflow store, by step."""
+    import mlflow
+
+    client = mlflow.MlflowClient(summary["tracking_uri"])
+    out = {}
+    for name in names:
+        hist = sorted(client.get_metric_history(summary["mlflow_run_id"], name), key=lambda m: m.step)
+        by_step = {}
+        for m in hist:
+            by_step[m.step] = m.value   # the final report repeats the last window's step: keep one
+        out[name] = by_step
+    return out
+
+
+def throughput_figures(summary: dict) -> dict:
+    """tokens/s, per GPU, MFU and peak memory over the windows after the first (which holds the compiles and
+    the kernels' JIT), and the loss at the last step."""
+    w = metric_windows(summary)
+    steps = sorted(w["tokens_per_s"])
+    timed = steps[1:] or steps
+    mean = (lambda name: sum(w[name][s] for s in timed if s in w[name]) / max(1, sum(s in w[name] for s in timed))
+            if w[name] else None)
+    fig = {"steps": summary.get("steps"), "timed_windows_end_at_step": timed,
+           "tok_s_windows": [round(w["tokens_per_s"][s]) for s in timed],
+           "tok_s": round(mean("tokens_per_s") or 0), "tok_s_per_gpu": round(mean("tokens_per_s_per_worker") or 0),
+           "final_loss": summary.get("final_loss")}
+    if w["mfu"]:
+        fig["mfu"] = round(mean("mfu"), 4)
+    if w["mfu_measured_matmul"]:
+        fig["mfu_measured_matmul"] = round(mean("mfu_measured_matmul"), 4)
+    if w["peak_mem_gib"]:
+        fig["peak_gib"] = round(max(w["peak_mem_gib"].values()), 1)
+    return fig
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def eval_figures(summary: dict) -> dict:
+    """Every evaluation or sampling time the run recorded: summary.json's fields and the MLflow metrics whose
+    name says eval/sample and seconds."""
+    pattern = re.compile(r"(eval|sample).*(seconds|_s)$")
+    fig = {k: v for k, v in _flat(summary).items() if pattern.search(k.lower()) and isinstance(v, (int, float))}
+    try:
+        import mlflow
+
+        client = mlflow.MlflowClient(summary["tracking_uri"])
+        run = client.get_run(summary["mlflow_run_id"])
+        fig.update({f"mlflow.{k}": v for k, v in run.data.metrics.items() if pattern.search(k.lower())})
+    except Exception as e:   # the summary's fields still stand
+        fig["mlflow"] = f"unreadable ({type(e).__name__})"
+    fig["best_loss"] = summary.get("best_loss")
+    if len(fig) == 1:
+        fig["note"] = "no eval/sample seconds recorded by this version of the loop"
+    return fig
+
+
+def startup_side_by_side(cold: dict, warm: dict) -> dict:
+    """summary.json's `startup` dicts of the cold and the warm run, key by key."""
+    c, w = cold.get("startup") or {}, warm.get("startup") or {}
+    if not c and not w:
+        return {"note": "summary.json has no 'startup' dict (this version of the loop does not record it)"}
+    keys = [k for k in STARTUP_KEYS if k in c or k in w] + sorted((set(c) | set(w)) - set(STARTUP_KEYS))
+    return {k: {"cold": c.get(k), "warm": w.get(k)} for k in keys}
+
+
+# ---------------------------------------------------------------- the parts of each subcommand
+
+class Kit:
+    """The parts of each subcommand for one set of options (GPUs, work folder, assets, CPU smoke)."""
+
+    def __init__(self, opts):
+        self.o = opts
+        self.n_gpus = max(1, len(opts.gpus.split(","))) if opts.gpus else 0
+        self.work = opts.workdir
+        self.storage = os.path.join(self.work, "runs")
+        self.stamp = time.strftime("%Y%m%d-%H%M%S")
+
+    def limit(self, bench: str) -> int:
+        return self.o.timeout or DEFAULT_TIMEOUT_S[bench]
+
+    # -- the 27B recipe cut, through Ray Train
+    def layers(self) -> int:
+        return self.o.layers or min(64, 8 * max(1, self.n_gpus))
+
+    def model_dir(self) -> str:
+        return os.path.join(self.work, f"qwen3.8-27b-{self.layers()}layers")
+
+    def write_model_config(self) -> None:
+        if self.o.cpu_smoke or os.path.isdir(self.model_dir()):
+            return
+        from raytune_ft.models.tiny import real_config
+
+        real_config("qwen3.8-27b", num_hidden_layers=self.layers()).save_pretrained(self.model_dir())
+
+    def job_argv(self, run_name: str, steps: int, extra: list[str]) -> list[str]:
+        common = ["--set", "train.checkpoint_every=1000", "--set", "train.save_final=false",
+                  "--set", "registry.enabled=false", "--set", f"tracking.storage_path={self.storage}",
+                  "--set", f"tracking.run_name={run_name}", "--set", f"train.max_steps={steps}",
+                  "--set", f"train.log_every={self.o.log_every}"]
+        if self.o.cpu_smoke:   # the same recipe's --local form: tiny qwen3_5, local Ray on CPU
+            return [PY, "jobs/qwen27b_b300.py", "--local", "--no-register", *common, *extra]
+        n = self.n_gpus
+        rows = max(800, 80 * n * steps)   # ~2,000 conversations fill 64 blocks of 32k: some to spare
+        argv = [PY, "jobs/qwen27b_b300.py", "--no-register", "--set", f"model.name={self.model_dir()}",
+                "--set", "model.init=random", "--set", "model.revision=none",
+                "--set", f"data.source=builtin:lognormal:{rows}", "--set", "data.revision=none",
+                "--set", f"scaling.num_workers={n}", "--set", f"scaling.gpus_per_node={n}", *common]
+        if self.o.tokenizer:
+            argv += ["--set", f"model.tokenizer={self.o.tokenizer}"]
+        if self.o.chat_template:
+            argv += ["--set", f"model.chat_template={self.o.chat_template}"]
+        return argv + extra
+
+    def recipe_run(self, bench: str, label: str, extra: list[str], read, steps: int | None = None,
+                   env: dict | None = None) -> Part:
+        name = f"bench-{label}-{self.stamp}"
+        steps = steps or self.o.steps
+        info = {"run_name": name, "storage": self.storage, "steps": steps, "log_every": self.o.log_every}
+        if not self.o.cpu_smoke:
+            info |= {"model": "Qwen3.8-27B config", "layers": self.layers(), "gpus": self.n_gpus, "seq_len": 32768,
+                     "master_weights": "fp32", "init": "random"}
+        return Part(label, self.job_argv(name, steps, extra), self.limit(bench), env=env or {},
+                    read=lambda p, out, res: read(run_summary(self.storage, name)),
+                    prepare=self.write_model_config, info=info)
+
+    def speed(self) -> list[Part]:
+        return [self.recipe_run("speed", "bf16", [], throughput_figures)]
+
+    def fp8(self) -> list[Part]:
+        parts = []
+        for precision in self.o.precisions.split(","):
+            if precision == "bf16":
+                parts.append(self.recipe_run("fp8", "bf16", [], throughput_figures))
+            elif self.o.cpu_smoke:
+                print("fp8: float8 needs a Hopper or newer GPU; the CPU smoke runs the bf16 half only")
+            else:
+                parts.append(self.recipe_run("fp8", f"fp8-{self.o.fp8_recipe}",
+                                             ["--set", "train.precision=fp8",
+                                              "--set", f"train.fp8_recipe={self.o.fp8_recipe}"], throughput_figures))
+        return parts
+
+    def startup(self) -> list[Part]:
+        # the same storage and JIT/compile caches for both runs, each in a fresh process: the second finds
+        # what the first compiled
+        cache = os.path.join(self.work, "cache")
+        env = {"TRITON_CACHE_DIR": f"{cache}/triton", "TILELANG_CACHE_DIR": f"{cache}/tilelang",
+               "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor"}
+        steps = min(self.o.steps, 4)
+        runs = {}
+
+        def keep(which):
+            def read(summary):
+                runs[which] = summary
+                if which == "cold":
+                    return {"startup": summary.get("startup")}
+                return {"startup": summary.get("startup"),
+                        "cold_vs_warm": startup_side_by_side(runs.get("cold", {}), summary)}
+            return read
+
+        return [self.recipe_run("startup", "cold", [], keep("cold"), steps=steps, env=env),
+                self.recipe_run("startup", "warm", [], keep("warm"), steps=steps, env=env)]
+
+    def eval(self) -> list[Part]:
+        every = max(1, self.o.steps // 2)
+        extra = ["--set", "data.validation_fraction=0.05", "--set", f"train.eval_every={every}",
+                 "--set", f"train.sample_prompts={json.dumps(self.o.sample_prompts)}"]
+        return [self.recipe_run("eval", "eval-sample", extra, eval_figures)]
+
+    # -- the GPU test suite, the start-up check, loss parity
+    def suite(self) -> list[Part]:
+        parts = []
+        names = list(SUITE_PARTS) if self.o.part == "all" else [self.o.part]
+        if self.o.cpu_smoke:   # on CPU every GPU test is skipped with its reason
+            names = ["kernels"]
+        for name in names:
+            junit = os.path.join(self.work, f"suite-{name}-{self.stamp}.xml")
+            limit = self.limit("suite")
+            argv = [PY, "-m", "pytest", "-m", "gpu", *SUITE_PARTS[name], "-v", "-s", "-ra", "-p", "no:cacheprovider",
+                    f"--timeout={max(30, limit - 20)}", f"--junitxml={junit}"]
+            parts.append(Part(f"suite-{name}", argv, limit, read=lambda p, out, res, j=junit: junit_counts(j, res),
+                              prepare=lambda: os.makedirs(self.work, exist_ok=True)))
+        return parts
+
+    def kernel_check(self) -> list[Part]:
+        shapes = [("qwen3.8-27b", []), ("qwen3-4b", ["--liger"])]
+        if self.o.cpu_smoke:
+            shapes = shapes[1:]
+        return [Part(f"kernel-check-{m}", [PY, "-m", "raytune_ft.models.kernel_check", "--model", m, *flags,
+                                           "--repeat", "2"], self.limit("kernel-check"),
+                     read=lambda p, out, res: {"runs": [r for r in res if "kernel_check" in r]})
+                for m, flags in shapes]
+
+    def parity(self) -> list[Part]:
+        out = os.path.join(self.work, f"parity-{self.stamp}")
+        if self.o.cpu_smoke:
+            argv = [PY, "bench/fp8_parity.py", "--steps", "6", "--log-every", "2", "--warmup", "2", "--cpu-check",
+                    "--builtin-rows", "200", "--out", out]
+            env = {"SHAPE": "tiny", "DEVICE": "cpu"}
+        else:
+            argv = [PY, "bench/fp8_parity.py", "--stdlib-rows", "9000", "--builtin-rows", "0", "--lr", "3e-4",
+                    "--steps", str(self.o.parity_steps), "--recipes", "tensorwise,rowwise", "--bf16-seeds", "2",
+                    "--out", out]
+            if self.o.tokenizer:
+                argv += ["--tokenizer", self.o.tokenizer]
+            if self.o.rows:
+                argv += ["--rows", *self.o.rows]
+            env = {}
+        return [Part("parity", argv, self.limit("parity"), env=env,
+                     read=lambda p, o, res: {"compare": next((r["compare"] for r in res if "compare" in r), None),
+                                             "out": out},
+                     prepare=lambda: os.makedirs(out, exist_ok=True))]
+
+    def parts(self, bench: str) -> list[Part]:
+        if bench == "all":   # fp8's bf16 run is speed's figure
+            return [p for b in ("suite", "kernel-check", "fp8", "parity", "startup", "eval") for p in self.parts(b)]
+        parts = {"suite": self.suite, "speed": self.speed, "fp8": self.fp8, "parity": self.parity,
+                 "kernel-check": self.kernel_check, "startup": self.startup, "eval": self.eval}[bench]()
+        for p in parts:
+            p.bench = bench
+        return parts
+
+
+def junit_counts(path: str, results: list[dict]) -> dict:
+    """passed / failed / errors / skipped from pytest's junit report, and the tests' own RESULT lines."""
+    import xml.etree.ElementTree as ET
+
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    skipped_why = set()
+    for case in ET.parse(path).getroot().iter("testcase"):
+        kinds = {c.tag: c for c in case}
+        if "failure" in kinds:
+            counts["failed"] += 1
+        elif "error" in kinds:
+            counts["errors"] += 1
+        elif "skipped" in kinds:
+            counts["skipped"] += 1
+            skipped_why.add(kinds["skipped"].get("message", ""))
+        else:
+            counts["passed"] += 1
+    return {**counts, "skip_reasons": sorted(skipped_why), "test_results": results}
+
+
+# ---------------------------------------------------------------- options
+
+def visible_gpus() -> str | None:
+    """Every GPU nvidia-smi lists, as CUDA_VISIBLE_DEVICES would name them; None without one."""
+    try:
+        text = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    ids = [line.strip() for line in text.splitlines() if line.strip()]
+    return ",".join(ids) or None
+
+
+def add_arguments(p) -> None:
+    p.add_argument("bench", choices=SUBCOMMANDS)
+    p.add_argument("--gpus", default=None, help="GPUs to use, as CUDA_VISIBLE_DEVICES names them (default: every "
+                   "GPU nvidia-smi lists); the recipe runs use one Ray Train worker per GPU")
+    p.add_argument("--dry-run", action="store_true", help="print each part's command and exit")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="the same paths at a tiny shape on CPU (recipe runs use the job's --local form)")
+    p.add_argument("--timeout", type=int, default=None,
+                   help="seconds per part (default per subcommand: 300-580, above a fresh node's JIT compiles)")
+    p.add_argument("--results", default=os.environ.get("BENCH_RESULTS", records.DEFAULT_RESULTS_DIR),
+                   help="folder of the dated records (<date>.jsonl)")
+    p.add_argument("--workdir", default=None, help="run storage, caches, model config, parity curves "
+                   "(default: a new folder under the system's temporary folder)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers of the 27B cut (default 8 per GPU)")
+    p.add_argument("--steps", type=int, default=8, help="steps of each recipe run (the first window is left out)")
+    p.add_argument("--log-every", type=int, default=2)
+    p.add_argument("--precisions", default="bf16,fp8", help="fp8: which runs of the pair (bf16, fp8 or both)")
+    p.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "mxfp8"])
+    p.add_argument("--part", default="all", choices=["all", *SUITE_PARTS], help="suite: which files")
+    p.add_argument("--parity-steps", type=int, default=300)
+    p.add_argument("--assets", default=os.path.join(REPO, ".bench-assets"),
+                   help="a folder with tokenizer/, chat_template.jinja and rows/*.jsonl for nodes without hub "
+                        "access (used where present)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: ASSETS/tokenizer, "
+                   "else the recipe's)")
+    p.add_argument("--chat-template", default=None)
+    p.add_argument("--rows", nargs="*", default=None, help="parity: JSONL chat files (default: ASSETS/rows/*.jsonl)")
+    p.add_argument("--sample-prompts", type=json.loads, default=["Write a haiku about packed sequences."],
+                   help="eval: a JSON list of prompts for train.sample_prompts")
+
+
+def resolve(opts) -> None:
+    """Defaults that depend on the machine and the assets folder."""
+    if opts.cpu_smoke:
+        opts.gpus = None
+    elif opts.gpus is None or opts.gpus == "all":
+        opts.gpus = visible_gpus()
+    a = opts.assets
+    if opts.tokenizer is None and os.path.isdir(os.path.join(a, "tokenizer")):
+        opts.tokenizer = os.path.join(a, "tokenizer")
+    if opts.chat_template is None and os.path.isfile(os.path.join(a, "chat_template.jinja")):
+        opts.chat_template = os.path.join(a, "chat_template.jinja")
+    if opts.rows is None:
+        opts.rows = sorted(glob.glob(os.path.join(a, "rows", "*.jsonl")))
+    if opts.workdir is None:
+        opts.workdir = (os.path.join(tempfile.gettempdir(), "raytune_bench") if opts.dry_run
+                        else tempfile.mkdtemp(prefix="raytune_bench_"))
+
+
+def main(opts) -> int:
+    resolve(opts)
+    if not opts.cpu_smoke and not opts.gpus and not opts.dry_run:
+        print("no GPU found (nvidia-smi lists none): run with --cpu-smoke to check the paths on CPU, "
+              "or --dry-run to see the commands", file=sys.stderr)
+        return 2
+    kit = Kit(opts)
+    recs = run_parts(opts.bench, kit.parts(opts.bench), opts)
+    if opts.bench in ("fp8", "all") and not opts.dry_run:
+        tps = {r["label"].split("-")[0]: r["figures"].get("tok_s") for r in recs if r["bench"] == "fp8"}
+        if tps.get("bf16") and tps.get("fp8"):
+            ratio = {"bench": "fp8", "label": "ratio", "fp8_over_bf16": round(tps["fp8"] / tps["bf16"], 3)}
+            print("RESULT " + json.dumps(ratio), flush=True)
+            records.append(opts.results, {**ratio, "gpus": opts.gpus, "figures": tps})
+    return 0 if all(r["exit"] == 0 for r in recs) else 1

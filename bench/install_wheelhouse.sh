@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Install from a wheelhouse: on an air-gapped GPU node, install the packages of one or more wheel folders
+# (made by bench/fetch_wheelhouse.sh on a machine with PyPI access) with pip, offline, plus Ray from
+# ray.tar.xz when a folder holds it.
+#
+#   bash bench/install_wheelhouse.sh DIR...                       # into this Python's environment, with
+#                                                                 # pip's dependency check
+#   bash bench/install_wheelhouse.sh --target /opt/site DIR...    # into a folder of its own (no dependency
+#                                                                 # check); then export PYTHONPATH=/opt/site:$PWD
+#
+# With --target (or --no-deps) each folder installs on its own, in any order, so the folders may arrive
+# one at a time. Without it, pip resolves every requirement from the folders and the environment, so name
+# all the folders at once.
+set -euo pipefail
+PY=${PY:-python3}
+target=""
+deps=1
+while [[ $# -gt 0 && $1 == --* ]]; do
+  case $1 in
+    --target) target=${2:?--target DIR}; shift 2; deps=0 ;;
+    --no-deps) deps=0; shift ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+[[ $# -gt 0 ]] || { echo "usage: install_wheelhouse.sh [--target DIR] [--no-deps] WHEEL_DIR..." >&2; exit 2; }
+
+if [[ -n $target ]]; then
+  mkdir -p "$target"
+  site=$target
+else
+  site=$($PY -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+fi
+
+links=()
+wheels=()
+for d in "$@"; do
+  [[ -d $d ]] || { echo "not a folder: $d" >&2; exit 2; }
+  links+=(--find-links "$d")
+  for w in "$d"/*.whl; do [[ -e $w ]] && wheels+=("$w"); done
+  if [[ -f $d/ray.tar.xz ]]; then
+    # Ray's wheel without its jars, RLlib and web build: unpacked as pip would lay it out; the two
+    # daemons lose their exec bit in the tarball's round trip
+    tar xJf "$d/ray.tar.xz" -C "$site"
+    chmod +x "$site/ray/core/src/ray/raylet/raylet" "$site/ray/core/src/ray/gcs/gcs_server"
+    echo "installed: Ray (from $d/ray.tar.xz) into $site"
+  fi
+done
+
+if [[ ${#wheels[@]} -gt 0 ]]; then
+  args=(-q --no-index --no-compile "${links[@]}")
+  [[ $deps == 1 ]] || args+=(--no-deps)
+  [[ -z $target ]] || args+=(--target "$target" --upgrade)
+  $PY -m pip install "${args[@]}" "${wheels[@]}"
+  echo "installed: ${#wheels[@]} wheels from $* into $site"
+fi
+[[ -z $target ]] || echo "now: export PYTHONPATH=$target:\$PWD"

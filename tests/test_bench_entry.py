@@ -1,0 +1,180 @@
+"""bench/ as a user's benchmark kit: `python -m bench gpu ...` (its commands, a CPU smoke run that writes a
+dated record, the figures it reads from a run's MLflow store), the wheelhouse install, and the kit's docs."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_kit
+from bench.__main__ import main as bench_main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def dry_run(capsys, *args) -> list[str]:
+    assert bench_main(["gpu", *args, "--dry-run"]) == 0
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("=== ")]
+
+
+@pytest.mark.parametrize("bench", ["suite", "speed", "fp8", "parity", "kernel-check", "startup", "eval"])
+def test_every_subcommand_prints_its_commands(capsys, bench):
+    lines = dry_run(capsys, bench, "--gpus", "0")
+    assert lines and all(f"=== {bench} / " in line and "(limit " in line for line in lines)
+
+
+def test_fp8_on_one_gpu_is_the_8_layer_recipe_cut_through_ray_train_bf16_then_fp8(capsys):
+    bf16, fp8 = dry_run(capsys, "fp8", "--gpus", "0")
+    for line in (bf16, fp8):
+        assert "jobs/qwen27b_b300.py" in line and "qwen3.8-27b-8layers" in line
+        assert "scaling.num_workers=1" in line and "model.init=random" in line
+        assert "master_weights" not in line          # the recipe's own fp32 master weights
+    assert "train.precision=fp8" not in bf16
+    assert "train.precision=fp8" in fp8 and "train.fp8_recipe=tensorwise" in fp8
+    two = dry_run(capsys, "fp8", "--gpus", "0,1")
+    assert all("qwen3.8-27b-16layers" in line and "scaling.num_workers=2" in line for line in two)
+
+
+def test_startup_runs_twice_on_one_storage_and_cache_with_fresh_run_names(capsys):
+    cold, warm = dry_run(capsys, "startup", "--gpus", "0")
+    cache = re.compile(r"TRITON_CACHE_DIR=(\S+)")
+    storage = re.compile(r"tracking.storage_path=(\S+)")
+    name = re.compile(r"tracking.run_name=(\S+)")
+    assert cache.search(cold).group(1) == cache.search(warm).group(1)
+    assert storage.search(cold).group(1) == storage.search(warm).group(1)
+    assert name.search(cold).group(1) != name.search(warm).group(1)
+
+
+def test_eval_sets_eval_every_sample_prompts_and_validation_data(capsys):
+    (line,) = dry_run(capsys, "eval", "--gpus", "0")
+    assert "train.eval_every=" in line and "train.sample_prompts=" in line and "data.validation_fraction=" in line
+
+
+def test_all_runs_every_measure(capsys):
+    labels = {line.split(" / ")[0][4:] for line in dry_run(capsys, "all", "--gpus", "0")}
+    assert labels == {"suite", "kernel-check", "fp8", "parity", "startup", "eval"}
+
+
+@pytest.mark.timeout(300)
+def test_cpu_smoke_of_the_suite_writes_a_dated_record(tmp_path):
+    results = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "-m", "bench", "gpu", "suite", "--cpu-smoke", "--results", str(results),
+                           "--workdir", str(tmp_path / "work")], cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (day,) = results.glob("*.jsonl")
+    rec = json.loads(day.read_text().splitlines()[-1])
+    assert day.stem == rec["date"][:10]
+    assert rec["bench"] == "suite" and "pytest -m gpu tests/gpu/" in rec["command"]
+    assert rec["versions"]["torch"] != "absent" and "cpu_cores" in rec["hardware"]
+    # on CPU every GPU test is skipped with its reason, none fails
+    assert rec["figures"]["skipped"] > 0 and rec["figures"]["failed"] == 0
+    assert any("no CUDA device" in r for r in rec["figures"]["skip_reasons"])
+    assert "RESULT " in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_throughput_figures_leave_out_the_first_window(tmp_path):
+    """A real MLflow sqlite store with the metrics a run logs (steps 2, 4, 6; the final report repeats 6)."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    run = client.create_run(client.create_experiment("bench"))
+    for step, tps, mem in ((2, 1000.0, 70.0), (4, 9000.0, 78.0), (6, 11000.0, 78.9), (6, 11000.0, 78.9)):
+        for k, v in {"tokens_per_s": tps, "tokens_per_s_per_worker": tps / 2, "mfu": tps / 20000, "peak_mem_gib": mem,
+                     "loss": 13.0}.items():
+            client.log_metric(run.info.run_id, k, v, step=step)
+    fig = gpu_kit.throughput_figures({"tracking_uri": uri, "mlflow_run_id": run.info.run_id, "steps": 6,
+                                      "final_loss": 13.0})
+    assert fig["tok_s_windows"] == [9000, 11000] and fig["tok_s"] == 10000 and fig["tok_s_per_gpu"] == 5000
+    assert fig["mfu"] == 0.5 and fig["peak_gib"] == 78.9
+
+
+def test_startup_figures_cold_and_warm_side_by_side():
+    cold = {"startup": {"ray_workers_s": 20.0, "kernel_check_s": 131.7, "total_s": 300.0}}
+    warm = {"startup": {"ray_workers_s": 18.0, "kernel_check_s": 8.6, "total_s": 90.0}}
+    side = gpu_kit.startup_side_by_side(cold, warm)
+    assert side["kernel_check_s"] == {"cold": 131.7, "warm": 8.6}
+    assert list(side) == ["ray_workers_s", "kernel_check_s", "total_s"]
+    assert "note" in gpu_kit.startup_side_by_side({}, {})
+
+
+def _wheel(folder: Path, name: str) -> Path:
+    """A minimal pure-Python wheel, written as the wheel format lays it out."""
+    path = folder / f"{name}-1.0-py3-none-any.whl"
+    files = {f"{name}/__init__.py": "VALUE = 42\n",
+             f"{name}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+             f"{name}-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{k},,\n" for k in files) + f"{name}-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for k, v in files.items():
+            z.writestr(k, v)
+        z.writestr(f"{name}-1.0.dist-info/RECORD", record)
+    return path
+
+
+@pytest.mark.timeout(120)
+def test_install_from_a_wheelhouse_installs_each_folder_and_ray(tmp_path):
+    """Two wheel folders, one with a Ray tarball. The tarball is a stand-in (Ray's real one is 30 MB and needs
+    PyPI): the two daemon files the script must make executable, and a package file."""
+    one, two, site = tmp_path / "wh-1", tmp_path / "wh-2", tmp_path / "site"
+    one.mkdir(), two.mkdir()
+    _wheel(one, "benchpkg_one")
+    _wheel(two, "benchpkg_two")
+    daemons = ["ray/core/src/ray/raylet/raylet", "ray/core/src/ray/gcs/gcs_server"]
+    src = tmp_path / "ray_src"
+    for rel in [*daemons, "ray/__init__.py"]:
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text("")
+        (src / rel).chmod(0o644)
+    with tarfile.open(two / "ray.tar.xz", "w:xz") as t:
+        t.add(src / "ray", arcname="ray")
+    proc = subprocess.run(["bash", "bench/install_wheelhouse.sh", "--target", str(site), str(one), str(two)],
+                          cwd=REPO, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = subprocess.run([sys.executable, "-c", "import benchpkg_one, benchpkg_two, ray; print(benchpkg_two.VALUE)"],
+                         env=env, capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert out.stdout.strip() == "42", out.stderr
+    for rel in daemons:
+        assert (site / rel).stat().st_mode & stat.S_IXUSR
+
+
+# ---------------------------------------------------------------- the kit's docs and files
+
+WORDS = re.compile(r"carry|lent |session|device call", re.I)
+
+
+def test_bench_and_readme_speak_only_of_the_project():
+    paths = [REPO / "README.md", REPO / ".gitignore", *sorted((REPO / "bench").rglob("*"))]
+    hits = []
+    for p in paths:
+        if not p.is_file() or p.suffix in (".png", ".pyc") or "results" in p.relative_to(REPO).parts:
+            continue
+        for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
+            if WORDS.search(line):
+                hits.append(f"{p.relative_to(REPO)}:{i}: {line.strip()[:120]}")
+    assert not hits, "\n".join(hits)
+
+
+def test_bench_readme_is_short_and_in_order():
+    text = (REPO / "bench" / "README.md").read_text()
+    assert len(text.splitlines()) < 120
+    order = ["install_wheelhouse.sh", "python -m bench gpu suite", "python -m bench gpu speed",
+             "python -m bench gpu fp8", "python -m bench gpu parity"]
+    pos = [text.find(s) for s in order]
+    assert -1 not in pos and pos == sorted(pos), dict(zip(order, pos))
+
+
+def test_one_off_scripts_and_their_logs_are_gone():
+    bench = REPO / "bench"
+    assert not list(bench.glob("gpu_calls*.sh")) and not (bench / "gpu_lib.sh").exists()
+    assert not list(bench.glob("gpu_results_*.jsonl"))
