@@ -87,7 +87,8 @@ def _print_storage_plan(recipe: Recipe, shape) -> None:
 def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = None, *, prog: str = "job") -> int:
     """Parse a job's flags, then dry-run or run it; a bad recipe exits 2 before Ray starts.
 
-    Exit codes: 0 trained (and registered when enabled), 2 bad recipe, 3 trained but not registered.
+    Exit codes: 0 trained (and registered when enabled), 2 bad recipe or unusable storage (nothing
+    started), 3 trained but not registered.
     """
     args = job_parser(prog, (recipe_fn.__doc__ or "").strip() or None).parse_args(argv)
     try:
@@ -107,8 +108,13 @@ def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = No
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
         os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
     from raytune_ft.run import run
+    from raytune_ft.storage_check import StorageAccessError
 
-    summary = run(recipe, local=args.local, register=False if args.no_register else None)
+    try:
+        summary = run(recipe, local=args.local, register=False if args.no_register else None)
+    except (RecipeError, StorageAccessError) as e:   # found before anything was trained: no traceback
+        print(f"error: {redact(str(e))}", file=sys.stderr)
+        return 2
     print("\n".join(summary.lines()), flush=True)
     return 0 if summary.status != "trained_not_registered" else 3
 

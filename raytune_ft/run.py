@@ -5,7 +5,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from raytune_ft.env import redact_exception
+from raytune_ft.env import public_uri, redact_exception
 from raytune_ft.recipe import Recipe, absolute_local_paths, validate
 
 
@@ -190,11 +190,14 @@ def _set_throughput(summary: RunSummary, metrics: dict) -> None:
 def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) -> RunSummary:
     """Validate, train on Ray Train, then register the final checkpoint from a separate Ray task."""
     from raytune_ft import storage, tracking
+    from raytune_ft.storage_check import check_storage
     from raytune_ft.train.checkpoint import read_meta_at
     from raytune_ft.train.launch import build_trainer
 
     # every local path absolute here, once: Ray workers resolve nothing against their own folders
     validate(absolute_local_paths(recipe))
+    # object storage that cannot be used fails here, in words: before Ray starts or an MLflow run is opened
+    check_storage(recipe)
     t0 = time.time()
     ensure_ray(local)
     run_id = tracking.start_run(recipe)
@@ -227,9 +230,9 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
     summary = RunSummary(
         job=recipe.job, run_name=recipe.tracking.run_name, status="trained", steps=int(metrics.get("step", 0)),
         tokens=int(metrics.get("tokens", 0)), final_loss=meta.get("final_loss", metrics.get("loss")),
-        best_loss=meta.get("best_eval_loss"), checkpoint=ckpt_uri,
+        best_loss=meta.get("best_eval_loss"), checkpoint=public_uri(ckpt_uri),
         mlflow_run_id=run_id,
-        tracking_uri=recipe.tracking_uri, data=data, plots=plots)
+        tracking_uri=public_uri(recipe.tracking_uri), data=data, plots=plots)
     _set_throughput(summary, metrics)
 
     do_register = recipe.registry.enabled if register is None else register
@@ -242,7 +245,7 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
         found = find_registered_version(ckpt_uri, recipe.registry.name, tracking_uri=recipe.tracking_uri,
                                         registry_uri=recipe.registry.registry_uri)
         if found is not None:
-            print(f"[raytune_ft] {ckpt_uri} is already registered as {found.name} version {found.version}")
+            print(f"[raytune_ft] {public_uri(ckpt_uri)} is already registered as {found.name} version {found.version}")
             outcome = RegistrationOutcome(ok=True, result=found)
         else:
             outcome = run_registration(ckpt_uri, recipe.registry, recipe.tracking_uri,

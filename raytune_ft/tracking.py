@@ -11,7 +11,15 @@ import subprocess
 from pathlib import Path
 
 from raytune_ft.env import redact
-from raytune_ft.recipe import Recipe
+from raytune_ft.recipe import Recipe, RecipeError
+
+# the settings that decide which weights a run trains: a finished run re-submitted with one of these
+# changed would hand back (and register) weights these settings never produced
+TRAINING_PARAMS = ("job", "model.", "data.", "train.")
+
+
+class FinishedRunError(RecipeError):
+    """A re-submit asks a finished run for weights it did not train."""
 
 
 def flat_params(recipe: Recipe) -> dict[str, str]:
@@ -51,7 +59,8 @@ def run_tags(recipe: Recipe) -> dict[str, str]:
 
 
 def start_run(recipe: Recipe) -> str:
-    """Create (or reopen, on a re-submit of the same run name) the MLflow run; return its id."""
+    """Create (or reopen, on a re-submit of the same run name) the MLflow run; return its id. A finished
+    run's re-submit gets the finished run's id (FinishedRunError when its training settings differ)."""
     import mlflow
 
     client = mlflow.MlflowClient(recipe.tracking_uri)
@@ -75,6 +84,8 @@ def start_run(recipe: Recipe) -> str:
         client.update_run(run_id, status="RUNNING")
         client.set_tag(run_id, "raytune.resubmitted", "true")
         return run_id
+    if found and found[0].info.status == "FINISHED":
+        return _resubmitted_finished_run(client, found[0], recipe)
     run = client.create_run(exp_id, run_name=recipe.tracking.run_name, tags=run_tags(recipe))
     params = flat_params(recipe)
     from mlflow.entities import Param
@@ -83,6 +94,34 @@ def start_run(recipe: Recipe) -> str:
     for i in range(0, len(items), 90):
         client.log_batch(run.info.run_id, params=items[i:i + 90])
     return run.info.run_id
+
+
+def _resubmitted_finished_run(client, found, recipe: Recipe) -> str:
+    """The finished run's own id: nothing is trained again, so no second, empty MLflow run is opened.
+
+    Training settings other than those the run trained with stop here (FinishedRunError naming them);
+    another registry name registers the run's weights under it, and says which weights those are."""
+    run_id, old = found.info.run_id, found.data.params
+    new = flat_params(recipe)
+    # a param the finished run did not log (a field added since) cannot have changed what it trained
+    changed = [k for k in sorted(new) if k.startswith(TRAINING_PARAMS) and k in old and old[k] != new[k]]
+    where = f"run {recipe.tracking.run_name!r} finished already (MLflow run {run_id})"
+    if changed:
+        diffs = "; ".join(f"{k}: {old[k]} -> {new[k]}" for k in changed[:5])
+        more = f"; and {len(changed) - 5} more" if len(changed) > 5 else ""
+        raise FinishedRunError(
+            f"{changed[0]}: {where} with other training settings ({diffs}{more}). A finished run is not "
+            "trained again: set tracking.run_name to a new name to train with these settings, or re-submit "
+            "with the settings it finished with.")
+    weights = redact(found.data.tags.get("raytune.checkpoint") or "its final checkpoint")
+    before = old.get("registry.name")
+    if recipe.registry.enabled and before and before != recipe.registry.name:
+        print(f"[raytune_ft] {where}: nothing is trained; the weights it trained ({weights}) are registered "
+              f"as {recipe.registry.name}, as this recipe asks (the run was submitted as {before})")
+    else:
+        print(f"[raytune_ft] {where}: nothing is trained; its weights are {weights}")
+    client.set_tag(run_id, "raytune.resubmitted", "true")
+    return run_id
 
 
 def end_run(recipe: Recipe, run_id: str, status: str = "FINISHED", tags: dict | None = None,

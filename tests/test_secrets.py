@@ -269,3 +269,62 @@ def test_redaction_survives_another_thread_changing_the_environment(monkeypatch)
         sys.setswitchinterval(old_interval)
         for i in range(50):
             os.environ.pop(f"_RAYTUNE_TEST_CHURN_{i}", None)
+
+
+def test_uri_credentials_are_masked_in_params_and_public_uris(monkeypatch):
+    """A token in a query string, an S3 key pair in a storage path's userinfo or query, a bare token as the
+    user name: the params of the MLflow run and the public form of each URI carry none of them."""
+    from raytune_ft.env import public_uri, redact
+    from raytune_ft.recipe import Recipe
+    from raytune_ft.tracking import flat_params
+
+    planted = {name: f"{name}-{secrets.token_hex(10)}" for name in ("token", "password", "secret_key", "sig", "git")}
+    recipe = Recipe()
+    recipe.tracking.tracking_uri = f"https://ci:{planted['password']}@mlflow.example/?token={planted['token']}"
+    recipe.tracking.storage_path = (f"s3://AKIDEXAMPLE:{planted['secret_key']}@bucket/runs?endpoint_override="
+                                    f"s3.example:9000&X-Amz-Signature={planted['sig']}")
+    recipe.registry.registry_uri = f"uc:https://{planted['git']}@uc.example"
+    shown = [*flat_params(recipe).values(), public_uri(recipe.tracking.tracking_uri),
+             public_uri(recipe.tracking.storage_path), redact(f"store at {recipe.tracking.tracking_uri}, done")]
+    assert [k for k, v in planted.items() if any(v in s for s in shown)] == []
+    # what is not a credential stays, so the URI still says where things are
+    assert public_uri(recipe.tracking.storage_path) == ("s3://AKIDEXAMPLE:***@bucket/runs?endpoint_override="
+                                                        "s3.example:9000&X-Amz-Signature=***")
+    assert flat_params(recipe)["tracking.tracking_uri"] == "https://ci:***@mlflow.example/?token=***"
+    assert public_uri("sqlite:////runs/x/mlflow.db") == "sqlite:////runs/x/mlflow.db"
+
+
+@pytest.mark.timeout(900)
+def test_password_in_the_tracking_uri_reaches_no_console_summary_param_tag_or_checkpoint(tmp_path):
+    """The --local job against a real `mlflow server` named as https://user:password@host (a server behind
+    basic auth; this one does not check it): the password shows in neither the job's output, summary.json,
+    the run's params and tags, the registered model, nor the checkpoints."""
+    import json
+
+    from mlflow import MlflowClient
+
+    from tests.conftest import local_job_process
+    from tests.mlflow_server import MlflowServer
+
+    password = f"pw-{secrets.token_hex(12)}"
+    with MlflowServer(tmp_path / "mlflow") as server:
+        tracking = server.uri.replace("http://", f"http://ci-user:{password}@")
+        overrides = [f"tracking.storage_path={tmp_path / 'runs'}", f"tracking.tracking_uri={tracking}",
+                     "train.max_steps=2", "train.checkpoint_every=1"]
+        with local_job_process(tmp_path, overrides, prefix="rturi") as (proc, _):
+            pass
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-4000:].decode(errors="replace")
+        client = MlflowClient(server.uri)
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        assert runs, "the job logged nothing to the server"
+        shown = [*runs[0].data.params.values(), *runs[0].data.tags.values()]
+    public = f"http://ci-user:***@127.0.0.1:{server.port}"
+    assert password.encode() not in out and public.encode() in proc.stdout       # the summary names the store
+    summary = json.loads((tmp_path / "runs" / "qwen27b-local" / "summary.json").read_text())
+    assert summary["tracking_uri"] == public and summary["status"] == "registered"
+    assert runs[0].data.params["tracking.tracking_uri"] == public
+    assert not [s for s in shown if password in s]
+    hits, n = _grep({"password": password.encode()}, tmp_path / "runs", server.root)
+    assert hits == [] and n > 20
+    assert list((tmp_path / "runs" / "qwen27b-local").glob("checkpoint_*/dcp"))

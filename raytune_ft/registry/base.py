@@ -18,10 +18,13 @@ CHECKPOINT_TAG = "raytune.checkpoint"   # on the run and on the model version: w
 
 
 def checkpoint_id(checkpoint_path: str | os.PathLike) -> str:
-    """How a checkpoint is named in tags, records and commands: its URI (s3://...) or its absolute path."""
+    """How a checkpoint is named in tags, records, logs and commands: its public URI (s3://..., no
+    credential of a userinfo or query) or its absolute path."""
+    from raytune_ft.env import public_uri
+
     path = str(checkpoint_path)
     if "://" in path and not path.startswith("file://"):
-        return path.rstrip("/")
+        return public_uri(path.rstrip("/"))
     return os.path.abspath(path[len("file://"):] if path.startswith("file://") else path)
 
 

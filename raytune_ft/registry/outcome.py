@@ -103,7 +103,8 @@ def record_failure(checkpoint_path: str, name: str, tracking_uri: str | None, re
     except OSError as e:
         logger.warning("could not write %s: %s", path, redact_exception(e))
         written = None
-    logger.error("registration of %s as %s failed: %s\nretry with: %s", checkpoint_path, name, error, cmd)
+    logger.error("registration of %s as %s failed: %s\nretry with: %s", checkpoint_id(checkpoint_path), name, error,
+                 cmd)
     return RegistrationOutcome(ok=False, error=error, retry_command=cmd, failure_file=written)
 
 

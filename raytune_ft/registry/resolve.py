@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from raytune_ft.env import scrub
+from raytune_ft.env import public_uri, scrub
 from raytune_ft.registry.base import CHAT_TASK, RegistrationError, logger
 
 
@@ -64,7 +64,7 @@ def local_checkpoint(checkpoint_path: str | os.PathLike) -> Iterator[Path]:
     wanted = _files_to_fetch(rels)
     with tempfile.TemporaryDirectory(prefix="raytune_register_") as tmp:
         local = Path(tmp) / st.root.rstrip("/").rsplit("/", 1)[-1]
-        logger.info("reading %d files of %s for registration", len(wanted), checkpoint_path)
+        logger.info("reading %d files of %s for registration", len(wanted), public_uri(str(checkpoint_path)))
         storage.download(st.fs, st.root, str(local), only=wanted.__contains__)
         yield local
 

@@ -1,0 +1,49 @@
+"""The MLflow run of a job against a real sqlite tracking store: a finished run re-submitted is never given a
+second, empty run; re-submitted with other training settings it stops naming them."""
+from __future__ import annotations
+
+import pytest
+from mlflow import MlflowClient
+
+from raytune_ft.cli import _job_recipe
+from raytune_ft.recipe import RecipeError
+from raytune_ft.tracking import end_run, start_run
+
+
+def _recipe(tmp_path, *overrides):
+    return _job_recipe("qwen27b_b300", True, [f"tracking.storage_path={tmp_path / 'runs'}", *overrides])
+
+
+def _finished(tmp_path) -> tuple[str, MlflowClient]:
+    recipe = _recipe(tmp_path)
+    run_id = start_run(recipe)
+    end_run(recipe, run_id, tags={"raytune.status": "registered", "raytune.checkpoint": "/runs/x/checkpoint_1"})
+    return run_id, MlflowClient(recipe.tracking_uri)
+
+
+def _runs(client: MlflowClient):
+    return client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+
+def test_resubmitting_a_finished_run_reuses_its_mlflow_run(tmp_path, capsys):
+    run_id, client = _finished(tmp_path)
+    assert start_run(_recipe(tmp_path)) == run_id
+    assert [r.info.run_id for r in _runs(client)] == [run_id]
+    assert client.get_run(run_id).info.status == "FINISHED"          # not reopened as if it trained again
+    assert f"finished already (MLflow run {run_id})" in capsys.readouterr().out
+
+
+def test_finished_run_with_other_training_settings_stops_naming_them(tmp_path):
+    run_id, client = _finished(tmp_path)
+    with pytest.raises(RecipeError, match=r"train\.max_steps") as caught:
+        start_run(_recipe(tmp_path, "train.max_steps=7"))
+    assert run_id in str(caught.value) and "tracking.run_name" in str(caught.value)
+    assert [r.info.run_id for r in _runs(client)] == [run_id]
+
+
+def test_finished_run_with_another_registry_name_says_which_weights_it_registers(tmp_path, capsys):
+    run_id, client = _finished(tmp_path)
+    assert start_run(_recipe(tmp_path, "registry.name=main.default.renamed")) == run_id
+    said = capsys.readouterr().out
+    assert "/runs/x/checkpoint_1" in said and "main.default.renamed" in said and "nothing is trained" in said
+    assert [r.info.run_id for r in _runs(client)] == [run_id]
