@@ -56,6 +56,7 @@ class DataConfig:
     schema: Literal["auto", "messages", "conversation", "prompt_completion"] = "auto"
     validation_fraction: float = 0.0         # carved out of `split` when > 0 (seeded)
     validation_split: str | None = None      # a separate split of the source for evaluation
+    validation_max_rows: int | None = None   # evaluate on the first N held-out rows only (its cost: `raytune-ft plan`)
     seed: int = 42
     seq_len: int = 32768                     # tokens per packed block
     max_rows: int | None = None              # read at most this many rows (smoke runs)
@@ -85,6 +86,8 @@ class DataConfig:
         check_range("data.validation_fraction", self.validation_fraction, 0.0, 0.5)
         if self.max_rows is not None:
             check_range("data.max_rows", self.max_rows, 1)
+        if self.validation_max_rows is not None:
+            check_range("data.validation_max_rows", self.validation_max_rows, 1)
         check_range("data.pack_window", self.pack_window, 1, 1_000_000)
         check_range("data.num_cpus_per_op", self.num_cpus_per_op, 0.0, 64, lo_open=True)
 
@@ -107,7 +110,12 @@ class TrainConfig:
     master_weights: Literal["fp32", "bf16"] = "fp32"
     log_every: int = 100
     checkpoint_every: int = 500
-    eval_every: int | None = None
+    eval_every: int | None = 0               # held-out loss every N steps and at the end; 0 or None: off
+    # sample generations at the start, each checkpoint and the end (FSDP2 loop; MLflow table samples.json):
+    # N (the first N held-out conversations, cut before their last answer), or a .jsonl/.json file of
+    # prompts or conversations; 0: off
+    sample_prompts: str | int = 0
+    sample_max_new_tokens: int = 64          # greedy, stopped at the end-of-turn token or here
     keep_checkpoints: int = 2
     # false: end without a final checkpoint or hf/ export (throughput runs of models too big to write
     # out); periodic checkpoints still follow checkpoint_every; nothing is registered
@@ -156,7 +164,8 @@ class TrainConfig:
         check_range("train.log_every", self.log_every, 1)
         check_range("train.checkpoint_every", self.checkpoint_every, 1)
         if self.eval_every is not None:
-            check_range("train.eval_every", self.eval_every, 1)
+            check_range("train.eval_every", self.eval_every, 0)
+        self._validate_samples(data)
         check_range("train.keep_checkpoints", self.keep_checkpoints, 1, 1000)
         if not self.save_final and registry.enabled:
             raise RecipeError("train.save_final: false leaves no final model to register; "
@@ -175,6 +184,25 @@ class TrainConfig:
                               "data.validation_split)")
         if self.max_length is not None:
             check_range("train.max_length", self.max_length, 16, 1 << 20)
+
+    def _validate_samples(self, data: DataConfig) -> None:
+        spec = self.sample_prompts
+        text = str(spec).strip()
+        if isinstance(spec, int) or text.isdigit() or not text:
+            n = int(text or 0)
+            check_range("train.sample_prompts", n, 0, 1000)
+            if n and data.validation_fraction == 0.0 and data.validation_split is None:
+                raise RecipeError(f"train.sample_prompts: {n} held-out conversations need held-out data (set "
+                                  "data.validation_fraction or data.validation_split, or give a prompt file)")
+        else:
+            n = 1
+            if not text.endswith((".jsonl", ".json")) or not os.path.isfile(os.path.expanduser(text)):
+                raise RecipeError(f"train.sample_prompts: {text!r} is not a .jsonl/.json file of prompts "
+                                  "(or a number of held-out conversations)")
+        if n and self.loop != "fsdp2":
+            raise RecipeError("train.sample_prompts: sample generations are offered by the FSDP2 loop only "
+                              "(train.loop='fsdp2')")
+        check_range("train.sample_max_new_tokens", self.sample_max_new_tokens, 1, 1 << 16)
 
 
 @dataclass
@@ -399,6 +427,8 @@ def absolute_local_paths(recipe: Recipe) -> Recipe:
     recipe.model.tokenizer = fix(recipe.model.tokenizer)
     recipe.model.chat_template = fix(recipe.model.chat_template)
     recipe.data.source = fix(recipe.data.source)
+    if isinstance(recipe.train.sample_prompts, str) and not recipe.train.sample_prompts.strip().isdigit():
+        recipe.train.sample_prompts = fix(recipe.train.sample_prompts)
     tr = recipe.tracking
     if tr.storage_path.strip() and "://" not in tr.storage_path:
         tr.storage_path = os.path.abspath(os.path.expanduser(tr.storage_path))

@@ -43,7 +43,7 @@ from raytune_ft.data.packing import DataCounters, pack_blocks
 from raytune_ft.data.sft import SpanNotFound, render_sft
 from raytune_ft.data.sources import to_messages
 
-__all__ = ["DataCounters", "build_dataset", "iter_blocks", "gather_counters",
+__all__ = ["DataCounters", "build_dataset", "iter_blocks", "read_rows", "gather_counters",
            "train_data_config", "resolve_hf_parquet", "HF_ROOT_ENV"]
 
 # Offline stand-in for the hub: hf://org/name reads <root>/org/name/, laid out as the hub repo is
@@ -258,8 +258,12 @@ def build_dataset(data, tokenizer, *, split: str = "train", chat_template: str |
         ds = ds.limit(data.max_rows)
     fn = _map_fn(_TokenizerRef(tokenizer, chat_template), data.schema, dict(data.template_kwargs),
                  fraction, keep, data.seed)
-    return ds.map_batches(fn, batch_format="pyarrow", batch_size=64, num_cpus=data.num_cpus_per_op,
-                          zero_copy_batch=True)
+    ds = ds.map_batches(fn, batch_format="pyarrow", batch_size=64, num_cpus=data.num_cpus_per_op,
+                        zero_copy_batch=True)
+    if split == "validation" and data.validation_max_rows is not None:
+        # after the carve-out: the first N held-out rows, the same ones at every evaluation
+        ds = ds.limit(data.validation_max_rows)
+    return ds
 
 
 # ---------------------------------------------------------------- worker side
@@ -279,6 +283,12 @@ def _iter_rows(shard: Any, batch_size: int = 256) -> Iterator[tuple[Any, Any, st
     else:
         for row in shard:
             yield row["input_ids"], row["mask"], row.get("skip_reason") or ""
+
+
+def read_rows(shard: Any) -> list[dict]:
+    """Every row of a small dataset shard (the held-out split) as {input_ids, mask, skip_reason} dicts,
+    read once and kept: `iter_blocks` packs them, the sample prompts are cut from them."""
+    return [{"input_ids": ids, "mask": mask, "skip_reason": reason} for ids, mask, reason in _iter_rows(shard)]
 
 
 def iter_blocks(shard: Any, data, *, counters: DataCounters | None = None, skip_blocks: int = 0,

@@ -25,6 +25,7 @@ from raytune_ft.train import checkpoint as ckpt_io
 from raytune_ft.train import ckpt_storage
 from raytune_ft.train.batch import EpochFeeds, StepBatch, count_run_steps, worker_blocks
 from raytune_ft.train.common import WorkerLog, lr_at, recipe_from_config, report
+from raytune_ft.train.evaluate import EvalAndSamples
 from raytune_ft.train.fp8 import precompute_fp8_scales
 from raytune_ft.train.fsdp_model import PackedCausalLM, build_fsdp_model, compile_pointwise, shard_packed_model
 
@@ -85,6 +86,8 @@ def train_fsdp(config: dict) -> None:
         guard.check(state["step"] + t_cfg.checkpoint_every)
     feed = _open_data(recipe, config, state, rank=rank, device=device)
     total_steps = _schedule_length(recipe, state, feed, log)
+    probes = EvalAndSamples.open(recipe, tok, rank=rank, world=world, device=device, log=log)
+    log.log_metrics(probes.at_start(model, state), 0)     # the base model's samples, before any timing
     window = _Window(device, lm.config, world, state)
     log.mfu_basis(window.mfu_basis)
 
@@ -110,12 +113,15 @@ def train_fsdp(config: dict) -> None:
 
         at_log = step % t_cfg.log_every == 0 or step == total_steps
         at_ckpt = step % t_cfg.checkpoint_every == 0 and step != total_steps
-        if not (at_log or at_ckpt):
+        at_eval = probes.eval_due(step) and step != total_steps     # the last step's comes with the end
+        if not (at_log or at_ckpt or at_eval):
             continue
         last_metrics = window.close(state, rank)
         last_metrics["epoch_progress"] = step / total_steps if total_steps else 0.0
         last_metrics["epoch"] = feed.epoch
         _record_position(state, step, feed)
+        # after the window closed: evaluation and sampling are not counted as training time
+        last_metrics |= probes.run(model, step, state, evaluate=at_eval, sample=at_ckpt)
         log.progress(last_metrics, total_steps, window.elapsed())
         if at_ckpt:
             _save_and_report(recipe, model, opt, rank, state, last_metrics, log, final=False, guard=guard)
@@ -124,7 +130,7 @@ def train_fsdp(config: dict) -> None:
         # the next window starts after the report/checkpoint, so saving is not counted as training
         window.restart()
 
-    _finish(recipe, model, opt, lm, tok, rank, state, step, feed, window, last_metrics, log, guard)
+    _finish(recipe, model, opt, lm, tok, rank, state, step, feed, window, last_metrics, log, guard, probes)
 
 
 def _resume_state(model, opt, rank: int, log: WorkerLog) -> dict:
@@ -272,7 +278,8 @@ class _Window:
 
 
 def _finish(recipe: Recipe, model, opt, lm, tok, rank: int, state: dict, step: int, feed: EpochFeeds,
-            window: _Window, last_metrics: dict, log: WorkerLog, guard: ckpt_storage.SaveGuard) -> None:
+            window: _Window, last_metrics: dict, log: WorkerLog, guard: ckpt_storage.SaveGuard,
+            probes: EvalAndSamples) -> None:
     """End of the run: the steps since the last log go into the history, then the final checkpoint
     (with the hf/ export) or, with train.save_final=false, only the final metrics."""
     window.close(state, rank)
@@ -281,6 +288,9 @@ def _finish(recipe: Recipe, model, opt, lm, tok, rank: int, state: dict, step: i
     final.update({"step": step, "loss": state["history"][-1]["loss"] if state["history"] else float("nan"),
                   "done": True, **window.attempt_metrics(state)})
     final |= feed.total_counters().as_metrics()
+    end = probes.at_end(model, step, state)     # the final weights' held-out loss and samples
+    log.log_metrics(end, step)
+    final |= end
     if recipe.train.save_final:
         _save_and_report(recipe, model, opt, rank, state, final, log, final=True, lm=lm, tokenizer=tok,
                          guard=guard)

@@ -24,10 +24,14 @@ class PackedCausalLM(nn.Module):
         self.lm = lm
         self.loss_chunk = loss_chunk
 
-    def forward(self, labels: torch.Tensor, **packed_kwargs):
+    def forward(self, labels: torch.Tensor | None, logits_at: torch.Tensor | None = None, **packed_kwargs):
+        """(loss sum, supervised count) of `labels`; with `logits_at` (token positions of the packed
+        row) the fp32 logits at those positions instead (sampling), inside the root's forward too."""
         from raytune_ft.models.loss import chunked_cross_entropy
 
         hidden = self.lm.model(**packed_kwargs).last_hidden_state
+        if logits_at is not None:
+            return self.lm.lm_head(hidden[0, logits_at]).float()
         return chunked_cross_entropy(hidden, self.lm.lm_head.weight, labels, chunk_size=self.loss_chunk)
 
 

@@ -4,6 +4,7 @@ Both classes are built by functions so that importing this module does not impor
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import tempfile
@@ -158,6 +159,11 @@ def report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ran
                     if isinstance(v, (int, float)) and not isinstance(v, bool)}
             if "loss" in logs and self.window is not None:
                 logs.update(self.throughput())
+            if "eval_loss" in logs:     # the FSDP2 loop's names, so runs of both loops compare in MLflow
+                logs["eval/loss"] = logs["eval_loss"]
+                logs["eval/perplexity"] = math.exp(min(logs["eval_loss"], 700.0))
+                if "eval_runtime" in logs:
+                    logs["eval/seconds"] = logs["eval_runtime"]
             self.last.update(logs)
             self.history.append({"step": state.global_step, **logs})
             if rank == 0 and logs:

@@ -1,0 +1,136 @@
+"""Held-out loss in the FSDP2 loop, and the schedule of what the loop measures besides training.
+
+The held-out split (`data.validation_split`, e.g. UltraChat's test_sft, or the seeded
+`data.validation_fraction` carved out of training; `data.validation_max_rows` caps it) reaches every
+worker whole. It is read once per attempt and packed exactly as training packs, then each rank
+evaluates its share of the blocks (every `world`-th), filled up with all-padding blocks so every rank
+runs the same number of forwards. The loss is normalised over the global token count (the sum of
+token losses, all-reduced, over the all-reduced count of supervised tokens), as training's is, so it
+does not depend on how the blocks fell on the ranks.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from raytune_ft.data.packing import DataCounters, padding_block
+from raytune_ft.recipe import Recipe
+from raytune_ft.train.batch import StepBatch
+
+
+def rank_share(blocks: Sequence[dict], rank: int, world: int, *, multiple: int, seq_len: int) -> list[dict]:
+    """This rank's blocks (every `world`-th), padded with all-padding blocks to the same count on every
+    rank, a multiple of `multiple` (the micro-batch size)."""
+    per_rank = -(-len(blocks) // world)
+    per_rank = -(-per_rank // multiple) * multiple
+    mine = list(blocks[rank::world])
+    return mine + [padding_block(seq_len)] * (per_rank - len(mine))
+
+
+@torch.no_grad()
+def held_out_loss(model, blocks: Sequence[dict], *, micro_batch_size: int, device: torch.device
+                  ) -> tuple[float, int]:
+    """(mean token loss over every rank's blocks, supervised tokens) of a `PackedCausalLM`; a collective
+    when torch.distributed is up (every rank must pass the same number of blocks)."""
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    try:
+        for i in range(0, len(blocks), micro_batch_size):
+            mb = StepBatch.from_blocks(list(blocks[i:i + micro_batch_size]), device)
+            loss_sum, n = model(mb.labels, **mb.kwargs)
+            sums += torch.stack([loss_sum.double(), n.double()])
+    finally:
+        model.train(was_training)
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    loss, n = sums.tolist()
+    return loss / max(n, 1.0), int(n)
+
+
+def held_out_rows(recipe: Recipe) -> list[dict]:
+    """Every row of the held-out split as this worker receives it (the whole split: it is not sharded)."""
+    import ray.train
+
+    from raytune_ft.data.pipeline import read_rows
+
+    return read_rows(ray.train.get_dataset_shard("validation"))
+
+
+class EvalAndSamples:
+    """What the FSDP2 loop measures besides training: the held-out loss every `train.eval_every` steps
+    and at the end; sample generations at the start (base model), at each checkpoint and at the end.
+    Every method is a collective: every rank calls it at the same step."""
+
+    def __init__(self, recipe: Recipe, blocks: list[dict] | None, sampler, *, device: torch.device, log):
+        self.recipe, self.blocks, self.sampler, self.device, self.log = recipe, blocks, sampler, device, log
+
+    @classmethod
+    def open(cls, recipe: Recipe, tokenizer, *, rank: int, world: int, device: torch.device,
+             log) -> "EvalAndSamples":
+        from raytune_ft.data.pipeline import iter_blocks
+        from raytune_ft.train import sampling
+
+        t = recipe.train
+        n_held_out = sampling.sample_count(t.sample_prompts)
+        rows = held_out_rows(recipe) if (t.eval_every or n_held_out) else []
+        blocks = None
+        if t.eval_every:
+            every = list(iter_blocks(rows, recipe.data, counters=DataCounters()))
+            if not every:
+                raise RuntimeError("the held-out split produced no blocks: nothing to evaluate on")
+            blocks = rank_share(every, rank, world, multiple=t.micro_batch_size, seq_len=recipe.data.seq_len)
+            log.info(f"held-out evaluation every {t.eval_every} steps and at the end: {len(every)} blocks of "
+                     f"{recipe.data.seq_len} tokens, {len(blocks)} per rank")
+        sampler = None
+        if n_held_out != 0:
+            kwargs = dict(recipe.data.template_kwargs)
+            if n_held_out is None:
+                prompts = sampling.render_prompts(tokenizer, sampling.read_prompt_file(str(t.sample_prompts)),
+                                                  kwargs)
+            else:
+                prompts = sampling.held_out_prompts(rows, n_held_out, tokenizer)
+            if not prompts:
+                raise RuntimeError("train.sample_prompts: the held-out split has no conversation to prompt with")
+            sampler = sampling.Sampler(prompts, tokenizer, max_new_tokens=t.sample_max_new_tokens,
+                                       stop_ids=sampling.stop_token_ids(tokenizer, kwargs), device=device,
+                                       rank=rank, log=log)
+            log.info(f"samples: {len(prompts)} prompts, greedy, up to {t.sample_max_new_tokens} new tokens, at "
+                     "the start, each checkpoint and the end (MLflow table samples.json)")
+        return cls(recipe, blocks, sampler, device=device, log=log)
+
+    def eval_due(self, step: int) -> bool:
+        every = self.recipe.train.eval_every
+        return bool(self.blocks is not None and every and step % every == 0)
+
+    def at_start(self, model, state: dict) -> dict:
+        """The base model's samples, on a run that starts from step 0."""
+        if self.sampler is None or state["step"]:
+            return {}
+        return self.sampler.run(model, 0, state)
+
+    def at_end(self, model, step: int, state: dict) -> dict:
+        """The held-out loss and the samples of the final weights, unless this step already had them."""
+        evaluated = (state.get("eval_history") or [{}])[-1].get("step") == step
+        sampled = (state.get("samples") or [{}])[0].get("step") == step
+        return self.run(model, step, state, evaluate=not evaluated, sample=not sampled)
+
+    def run(self, model, step: int, state: dict, *, evaluate: bool, sample: bool) -> dict:
+        """The held-out loss (`evaluate`) and the samples (`sample`) at `step`, as metrics."""
+        m: dict = {}
+        if evaluate and self.blocks is not None:
+            t0 = time.perf_counter()
+            loss, n = held_out_loss(model, self.blocks, micro_batch_size=self.recipe.train.micro_batch_size,
+                                    device=self.device)
+            m = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 700.0)), "eval/tokens": n,
+                 "eval/seconds": time.perf_counter() - t0}
+            state.setdefault("eval_history", []).append({"step": step, "eval_loss": loss})
+            self.log.info(f"eval at step {step}: loss {loss:.4f}, perplexity {m['eval/perplexity']:.2f} over "
+                          f"{n:,} held-out tokens in {m['eval/seconds']:.1f} s")
+        if sample and self.sampler is not None:
+            m |= self.sampler.run(model, step, state)
+        return m
