@@ -1,7 +1,9 @@
 """The order of a run: validate -> fit -> register. The only module that knows training and registry."""
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -21,6 +23,7 @@ class RunSummary:
     attempt_seconds: float = 0.0               # this attempt's training seconds
     run_seconds: float = 0.0                   # training seconds of every attempt
     run_tokens_per_s: float = 0.0              # tokens / run_seconds
+    steps_tokens_per_s: float = 0.0            # the training steps' own rate: the last logging window's
     final_loss: float | None = None
     best_loss: float | None = None
     checkpoint: str | None = None
@@ -33,15 +36,19 @@ class RunSummary:
     data: dict = field(default_factory=dict)
     seconds: float = 0.0
     plots: list = field(default_factory=list)
+    # the time to the first optimizer step by phase (ray_workers_s ... first_step_s) and its total_s
+    startup: dict = field(default_factory=dict)
 
     def lines(self) -> list[str]:
         out = [f"job {self.job} (run {self.run_name}): {self.status}",
                f"  steps            {self.steps}",
-               f"  tokens           {self.tokens:,} ({self.tokens_per_s:,.0f} tokens/s)"
+               f"  tokens           {self.tokens:,} ({self.tokens_per_s:,.0f} tokens/s end-to-end incl. start-up)"
                if self.attempt_tokens == self.tokens else
                f"  tokens           {self.tokens:,} ({self.run_tokens_per_s:,.0f} tokens/s over the run); "
-               f"this attempt {self.attempt_tokens:,} ({self.tokens_per_s:,.0f} tokens/s)",
+               f"this attempt {self.attempt_tokens:,} ({self.tokens_per_s:,.0f} tokens/s end-to-end incl. start-up)",
                f"  final loss       {self.final_loss:.4f}" if self.final_loss is not None else "  final loss       n/a"]
+        if self.steps_tokens_per_s:
+            out.insert(3, f"  training steps   {self.steps_tokens_per_s:,.0f} tokens/s (the last logged steps)")
         if self.best_loss is not None:
             out.append(f"  best eval loss   {self.best_loss:.4f}")
         out.append(f"  checkpoint       {self.checkpoint}")
@@ -53,9 +60,14 @@ class RunSummary:
         if self.data:
             skipped = self.data.get("rows_skipped_by_reason") or {}
             out.append(f"  data             {self.data.get('rows_read', 0)} rows read, "
-                       f"{sum(skipped.values())} skipped {dict(skipped) if skipped else ''}, "
+                       f"{sum(skipped.values())} skipped{f' {dict(skipped)}' if skipped else ''}, "
                        f"{self.data.get('blocks', 0)} blocks")
         out.append(f"  mlflow           {self.tracking_uri} run {self.mlflow_run_id}")
+        if self.tracking_uri and self.tracking_uri.startswith(("sqlite:", "file:", "/")):
+            import shlex
+
+            # a store on this machine has no server to open: this serves it on http://127.0.0.1:5000
+            out.append(f"  browse with      mlflow ui --backend-store-uri {shlex.quote(self.tracking_uri)}")
         if self.plots:
             out.append(f"  plots            {', '.join(self.plots)} (also MLflow artifacts under plots/)")
         out.append(f"  wall time        {self.seconds:.0f} s")
@@ -67,16 +79,31 @@ def ensure_ray(local: bool) -> None:
 
     A bare `ray.init()` would join whatever /tmp/ray/ray_current_cluster names, even a dead cluster.
     """
+    import logging
+
     import ray
+
+    from raytune_ft.console import WORKER_SETUP_HOOK, is_terminal, local_ray_env, quiet_env
 
     if ray.is_initialized():
         return
+    # every process of the job (Train controller and workers, Ray Data's actors, the registration task)
+    # runs the console's setup hook: they print most of what reaches the driver's console
+    quiet = {"worker_process_setup_hook": WORKER_SETUP_HOOK,
+             "env_vars": quiet_env(is_terminal(sys.stdout))}
     if os.environ.get("RAY_ADDRESS"):
-        ray.init()
+        try:
+            ray.init(runtime_env=quiet, logging_level=logging.WARNING)
+        except ValueError:  # the submitted job's runtime_env sets the same fields: it wins
+            ray.init(logging_level=logging.WARNING)
         return
     # more logical CPUs than cores: Ray Data operators inside the trainer must not starve
     ncpu = max(8, 2 * (os.cpu_count() or 2)) if local else None
-    ray.init(address="local", num_cpus=ncpu, include_dashboard=False)
+    if local:
+        for k, v in local_ray_env(ncpu).items():
+            os.environ.setdefault(k, v)
+    ray.init(address="local", num_cpus=ncpu, include_dashboard=False, runtime_env=quiet,
+             logging_level=logging.WARNING)
 
 
 def merged_data_counters(checkpoint_dir: str, fs=None) -> dict:
@@ -96,23 +123,6 @@ def merged_data_counters(checkpoint_dir: str, fs=None) -> dict:
         if st.get("counters"):
             total.merge(DataCounters.from_dict(st["counters"]))
     return total.to_dict()
-
-
-def _storage_full(exc: BaseException):
-    """The StorageFullError a worker raised, out of Ray's wrapping of it (None when there is none)."""
-    from raytune_ft.storage import StorageFullError
-
-    todo, seen = [exc], set()
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, StorageFullError):
-            return e
-        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
-        todo += list((getattr(e, "worker_failures", None) or {}).values())
-    return None
 
 
 def _write_plots(recipe: Recipe, st, run_path: str, ckpt, run_id: str, last_step: int) -> list[str]:
@@ -147,17 +157,18 @@ def _write_plots(recipe: Recipe, st, run_path: str, ckpt, run_id: str, last_step
         return []
 
 
-def _data_metrics(data: dict) -> dict:
-    """The merged data counters as MLflow metrics: data/rows_read, data/rows_skipped/<reason>, ..."""
+def _data_record(data: dict) -> dict:
+    """The merged data counters with their totals and fractions, for the run's data.json: single values,
+    so not MLflow metrics (each would be a one-point chart ahead of the loss curves)."""
     from raytune_ft.data.packing import DataCounters
 
     if not data:
         return {}
     c = DataCounters.from_dict(data)
-    m = c.as_metrics()
     total = c.real_tokens + c.padding_tokens
-    m["data/padding_fraction"] = c.padding_tokens / total if total else 0.0
-    return m
+    return {**c.to_dict(), "rows_skipped": c.rows_skipped,
+            "padding_fraction": c.padding_tokens / total if total else 0.0,
+            "packing_efficiency": c.real_tokens / total if total else 0.0}
 
 
 def _last_logged_metrics(recipe: Recipe, run_id: str) -> dict:
@@ -185,14 +196,21 @@ def _set_throughput(summary: RunSummary, metrics: dict) -> None:
         summary.tokens_per_s = summary.attempt_tokens / summary.attempt_seconds
     if summary.run_seconds:
         summary.run_tokens_per_s = summary.tokens / summary.run_seconds
+    summary.steps_tokens_per_s = float(metrics.get("tokens_per_s") or 0.0)
 
 
 def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) -> RunSummary:
     """Validate, train on Ray Train, then register the final checkpoint from a separate Ray task."""
-    from raytune_ft import storage, tracking
+    # the run folder's lease, taken once the storage is checked, is given back however the run ends
+    with contextlib.ExitStack() as held:
+        return _run(recipe, local=local, register=register, held=held)
+
+
+def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib.ExitStack) -> RunSummary:
+    from raytune_ft import lease, storage, tracking
     from raytune_ft.storage_check import check_storage
     from raytune_ft.train.checkpoint import read_meta_at
-    from raytune_ft.train.launch import build_trainer
+    from raytune_ft.train.launch import build_trainer, unfixable_error
 
     # every local path absolute here, once: Ray workers resolve nothing against their own folders
     validate(absolute_local_paths(recipe))
@@ -200,17 +218,21 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
     check_storage(recipe)
     t0 = time.time()
     ensure_ray(local)
+    st, run_path = storage.run_storage(recipe)
+    # one job per run folder: a second one stops here, before it opens an MLflow run or touches a checkpoint
+    run_lease = held.enter_context(lease.hold(st, run_path))
     run_id = tracking.start_run(recipe)
-    trainer = build_trainer(recipe, mlflow_run_id=run_id)
+    trainer = build_trainer(recipe, mlflow_run_id=run_id, lease_token=run_lease.token, job_start=t0)
     try:
         result = trainer.fit()
     except BaseException as e:
-        full = _storage_full(e)       # said in plain words, not as Ray's wrapping of a worker's error
-        shown = full or e
+        # an error no retry can fix (storage full, ...) is said in plain words, not as Ray's wrapping of it
+        unfixable = unfixable_error(e)
+        shown = unfixable or e
         tracking.end_run(recipe, run_id, status="FAILED", tags={
             "raytune.status": "failed", "raytune.error": redact_exception(shown)[:4000]})
-        if full is not None:
-            raise full from e
+        if unfixable is not None:
+            raise unfixable from e
         raise
     ckpt = result.checkpoint
     metrics = result.metrics or {}
@@ -220,7 +242,6 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
         metrics = _last_logged_metrics(recipe, run_id) or metrics
     if ckpt is None and recipe.train.save_final:
         raise RuntimeError("training finished without a checkpoint")
-    st, run_path = storage.run_storage(recipe)
     meta, data, plots, ckpt_uri = {}, {}, [], None
     if ckpt is not None:   # the small files are read where the checkpoint lies: nothing else is fetched
         ckpt_uri = storage.open_checkpoint(ckpt.path, ckpt.filesystem)[2]
@@ -234,6 +255,7 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
         mlflow_run_id=run_id,
         tracking_uri=public_uri(recipe.tracking_uri), data=data, plots=plots)
     _set_throughput(summary, metrics)
+    summary.startup = {k[len("startup/"):]: float(v) for k, v in metrics.items() if k.startswith("startup/")}
 
     do_register = recipe.registry.enabled if register is None else register
     status_tags = {"raytune.status": "trained", "raytune.checkpoint": ckpt_uri or ""}
@@ -254,8 +276,8 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
             summary.status = "registered"
             if outcome.result is not None:  # None when registry.enabled is false (skipped)
                 summary.registered_name, summary.registered_version = outcome.result.name, str(outcome.result.version)
-            status_tags.update({"raytune.status": "registered",
-                                "raytune.registered_version": str(summary.registered_version)})
+            # the version itself is the registry's tag, raytune.registered_model_version
+            status_tags.update({"raytune.status": "registered"})
         else:
             summary.status = "trained_not_registered"
             summary.registration_error = outcome.error
@@ -264,8 +286,8 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
     summary.seconds = time.time() - t0
     try:
         tracking.end_run(recipe, run_id, tags=status_tags,
-                         metrics={"final_loss": summary.final_loss or float("nan"), "total_tokens": summary.tokens,
-                                  **_data_metrics(data)})
+                         metrics={"final_loss": summary.final_loss or float("nan"), "total_tokens": summary.tokens},
+                         json_artifacts={"data.json": _data_record(data)} if data else None)
     except Exception as e:  # the run is trained and (maybe) registered: tracking must not lose it
         print(f"[raytune_ft] could not close the MLflow run: {type(e).__name__}")
     storage.write_json(st.fs, f"{run_path}/summary.json", asdict(summary))

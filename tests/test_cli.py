@@ -40,6 +40,16 @@ def test_register_help_is_the_registry_own(capsys):
     assert "raytune-ft register" in out and "--name" in out
 
 
+def test_help_names_checkpoint_folders_as_ray_writes_them(capsys):
+    """Ray Train names checkpoint folders checkpoint_<timestamp>, never checkpoint_000001."""
+    assert cli.main([]) == 0
+    with pytest.raises(SystemExit):
+        cli.main(["register", "--help"])
+    out = capsys.readouterr().out
+    assert "checkpoint_000001" not in out
+    assert "checkpoint_<timestamp>" in out
+
+
 def test_register_rejects_a_bad_name(tmp_path, capsys):
     assert cli.main(["register", str(tmp_path), "--name", "not-three-levels",
                      "--tracking-uri", f"sqlite:///{tmp_path}/m.db"]) == 2
@@ -129,6 +139,20 @@ def test_runs_json_and_empty(tmp_path, capsys):
 
 
 @pytest.mark.timeout(120)
+def test_runs_json_into_a_pipe_closed_early_ends_quietly(tmp_path):
+    """`raytune-ft runs --json | head`: the reader stops early; no BrokenPipeError traceback, exit 0."""
+    for i in range(300):     # more than a pipe's buffer holds, so the writer meets the closed pipe
+        _summary(tmp_path, f"run-{i:03d}", steps=i, final_loss=1.0)
+    p = subprocess.Popen([sys.executable, "-m", "raytune_ft.cli", "runs", "--storage", str(tmp_path), "--json",
+                          "--limit", "300"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.readline().strip() == b"["
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=100) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.timeout(120)
 def test_runs_shows_an_unfinished_run_from_its_mlflow_store(tmp_path, capsys):
     """A run still training has no summary.json: its status and last loss come from MLflow."""
     import mlflow
@@ -158,6 +182,19 @@ def test_job_script_still_runs_as_python_jobs_x():
     assert '"job": "qwen27b_b300"' in p.stdout and "memory plan:" in p.stdout
 
 
+def test_summary_labels_its_two_rates_and_spaces_the_data_row():
+    from raytune_ft.run import RunSummary
+
+    s = RunSummary(job="j", run_name="r", status="trained", steps=20, tokens=20_000, attempt_tokens=20_000,
+                   tokens_per_s=650.0, steps_tokens_per_s=4400.0, data={"rows_read": 512, "blocks": 40})
+    text = "\n".join(s.lines())
+    assert "20,000 (650 tokens/s end-to-end incl. start-up)" in text
+    assert "training steps   4,400 tokens/s" in text
+    assert "512 rows read, 0 skipped, 40 blocks" in text
+    s.data["rows_skipped_by_reason"] = {"no_assistant": 2}
+    assert "2 skipped {'no_assistant': 2}, 40 blocks" in "\n".join(s.lines())
+
+
 def test_run_off_a_terminal_turns_off_ray_colours_and_progress_bars(monkeypatch, capsys):
     """Under `ray job submit` or a pipe the driver's stdout is a file: no ANSI colours, no tqdm bars."""
     import raytune_ft.run as run_mod
@@ -169,7 +206,9 @@ def test_run_off_a_terminal_turns_off_ray_colours_and_progress_bars(monkeypatch,
         seen["bars"] = os.environ.get("RAY_DATA_DISABLE_PROGRESS_BARS")
         return run_mod.RunSummary(job=recipe.job, run_name=recipe.tracking.run_name, status="trained")
 
-    for var in ("RAY_COLOR_PREFIX", "RAY_DATA_DISABLE_PROGRESS_BARS"):
+    from raytune_ft.console import PLAIN_ENV, QUIET_ENV
+
+    for var in (*PLAIN_ENV, *QUIET_ENV):
         monkeypatch.setenv(var, "unset")     # so that monkeypatch restores the original afterwards
         monkeypatch.delenv(var)
     monkeypatch.setattr(run_mod, "run", fake_run)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -31,6 +32,86 @@ def test_local_job_trains_and_registers(local_run):
     assert [h["step"] for h in hist] == list(range(1, 21))
     assert hist[-1]["loss"] < hist[0]["loss"] - 0.5
     assert summary["data"]["rows_read"] > 0 and summary["data"]["blocks"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_local_job_mlflow_run_has_every_step_and_the_startup_breakdown(local_run, local_job, tmp_path):
+    """What the MLflow UI shows of `make local`: a point per optimizer step for loss, lr and grad norm
+    (the recipe logs to the console every 5 steps), no MFU on CPU, the data counters as data.json, the
+    start-up breakdown (also printed and in summary.json); the summary names the `mlflow ui` command."""
+    import mlflow
+
+    recipe, summary, out = local_run
+    assert recipe.train.log_every == 5 and summary["steps"] == 20
+    client = mlflow.MlflowClient(summary["tracking_uri"])
+    run_id = summary["mlflow_run_id"]
+    for key in ("loss", "lr", "grad_norm"):
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        assert sorted(steps) == list(range(1, 21)), (key, steps)
+    assert sorted(m.step for m in client.get_metric_history(run_id, "tokens_per_s")) == [5, 10, 15, 20]
+    metrics = client.get_run(run_id).data.metrics
+    assert not [k for k in metrics if k.startswith(("mfu", "data/"))], sorted(metrics)
+    data = client.download_artifacts(run_id, "data.json", str(tmp_path))
+    assert json.load(open(data))["rows_read"] == summary["data"]["rows_read"] > 0
+
+    startup = summary["startup"]
+    assert set(startup) == {"ray_workers_s", "model_build_s", "kernel_check_s", "compile_s", "first_step_s",
+                            "total_s"}
+    parts = sum(v for k, v in startup.items() if k != "total_s")
+    assert parts == pytest.approx(startup["total_s"], abs=0.05) and 0 < startup["total_s"] < summary["seconds"]
+    for k, v in startup.items():
+        assert metrics[f"startup/{k}"] == pytest.approx(v, abs=1e-3), k
+    assert sum("start-up " in line and "first step" in line for line in out.splitlines()) == 1, out[-3000:]
+    ui = f"mlflow ui --backend-store-uri {summary['tracking_uri']}"
+    assert ui in out, out[-2000:]
+
+
+# What marks a line as the project's: its log prefixes, and the summary block run.RunSummary.lines()
+# prints at the end ("job <job> (run <name>): <status>" and its indented rows)
+PROJECT_PREFIXES = ("[raytune_ft]", "raytune_ft:")
+RAY_PREFIX = re.compile(r"^\((?:[\w.]+ )?pid=\d+(?:, ip=[\d.]+)?\) ")
+ERROR_MARK = re.compile(r"error|exception|traceback|fatal|critical|^\s+(file \"|\^)", re.I)
+
+
+def foreign_lines(out: str) -> list[str]:
+    """Console lines that are neither the project's nor an error (a traceback's lines count as error)."""
+    foreign, in_summary, in_traceback = [], False, False
+    for raw in out.splitlines():
+        line = RAY_PREFIX.sub("", raw)
+        in_summary = in_summary or bool(re.match(r"^job \S+ \(run \S+\): ", line))
+        in_traceback = line.startswith("Traceback") or (in_traceback and line.startswith((" ", "\t")))
+        if not line.strip() or line.startswith(PROJECT_PREFIXES) or ERROR_MARK.search(line) or in_traceback:
+            continue
+        if in_summary and (line.startswith("  ") or line.startswith("job ")):
+            continue
+        foreign.append(raw)
+    return foreign
+
+
+def test_local_job_console_is_the_project_s_lines_and_nothing_else(local_job):
+    """`make local`'s command with its output in a pipe: every line is the project's or an error, no
+    colour codes, and the summary labels its two tokens/s figures."""
+    proc = local_job["proc"]
+    out = (proc.stdout + proc.stderr).decode(errors="replace")
+    assert proc.returncode == 0, out[-4000:]
+    assert "\x1b" not in out, [line for line in out.splitlines() if "\x1b" in line][:5]
+    assert foreign_lines(out) == [], "\n".join(foreign_lines(out)[:40])
+    assert "tokens/s end-to-end incl. start-up" in out and "training steps " in out, out[-2000:]
+    data = next(line for line in out.splitlines() if line.startswith("  data "))
+    assert re.search(r"\d+ skipped, \d+ blocks", data), data
+
+
+@pytest.mark.timeout(120)
+def test_registration_names_the_logged_model_after_the_run_and_tags_its_version_once(local_run):
+    import mlflow
+
+    recipe, summary, _ = local_run
+    client = mlflow.MlflowClient(recipe.tracking_uri)
+    tags = client.get_run(summary["mlflow_run_id"]).data.tags
+    assert tags.get("raytune.registered_model_version") == summary["registered_version"]
+    assert "raytune.registered_version" not in tags
+    mv = client.get_model_version(summary["registered_name"], summary["registered_version"])
+    assert client.get_logged_model(mv.model_id).name == summary["run_name"] == "qwen27b-local"
 
 
 @pytest.mark.timeout(300)

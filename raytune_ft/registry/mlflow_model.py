@@ -101,6 +101,27 @@ def _deadline(timeout_s: float | None) -> Iterator[_Deadline]:
         signal.signal(signal.SIGALRM, previous)
 
 
+def logged_model_name(meta: dict, ckpt: Path) -> str:
+    """The name the model is logged under in its MLflow run: the run's (MLflow refuses / : . % and quotes)."""
+    import re
+
+    return re.sub(r"[/:.%\"']", "-", str(meta.get("run_name") or ckpt.name)) or "model"
+
+
+@contextlib.contextmanager
+def _registration_prints_off() -> Iterator[None]:
+    """MLflow prints "Successfully registered model ..." and "Created version ..." whatever its log level;
+    the run's summary says the same. Its logger's warnings and errors still go through."""
+    from mlflow.tracking._model_registry import fluent
+
+    printed = fluent.eprint
+    fluent.eprint = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        fluent.eprint = printed
+
+
 @contextlib.contextmanager
 def _pipeline_impl_shim() -> Iterator[None]:
     """Let mlflow 3.17 log a model from a folder under transformers 5.
@@ -200,14 +221,11 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
-def _find_version(name: str, ckpt_id: str, run_id: str | None):
-    """The newest version of `name` made from this checkpoint (inside _mlflow_target), or None.
+def _find_version(client, name: str, ckpt_id: str, run_id: str | None):
+    """The newest version of `name` made from this checkpoint, or None (`client`: an MlflowClient).
 
-    A version is tagged with the checkpoint it came from; one without the tag (an attempt cut off between
-    creating and tagging it) counts when it was logged under the same training run."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient()
+    A version is tagged with the checkpoint it came from; with `run_id`, one without the tag (an attempt
+    cut off between creating and tagging it) counts when it was logged under that training run."""
     try:
         versions = client.search_model_versions(f"name = '{name}'")
     except Exception as e:  # a registry without search (or none yet): nothing to reuse
@@ -220,14 +238,33 @@ def _find_version(name: str, ckpt_id: str, run_id: str | None):
 
 
 def find_registered_version(checkpoint_path: str, name: str, *, tracking_uri: str,
-                            registry_uri: str | None = None, run_id: str | None = None) -> RegistrationResult | None:
-    """The version already registered for this checkpoint under `name`, or None (never raises)."""
-    try:
-        with _mlflow_target(tracking_uri, registry_uri):
-            v = _find_version(name, checkpoint_id(checkpoint_path), run_id)
-    except Exception as e:
-        logger.info("could not look for a version of %s: %s", name, redact_exception(e))
+                            registry_uri: str | None = None, run_id: str | None = None,
+                            timeout_s: float | None = None) -> RegistrationResult | None:
+    """The version already registered for this checkpoint under `name`, or None (never raises). Gives up
+    after `timeout_s` (registry.timeout_s): a registry that does not answer holds nothing up; the
+    registration that follows looks again, inside its own deadline."""
+    from mlflow import MlflowClient
+    from mlflow.tracking._model_registry import utils as reg_utils
+
+    found: dict = {}
+
+    def look():
+        try:
+            # a client of its own, not the process-global target: this thread may be left behind
+            client = MlflowClient(tracking_uri, registry_uri=registry_uri
+                                  or reg_utils._get_default_registry_uri_for_tracking_uri(tracking_uri))
+            found["version"] = _find_version(client, name, checkpoint_id(checkpoint_path), run_id)
+        except Exception as e:
+            logger.info("could not look for a version of %s: %s", name, redact_exception(e))
+
+    worker = threading.Thread(target=look, name="raytune-version-lookup", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        logger.warning("no answer from the registry within %gs while looking for a version of %s",
+                       timeout_s, name)
         return None
+    v = found.get("version")
     if v is None:
         return None
     return RegistrationResult(name=name, version=str(v.version), model_uri=f"models:/{name}/{v.version}",
@@ -237,7 +274,7 @@ def find_registered_version(checkpoint_path: str, name: str, *, tracking_uri: st
 def _unfinished_before(ckpt_id: str, name: str, run_id: str | None) -> bool:
     """Whether an earlier registration of this checkpoint did not finish (failed, timed out or was cut off):
     its failure record is beside the checkpoint, or the training run still says so. Then a version it may
-    have created is returned instead of a second one; a registration after a finished one makes a new one."""
+    have created before tagging it is found by its run too."""
     record = read_failure_record(ckpt_id)
     if record and record.get("name") == name:
         return True
@@ -273,11 +310,12 @@ def register_checkpoint(checkpoint_path: str, name: str, *, tracking_uri: str,
     `run_id`: log under the training run (reopened, left FINISHED); None starts a new run in
     `experiment`. `log_from_disk`: hand MLflow the folder path (no weights in RAM) instead of a
     loaded model. The original checkpoint files are only read. Transient registry errors are retried
-    (RETRY_ATTEMPTS, with backoff); a retry after an unfinished attempt returns the version that attempt
-    created, if it did. Raises RegistrationError.
+    (RETRY_ATTEMPTS, with backoff); a version of `name` already made from this checkpoint (a retry, a
+    re-submit) is returned, not made again. Raises RegistrationError.
     """
     validate_registry_name(name, path="name")
     import mlflow
+    from mlflow import MlflowClient
 
     ckpt_id = checkpoint_id(checkpoint_path)
     state = {"run_id": run_id}
@@ -290,7 +328,9 @@ def register_checkpoint(checkpoint_path: str, name: str, *, tracking_uri: str,
             md = build_metadata(hf_dir, meta, metadata)
             reuse = _unfinished_before(ckpt_id, name, run_id)
             for attempt in range(RETRY_ATTEMPTS):
-                found = _find_version(name, ckpt_id, run_id) if reuse else None
+                # a version tagged with this checkpoint is returned, never made twice (a retried `raytune-ft
+                # register` has no run id to go by); after an unfinished attempt, an untagged one of its run
+                found = _find_version(MlflowClient(), name, ckpt_id, run_id if reuse else None)
                 if found is not None:
                     version = str(found.version)
                     logger.info("%s version %s was already made from %s: returned, not registered again",
@@ -353,10 +393,10 @@ def _log_and_register(ckpt: Path, ckpt_id: str, hf_dir: Path, name: str, meta: d
                          "raytune.registered_model_name": name})
         model_arg: Any = str(hf_dir.resolve()) if log_from_disk else _load_components(hf_dir)
         shim = _pipeline_impl_shim() if log_from_disk else contextlib.nullcontext()
-        with shim:
+        with shim, _registration_prints_off():
             info = mlflow.transformers.log_model(
                 transformers_model=model_arg,
-                name="model",
+                name=logged_model_name(meta, ckpt),
                 task=CHAT_TASK,
                 signature=chat_signature(),
                 metadata=md,

@@ -1,25 +1,96 @@
-"""Launch a recipe's training loop on Ray Train: one TorchTrainer, N workers, the recipe's scaling."""
+"""Launch a recipe's training loop on Ray Train: one TorchTrainer, N workers, the recipe's scaling.
+
+Ray's FailureConfig retries every worker error up to `scaling.max_failures` times, each retry training
+again from the last checkpoint. Some errors come back on every retry (storage full, a bad recipe, data
+that no longer lays out the same blocks, a strict kernel check that failed): `RaiseUnfixable` ends the
+run at once on those, with their message, and leaves the rest to Ray's own policy.
+"""
 from __future__ import annotations
 
 import os
 
+from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy, create_failure_policy
+
+from raytune_ft.lease import TOKEN_ENV, RunFolderInUse
 from raytune_ft.recipe import Recipe, absolute_local_paths, recipe_from_dict
 
 
 def _worker_env() -> dict[str, str]:
-    # the JIT caches too: on a persistent disk they turn the start-up kernel check's first-run compile
-    # (minutes on a fresh node) into seconds for every later run (README, troubleshooting)
+    # the JIT caches too: a folder the user set for one wins over the run's fingerprinted one (jit_cache.py)
     keep = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "RAYTUNE_HF_ROOT", "HF_HOME",
             "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
-            "TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
+            "TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "FLA_CACHE_RESULTS",
             "RAYTUNE_FAULT_AFTER_UPLOAD", "RAYTUNE_FAULT_AT_STEP", "RAYTUNE_FAULT_FREE_BYTES")
+    from raytune_ft.console import QUIET_ENV, PLAIN_ENV
+
+    keep += (*QUIET_ENV, *PLAIN_ENV)    # the driver set them (cli.job_main): workers on other nodes too
     return {k: os.environ[k] for k in keep if k in os.environ}
 
 
-def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, blocks_by_rank: dict | None = None):
-    """The TorchTrainer for `recipe`; re-running with the same run name resumes from its last checkpoint."""
+def unfixable_error(exc: BaseException | None) -> BaseException | None:
+    """The error in `exc` (a worker's, however Ray wrapped it) that a retry cannot fix, or None."""
+    from raytune_ft.models.kernel_check import KernelCheckError
+    from raytune_ft.storage import FileTooLargeError, StorageFullError
+    from raytune_ft.train.batch import DataOrderChanged
+    from raytune_ft.typed_values import RecipeError
+
+    unfixable = (StorageFullError, FileTooLargeError, RecipeError, DataOrderChanged, KernelCheckError,
+                 RunFolderInUse)
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, unfixable):
+            return e
+        # Ray's wrappings: a worker's error (UserExceptionWithTraceback), a task's, the worker group's, the
+        # controller's
+        todo += [e.__cause__, e.__context__, getattr(e, "_base_exc", None), getattr(e, "cause", None),
+                 getattr(e, "controller_failure", None)]
+        todo += list((getattr(e, "worker_failures", None) or {}).values())
+    return None
+
+
+class RaiseUnfixable(FailurePolicy):
+    """Ray Train's default failure policy, except that an error no retry can fix ends the run at once.
+
+    Runs in Ray Train's controller; a worker's exception reaches it pickled (its own class, without the
+    `__cause__` chain pickling drops), so the loops raise the unfixable error itself, not one wrapping it.
+    """
+
+    def __init__(self, failure_config):
+        super().__init__(failure_config)
+        self._default = create_failure_policy(failure_config)
+
+    def make_decision(self, training_failed_error):
+        if unfixable_error(training_failed_error) is not None:
+            return FailureDecision.RAISE
+        return self._default.make_decision(training_failed_error)
+
+
+def _trainer_class():
+    from ray.train.torch import TorchTrainer
+
+    class Trainer(TorchTrainer):
+        """TorchTrainer with RaiseUnfixable as its failure policy (Ray builds the default one in `fit`, from the
+        FailureConfig alone, and hands it to the controller it starts here)."""
+
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            controller_init_kwargs["failure_policy"] = RaiseUnfixable(self.run_config.failure_config)
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+    return Trainer
+
+
+def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, blocks_by_rank: dict | None = None,
+                  lease_token: str | None = None, job_start: float | None = None):
+    """The TorchTrainer for `recipe`; re-running with the same run name resumes from its last checkpoint.
+
+    `lease_token`: the run folder's lease this job holds (lease.py); each attempt's workers check it is
+    still theirs before they clear the checkpoints dead attempts left."""
     import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     s = recipe.scaling
     if recipe.train.loop == "fsdp2":
@@ -41,19 +112,23 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, blocks_by_rank: 
         name=recipe.tracking.run_name, storage_path=st.root, storage_filesystem=st.fs,
         failure_config=ray.train.FailureConfig(max_failures=s.max_failures),
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=recipe.train.keep_checkpoints),
-        worker_runtime_env={"env_vars": _worker_env()},
+        worker_runtime_env={"env_vars": {**_worker_env(), **({TOKEN_ENV: lease_token} if lease_token else {})}},
+        # Ray Train's own progress lines ("Requesting resources", "Checkpoint successfully created at ...")
+        # stay in its log files; its warnings and errors still reach the console
+        logging_config=ray.train.LoggingConfig(log_level="WARNING"),
     )
     # workers get every local path absolute and the MLflow store named: they resolve nothing against
     # their own working folder or home (a second, empty store there would take their metrics)
     shipped = absolute_local_paths(recipe_from_dict(recipe.to_dict()))
     shipped.tracking.tracking_uri = shipped.tracking_uri
-    config = {"recipe": shipped.to_dict(), "mlflow_run_id": mlflow_run_id}
+    # job_start (epoch seconds): the workers' start-up breakdown counts from it (train/common.StartupClock)
+    config = {"recipe": shipped.to_dict(), "mlflow_run_id": mlflow_run_id, "job_start": job_start}
     if blocks_by_rank is not None:
         config["blocks_by_rank"] = blocks_by_rank
         datasets, dataset_config = None, None
     else:
         datasets, dataset_config = build_datasets(recipe)
-    return TorchTrainer(loop, train_loop_config=config, scaling_config=scaling, run_config=run_config,
+    return _trainer_class()(loop, train_loop_config=config, scaling_config=scaling, run_config=run_config,
                         torch_config=TorchConfig(backend=backend), datasets=datasets,
                         dataset_config=dataset_config)
 
