@@ -5,14 +5,24 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+TORCH := torch==2.13.0
+# PyPI's Linux torch is the CUDA build, which pulls several GB of nvidia-* wheels a CPU run never loads.
+# Without an NVIDIA driver (no nvidia-smi) the CPU build comes from PyTorch's CPU wheel index; when that
+# index cannot be reached within a few seconds, the default index serves torch instead.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
 
 .PHONY: setup local test test-fast bench-data clean
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# the CPU build of torch first: an unpinned torch pulls a several-GB CUDA build
-	$(BIN)/pip install -q torch==2.13.0
+ifeq ($(HAS_NVIDIA),yes)
+	$(BIN)/pip install -q $(TORCH)
+else
+	$(BIN)/pip install -q --timeout 5 --retries 0 --index-url $(TORCH_CPU_INDEX) $(TORCH) || \
+	  { echo "$(TORCH_CPU_INDEX) not reachable: torch from the default index"; $(BIN)/pip install -q $(TORCH); }
+endif
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
