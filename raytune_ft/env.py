@@ -113,6 +113,11 @@ def public_uri(uri: str | None) -> str | None:
     return redact(str(uri))
 
 
+# MLflow writes "View run ... at: <tracking URI>/#/..." to stdout when a run on a tracking server ends,
+# a password in the URI included: off wherever the project ends an MLflow run (scoped_env(NO_RUN_URL_PRINT))
+NO_RUN_URL_PRINT = {"MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+
+
 @contextlib.contextmanager
 def scoped_env(values: dict[str, str] | None = None, *, keep: Iterable[str] = ()) -> Iterator[None]:
     """Set `values` for the block; afterwards those variables and the ones named in `keep` (which code in

@@ -265,7 +265,8 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
 
         # a checkpoint is registered once: a re-submitted finished run returns the version it already has
         found = find_registered_version(ckpt_uri, recipe.registry.name, tracking_uri=recipe.tracking_uri,
-                                        registry_uri=recipe.registry.registry_uri)
+                                        registry_uri=recipe.registry.registry_uri,
+                                        timeout_s=recipe.registry.timeout_s)
         if found is not None:
             print(f"[raytune_ft] {public_uri(ckpt_uri)} is already registered as {found.name} version {found.version}")
             outcome = RegistrationOutcome(ok=True, result=found)

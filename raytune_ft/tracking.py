@@ -10,7 +10,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-from raytune_ft.env import redact
+from raytune_ft.env import NO_RUN_URL_PRINT, redact, scoped_env
 from raytune_ft.recipe import Recipe, RecipeError
 
 # the settings that decide which weights a run trains: a finished run re-submitted with one of these
@@ -134,4 +134,5 @@ def end_run(recipe: Recipe, run_id: str, status: str = "FINISHED", tags: dict | 
     for k, v in (metrics or {}).items():
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             client.log_metric(run_id, k, float(v))
-    client.set_terminated(run_id, status=status)
+    with scoped_env(NO_RUN_URL_PRINT):
+        client.set_terminated(run_id, status=status)

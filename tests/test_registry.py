@@ -146,17 +146,18 @@ def test_post_fit_task_registers_versions_that_answer_chat(server, ray_registry,
     assert first.ok, first.error
     assert (first.result.name, first.result.version) == (name, "1")
     assert first.result.run_id == run_id
+    # registered again (a re-submit, a retry): the version made from this checkpoint, not a second one
     second = registry.run_registration(str(checkpoint), cfg, server.uri, run_id=run_id)
     assert second.ok, second.error
-    assert second.result.version == "2"
+    assert second.result.version == "1"
     assert tree_hashes(checkpoint) == before  # registration only reads the checkpoint
 
     client = MlflowClient(server.uri)
     versions = sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'"))
-    assert versions == [1, 2]
+    assert versions == [1]
     run = client.get_run(run_id)
     assert run.data.tags["raytune.status"] == "registered"
-    assert run.data.tags["raytune.registered_model_version"] == "2"
+    assert run.data.tags["raytune.registered_model_version"] == "1"
 
     mlflow.set_tracking_uri(server.uri)  # the registry defaults to the tracking server
     try:
@@ -176,7 +177,7 @@ def test_post_fit_task_registers_versions_that_answer_chat(server, ray_registry,
         assert [t["role"] for t in turns] == ["system", "user", "assistant"]
         assert isinstance(turns[-1]["content"], str)
 
-        chat_model = mlflow.pyfunc.load_model(f"models:/{name}/2")
+        chat_model = mlflow.pyfunc.load_model(f"models:/{name}/1")
         (completion,) = chat_model.predict({"messages": CHAT, "max_tokens": 5})
         assert completion["object"] == "chat.completion"
         assert completion["choices"][0]["message"]["role"] == "assistant"
@@ -365,6 +366,47 @@ def test_databricks_token_is_written_nowhere(server, checkpoint, tmp_path, monke
         for f in root.rglob("*"):
             if f.is_file():
                 assert secret.encode() not in f.read_bytes(), f"secret found in {f}"
+
+
+@pytest.mark.timeout(600)
+def test_cli_register_retried_without_a_run_id_keeps_one_version(checkpoint, tmp_path, capsys):
+    """`raytune-ft register CKPT --name ...` run again (after a transient error that hid its answer, say)
+    returns the version it made: found by the checkpoint tag on the version, with no run id to go by."""
+    from mlflow import MlflowClient
+
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    name = "main.default.retried"
+    argv = [str(checkpoint), "--name", name, "--tracking-uri", tracking, "--timeout", "300"]
+    assert cli_register(argv) == 0
+    assert cli_register(argv) == 0
+    assert capsys.readouterr().out.count(f"registered {name} version 1:") == 2
+    versions = MlflowClient(tracking).search_model_versions(f"name = '{name}'")
+    assert [str(v.version) for v in versions] == ["1"]
+    assert versions[0].tags["raytune.checkpoint"] == str(checkpoint)
+
+
+@pytest.mark.timeout(120)
+def test_existing_version_lookup_is_bounded_by_the_registry_timeout(checkpoint):
+    """A registry that accepts the connection and never answers (a stub: a real MLflow server cannot be
+    made to stall) holds the lookup no longer than registry.timeout_s; the lookup then finds nothing."""
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def stall(req: StubRequest):
+        release.wait(60)
+        return json_reply(503, {"error_code": "TEMPORARILY_UNAVAILABLE", "message": "stalled"})
+
+    with StubHttpServer(stall) as stalled:
+        t0 = time.monotonic()
+        try:
+            found = registry.find_registered_version(str(checkpoint), "main.default.m", tracking_uri=stalled.uri,
+                                                     timeout_s=2)
+        finally:
+            took = time.monotonic() - t0
+            release.set()
+    assert found is None and took < 10
 
 
 def test_redaction_and_retry_command_quote_paths(monkeypatch):

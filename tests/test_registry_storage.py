@@ -68,8 +68,9 @@ def test_register_from_s3_uri_reads_only_the_model_and_is_idempotent_on_retry(s3
     assert again.version == "1" and _versions(c["client"], name) == ["1"]
     assert not storage.exists(c["st"].fs, c["st"].path("registration_failed.json"))   # cleared on success
     assert registry.find_registered_version(c["uri"], name, tracking_uri=c["tracking"]).version == "1"
-    # a deliberate registration after a finished one is a new version, as before
-    assert registry.register_checkpoint(c["uri"], name, tracking_uri=c["tracking"], run_id=c["run_id"]).version == "2"
+    # registering the same checkpoint under the same name again, after a finished registration: still one version
+    assert registry.register_checkpoint(c["uri"], name, tracking_uri=c["tracking"], run_id=c["run_id"]).version == "1"
+    assert _versions(c["client"], name) == ["1"]
 
 
 @pytest.mark.timeout(600)

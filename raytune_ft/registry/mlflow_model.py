@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from raytune_ft.env import redact, redact_exception, scoped_env
+from raytune_ft.env import NO_RUN_URL_PRINT, redact, redact_exception, scoped_env
 from raytune_ft.recipe import RecipeError, validate_registry_name
 from raytune_ft.registry.base import (CHAT_TASK, CHECKPOINT_TAG, STATUS_TAG, RegistrationError, RegistrationResult,
                                       checkpoint_id, logger)
@@ -60,7 +60,7 @@ def _mlflow_target(tracking_uri: str, registry_uri: str | None) -> Iterator[None
     saved_tracking = getattr(trk_utils, "_tracking_uri", None)
     saved_registry = getattr(reg_utils, "_registry_uri", None)
     # set_*_uri also export MLFLOW_*_URI to the environment (and so to subprocesses)
-    with scoped_env(keep=("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")):
+    with scoped_env(NO_RUN_URL_PRINT, keep=("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")):
         mlflow.set_tracking_uri(tracking_uri)
         # unset registry URI: the tracking store, or databricks-uc when tracking is databricks
         mlflow.set_registry_uri(registry_uri or reg_utils._get_default_registry_uri_for_tracking_uri(tracking_uri))
