@@ -334,3 +334,63 @@ def test_runs_command_lists_runs_on_s3(s3_env, capsys):
     assert cli.main(["runs", "--storage", root]) == 0
     line = capsys.readouterr().out.splitlines()[1]
     assert "on-s3" in line and "main.default.m v3" in line and "2.5000" in line
+    # a run still training on S3 has neither summary nor MLflow store there: its lease says who runs it
+    from raytune_ft import lease
+
+    with lease.hold(st, st.path("in-flight"), settle_s=0) as held:
+        assert cli.main(["runs", "--storage", root, "--json"]) == 0
+    rows = {r["run_name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["in-flight"]["status"].startswith(f"running: {held.record.owner()}"), rows
+    assert rows["in-flight"]["path"] == f"{root}/in-flight"
+
+
+def test_a_run_folder_has_one_owner_at_a_time(where):
+    import socket
+    import subprocess
+    import time
+
+    from raytune_ft import lease
+
+    run = where.path("leased")
+    a = lease.Lease.acquire(where, run, settle_s=0)
+    rec = lease.read(where.fs, run)
+    assert (rec.token, rec.pid, rec.host) == (a.token, os.getpid(), socket.gethostname()) and rec.job_id
+    # a second job on a live lease stops at once, naming the owner and how to get past it
+    with pytest.raises(lease.RunFolderInUse) as e:
+        lease.Lease.acquire(where, run, settle_s=0)
+    msg = str(e.value)
+    assert where.uri(run) in msg and f"job {rec.job_id} on host {rec.host} (pid {rec.pid})" in msg, msg
+    assert f"ray job stop {rec.job_id}" in msg and "tracking.run_name" in msg and lease.STALE_ENV in msg
+    # the driver's heartbeat thread refreshes it
+    a.start(every_s=0.05)
+    deadline = time.time() + 10
+    while lease.read(where.fs, run).heartbeat == rec.heartbeat and time.time() < deadline:
+        time.sleep(0.05)
+    assert lease.read(where.fs, run).heartbeat > rec.heartbeat
+    a._stop.set()
+    a._thread.join()
+    # a heartbeat older than stale_s: the lease is taken over; the old owner's workers then stop at their
+    # next start, its heartbeat writes nothing more and its release leaves the new owner's lease alone
+    a.record.heartbeat = time.time() - 1000
+    a._write()
+    logged = []
+    b = lease.Lease.acquire(where, run, stale_s=300, settle_s=0, log=logged.append)
+    assert "taking over" in logged[0] and "heartbeat is 1000 s old" in logged[0], logged
+    assert not a.beat() and a.lost_to.token == b.token
+    with pytest.raises(lease.RunFolderInUse, match="not by this job"):
+        lease.check_owner(where.fs, run, a.token)
+    lease.check_owner(where.fs, run, b.token)
+    lease.check_owner(where.fs, run, None)                # a trainer built without a lease checks nothing
+    a.release()
+    assert lease.read(where.fs, run).token == b.token
+    b.release()
+    assert lease.read(where.fs, run) is None and not storage.exists(where.fs, f"{run}/{lease.LEASE_FILE}")
+    # an owner whose process is gone from this host: taken over at once, whatever the heartbeat says
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    c = lease.Lease.acquire(where, run, settle_s=0)
+    c.record.pid = gone.pid
+    c._write()
+    with lease.hold(where, run, settle_s=0) as d:
+        assert lease.read(where.fs, run).token == d.token
+    assert lease.read(where.fs, run) is None

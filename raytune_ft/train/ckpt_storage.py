@@ -19,7 +19,7 @@ import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 
-from raytune_ft import storage
+from raytune_ft import lease, storage
 from raytune_ft.env import redact_exception
 
 # Fault injection for tests: "BYTES" or "BYTES@STEP" makes the free-space probe report BYTES free (from
@@ -80,12 +80,15 @@ def _barrier() -> None:
 def start_attempt(rank: int, log: Callable[[str], None] = storage._print) -> list[str]:
     """Rank 0 removes orphan checkpoint folders of earlier attempts (never one Ray registered); all wait.
 
-    Safe here: no attempt of this run is writing, the previous one's workers are gone."""
+    Safe here: no attempt of this run is writing, the previous one's workers are gone, and the run folder's
+    lease is still this job's (checked first: RunFolderInUse when another job took it over), so no other
+    job's attempt is writing either."""
     import ray.train
 
     removed: list[str] = []
     if rank == 0:
         fs, run_path = run_location()
+        lease.check_owner(fs, run_path, os.environ.get(lease.TOKEN_ENV), uri=run_storage().uri())
         ckpt = ray.train.get_checkpoint()
         resuming = ckpt.path.rstrip("/").rsplit("/", 1)[-1] if ckpt is not None else None
         try:

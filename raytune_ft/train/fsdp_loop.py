@@ -82,8 +82,8 @@ def train_fsdp(config: dict) -> None:
     export_bytes = sum(p.numel() for p in params) * (2 if recipe.model.dtype == "bfloat16" else 4)
     guard = ckpt_storage.SaveGuard(rank, device, ckpt_storage.model_checkpoint_bytes(params), export_bytes)
     state = _resume_state(model, opt, rank, log)
-    if state["step"]:   # a restart on a storage that cannot take the next checkpoint stops here, not steps later
-        guard.check(state["step"] + t_cfg.checkpoint_every)
+    # a storage that cannot take the next checkpoint stops the attempt here, before training to it
+    guard.check(state["step"] + t_cfg.checkpoint_every)
     feed = _open_data(recipe, config, state, rank=rank, device=device)
     total_steps = _schedule_length(recipe, state, feed, log)
     probes = EvalAndSamples.open(recipe, tok, rank=rank, world=world, device=device, log=log)

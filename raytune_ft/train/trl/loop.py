@@ -41,7 +41,7 @@ def train_trl(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     log = WorkerLog(rank, recipe, config.get("mlflow_run_id"))
-    from raytune_ft.train.ckpt_storage import report_if_finished, start_attempt
+    from raytune_ft.train.ckpt_storage import SaveGuard, model_checkpoint_bytes, report_if_finished, start_attempt
 
     if report_if_finished(log):   # the final checkpoint is the latest: it stays the run's result
         return
@@ -108,6 +108,10 @@ def train_trl(config: dict) -> None:
     trainer.raytune_eval_blocks = eval_blocks
     trainer.raytune_recipe = recipe
     trainer.raytune_pause = pause
+    # room for a checkpoint checked before each save, and first now: a storage that cannot take one stops here
+    trainer.raytune_guard = SaveGuard(rank, flag_device, model_checkpoint_bytes(
+        p for p in trainer.model.parameters() if p.requires_grad))
+    trainer.raytune_guard.check(int(resumed.get("step") or 0) + t.checkpoint_every)
     if lora:
         n_train = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         log.info(f"LoRA r={t.lora_r} alpha={t.lora_alpha} on {t.lora_target_modules or 'all-linear'}: "

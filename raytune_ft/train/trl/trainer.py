@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from raytune_ft.recipe import Recipe, TrainConfig
 from raytune_ft.train.batch import collate_blocks
+from raytune_ft.train.ckpt_storage import SaveGuard
 from raytune_ft.train.common import WorkerLog, lr_at
 from raytune_ft.train.trl.base import FAULT_AT_STEP_ENV, not_training, ray_report, sum_over_ranks
 from raytune_ft.train.trl.checkpoint import save_meta, save_train_state, stage_checkpoint
@@ -34,14 +35,17 @@ def trainer_class():
         raytune_recipe: Recipe
 
         raytune_pause: dict           # seconds spent evaluating and saving (not training)
+        raytune_guard: SaveGuard      # room for each save checked first; out of space said so
 
         def evaluate(self, *args, **kwargs):
             with not_training(self.raytune_pause):
                 return super().evaluate(*args, **kwargs)
 
         def _save_checkpoint(self, *args, **kwargs):
+            save, step = super()._save_checkpoint, self.state.global_step
             with not_training(self.raytune_pause):
-                return super()._save_checkpoint(*args, **kwargs)
+                self.raytune_guard.check(step)
+                return self.raytune_guard.write(lambda: save(*args, **kwargs), step)
 
         def get_train_dataloader(self) -> DataLoader:
             return DataLoader(self.raytune_train_blocks, batch_size=self.args.per_device_train_batch_size,
