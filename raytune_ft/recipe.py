@@ -374,6 +374,26 @@ def validate_registry_name(name: str, path: str = "registry.name") -> None:
             "(each part letters, digits, '_' or '-', not starting with '-')")
 
 
+def nodes_of(scaling: ScalingConfig) -> int:
+    """How many nodes the scaling needs at least: GPU workers fill nodes of scaling.gpus_per_node."""
+    return -(-scaling.num_workers // scaling.gpus_per_node) if scaling.use_gpu else 1
+
+
+def check_tracking_store(recipe: Recipe, nodes: int, why: str) -> None:
+    """A run over more than one node needs a tracking store every node reaches: a sqlite file or a
+    file: store exists on one machine only, and rank 0 on another node would open an empty one of its
+    own there (the run's metrics lost)."""
+    uri = recipe.tracking_uri
+    if nodes <= 1 or not (uri.startswith(("sqlite:", "file:")) or "://" not in uri):
+        return
+    raise RecipeError(
+        f"tracking.tracking_uri: {uri} is a file on one machine, and this run spans {nodes} nodes ({why}): "
+        "rank 0 may run on another node, where that file does not exist. Run an MLflow tracking server "
+        "every node reaches (on the head node: mlflow server --host 0.0.0.0 --port 5000 "
+        "--backend-store-uri sqlite:///$HOME/mlflow.db) and set --set tracking.tracking_uri=http://<head "
+        "node>:5000 (or databricks)")
+
+
 def validate(recipe: Recipe) -> Recipe:
     """Check every field for type and range; raise RecipeError naming the first bad one."""
     _check_types(recipe)

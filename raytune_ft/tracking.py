@@ -125,8 +125,11 @@ def _resubmitted_finished_run(client, found, recipe: Recipe) -> str:
 
 
 def end_run(recipe: Recipe, run_id: str, status: str = "FINISHED", tags: dict | None = None,
-            metrics: dict | None = None) -> None:
+            metrics: dict | None = None, json_artifacts: dict[str, dict] | None = None) -> None:
+    """Close the run with its status, tags, end-of-run metrics and JSON files (name -> document)."""
     import mlflow
+
+    from raytune_ft.env import scrub
 
     client = mlflow.MlflowClient(recipe.tracking_uri)
     for k, v in (tags or {}).items():
@@ -134,5 +137,7 @@ def end_run(recipe: Recipe, run_id: str, status: str = "FINISHED", tags: dict | 
     for k, v in (metrics or {}).items():
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             client.log_metric(run_id, k, float(v))
+    for name, doc in (json_artifacts or {}).items():
+        client.log_dict(run_id, scrub(doc), name)
     with scoped_env(NO_RUN_URL_PRINT):
         client.set_terminated(run_id, status=status)

@@ -14,8 +14,11 @@ import os
 
 import pytest
 
+from mlflow import MlflowClient
+
 from raytune_ft.env import scoped_env
 from tests.conftest import train_state
+from tests.mlflow_server import MlflowServer
 from tests.test_fault_tolerance import EVERY, STATE_TRACKING_ENV, STEPS, RankKiller, _job
 
 RUN = "multinode"
@@ -46,6 +49,9 @@ def two_node_run(tmp_path_factory):
 
     storage = tmp_path_factory.mktemp("mn_runs")
     out: dict = {}
+    # the store every node reaches: with a sqlite file the ranks on the second node would have their own
+    server = MlflowServer(tmp_path_factory.mktemp("mn_mlflow")).start()
+    out["tracking"] = server.uri
     with scoped_env({STATE_TRACKING_ENV: "1"}):     # Ray Train's state actor: where each rank runs
         cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 4, "resources": {"raytune_node": 1}, "include_dashboard": False})
@@ -57,7 +63,7 @@ def two_node_run(tmp_path_factory):
             out["second"] = second.node_id
             job = _job()
             recipe = resolve(job.recipe, job.local, local=True, overrides=[
-                f"tracking.storage_path={storage}", f"tracking.run_name={RUN}",
+                f"tracking.storage_path={storage}", f"tracking.run_name={RUN}", f"tracking.tracking_uri={server.uri}",
                 "scaling.num_workers=2", "scaling.placement_strategy=STRICT_SPREAD",
                 'scaling.resources_per_worker={"raytune_node": 1}', "scaling.max_failures=1",
                 f"train.max_steps={STEPS}", f"train.checkpoint_every={EVERY}", "registry.enabled=false"])
@@ -72,9 +78,13 @@ def two_node_run(tmp_path_factory):
                 killer.join(timeout=30)
             out["killer"] = killer
             out["attempts"] = worker_nodes(RUN)
+            client = MlflowClient(server.uri)
+            out["loss_steps"] = sorted(m.step for m in client.get_metric_history(out["summary"].mlflow_run_id,
+                                                                                  "loss"))
         finally:
             ray.shutdown()
             cluster.shutdown()
+            server.stop()
     return out
 
 
@@ -100,6 +110,58 @@ def test_two_workers_on_two_nodes_train_checkpoint_and_resume(two_node_run):
     files = os.listdir(os.path.join(summary.checkpoint, "dcp"))
     assert sum(f.endswith(".distcp") for f in files) == 2, files
     assert os.path.isfile(os.path.join(summary.checkpoint, "hf", "config.json"))
+    # rank 0's metrics reached the run's one store, wherever rank 0 ran
+    assert summary.tracking_uri == out["tracking"] and out["loss_steps"] and out["loss_steps"][-1] == STEPS
+
+
+@pytest.mark.timeout(120)
+def test_more_nodes_by_scaling_with_a_file_tracking_store_stop_before_ray_starts(tmp_path, monkeypatch):
+    """16 GPU workers of 8 per node are two nodes: a sqlite file on the launching machine is no store for
+    the ranks of the other node (each would open an empty database of its own next to it)."""
+    import ray
+
+    from raytune_ft.cli import resolve
+    from raytune_ft.recipe import RecipeError, check_tracking_store, nodes_of
+    from raytune_ft.run import run
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    job = _job()
+    recipe = resolve(job.recipe, job.local, local=False,
+                     overrides=["scaling.num_workers=16", f"tracking.storage_path={tmp_path}"])
+    with pytest.raises(RecipeError, match=r"tracking\.tracking_uri.*2 nodes.*http://") as caught:
+        run(recipe)
+    assert "mlflow server" in str(caught.value)
+    assert not ray.is_initialized() and not os.listdir(tmp_path)
+    # a tracking server every node reaches is what the message asks for, and passes
+    recipe.tracking.tracking_uri = "http://head-node:5000"
+    check_tracking_store(recipe, nodes_of(recipe.scaling), "scaling")
+
+
+@pytest.mark.timeout(300)
+def test_a_two_node_cluster_with_a_file_tracking_store_stops_before_the_run_opens(tmp_path):
+    """The --local job joins a real two-node cluster (ray.cluster_utils.Cluster) with the default sqlite
+    store: it stops before an MLflow run is opened or anything trains, naming the fix."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from raytune_ft.cli import resolve
+    from raytune_ft.recipe import RecipeError
+    from raytune_ft.run import run
+
+    job = _job()
+    recipe = resolve(job.recipe, job.local, local=True, overrides=[
+        f"tracking.storage_path={tmp_path}", "train.max_steps=2", "registry.enabled=false"])
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address)
+        with pytest.raises(RecipeError, match=r"tracking\.tracking_uri.*2 nodes"):
+            run(recipe, local=False)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert not os.path.exists(os.path.join(recipe.run_dir, "mlflow.db"))
 
 
 @pytest.mark.parametrize("override, field", [

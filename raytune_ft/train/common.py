@@ -1,11 +1,13 @@
 """What both training loops share inside a Ray Train worker: the recipe, the LR schedule, logging."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import sys
 import time
+from typing import Sequence
 
 from raytune_ft.recipe import Recipe, TrainConfig, recipe_from_dict
 
@@ -68,6 +70,88 @@ def _gpu_description(n_workers: int) -> str:
     return f"{n_workers} x CPU (no GPU)"
 
 
+# single values of the run's data go to the MLflow run's data.json (run.py), not into its charts
+_NOT_CURVES = ("data/",)
+_MFU_KEYS = ("mfu", "mfu_peak_tflops", "mfu_measured_matmul")
+
+
+def measured(m: dict) -> dict:
+    """`m` without its MFU figures when no peak was known to measure them against (a CPU, an unknown
+    GPU): a curve at 0 would read as a measurement."""
+    if m.get("mfu_peak_tflops"):
+        return m
+    return {k: v for k, v in m.items() if k not in _MFU_KEYS}
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# the start-up phases up to the end of the first optimizer step, in the order they happen
+STARTUP_PHASES = {"ray_workers": "Ray and workers", "model_build": "model build", "kernel_check": "kernel check",
+                  "compile": "compile", "first_step": "first step"}
+STARTUP_METRICS = tuple(f"startup/{p}_s" for p in STARTUP_PHASES) + ("startup/total_s",)
+
+
+def _compile_seconds() -> float:
+    """Seconds torch.compile spent compiling in this process so far (forward and backward graphs)."""
+    if "torch._dynamo" not in sys.modules:      # nothing compiled: not worth importing dynamo for
+        return 0.0
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+
+        return float(calculate_time_spent().get("total_wall_time", 0.0))
+    except Exception:  # noqa: BLE001 - a private counter: without it compile time stays in the first step
+        return 0.0
+
+
+class StartupClock:
+    """Where the time from the job's start to the end of the first optimizer step went.
+
+    The phases split that span without overlap: `ray_workers` up to this clock's creation in the worker,
+    then `lap(name)` gives the time since the previous lap to `name`, less what `phase()` blocks timed
+    inside it; `finish()` ends `first_step`, less the torch.compile time inside it (`compile`)."""
+
+    def __init__(self, job_start: float | None = None):
+        now = time.time()
+        self.job_start = job_start or now
+        self.seconds = dict.fromkeys(STARTUP_PHASES, 0.0)
+        self.seconds["ray_workers"] = max(0.0, now - self.job_start)
+        self._mark, self._inner, self._compiled = now, 0.0, _compile_seconds()
+        self.done: dict | None = None
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            dt = time.time() - t0
+            self.seconds[name] += dt
+            self._inner += dt
+
+    def lap(self, name: str) -> None:
+        now = time.time()
+        self.seconds[name] += max(0.0, now - self._mark - self._inner)
+        self._mark, self._inner, self._compiled = now, 0.0, _compile_seconds()
+
+    def finish(self) -> dict:
+        """The startup/* metrics (once: later calls return the first answer)."""
+        if self.done is None:
+            compiled = max(0.0, _compile_seconds() - self._compiled)
+            self.seconds["compile"] += compiled
+            self._inner += compiled
+            self.lap("first_step")
+            self.done = {f"startup/{p}_s": self.seconds[p] for p in STARTUP_PHASES}
+            self.done["startup/total_s"] = self._mark - self.job_start
+        return self.done
+
+    def line(self) -> str:
+        m = self.finish()
+        parts = ", ".join(f"{label} {m[f'startup/{p}_s']:.1f} s" for p, label in STARTUP_PHASES.items())
+        return f"start-up {m['startup/total_s']:.1f} s to the end of the first step: {parts}"
+
+
 class WorkerLog:
     """Rank 0 prints progress and logs metrics to MLflow; other ranks stay quiet.
 
@@ -77,10 +161,12 @@ class WorkerLog:
     characters, so logs stay greppable and readable in any viewer.
     """
 
-    def __init__(self, rank: int, recipe: Recipe, run_id: str | None = None, stream=None):
+    def __init__(self, rank: int, recipe: Recipe, run_id: str | None = None, stream=None,
+                 job_start: float | None = None):
         self.rank = rank
         self.recipe = recipe
         self.mlflow = None
+        self.startup = StartupClock(job_start)
         self._stream = stream
         self._live = False           # a redrawn progress line is on screen (terminal only)
         run_id = run_id or os.environ.get("RAYTUNE_MLFLOW_RUN_ID")
@@ -144,8 +230,9 @@ class WorkerLog:
         parts.append(timing)
         return " | ".join(parts)
 
-    def progress(self, m: dict, total_steps: int, elapsed: float) -> None:
-        """Print (rank 0) and log to MLflow the metrics of a logged step."""
+    def progress(self, m: dict, total_steps: int, elapsed: float, steps: Sequence[dict] = ()) -> None:
+        """Print (rank 0) and log to MLflow the metrics of a logged step, and `steps`: each optimizer
+        step's own figures since the last log (see `log_metrics`)."""
         if self.rank != 0:
             return
         line = f"[raytune_ft] {self.progress_line(m, total_steps, elapsed)}"
@@ -156,7 +243,7 @@ class WorkerLog:
             self._live = True
         else:
             self._write_line(line)
-        self.log_metrics(m, m["step"])
+        self.log_metrics(m, m["step"], steps)
 
     def log_param(self, key: str, value: str) -> None:
         """An MLflow param of the run (rank 0), e.g. the basis of the MFU figures."""
@@ -172,18 +259,40 @@ class WorkerLog:
         self.info(f"MFU basis: {basis}")
         self.log_param("mfu_peak_basis", basis)
 
-    def log_metrics(self, m: dict, step: int) -> None:
+    def log_metrics(self, m: dict, step: int, steps: Sequence[dict] = (), skip: Sequence[str] = ()) -> None:
+        """Rank 0: one MLflow batch of `m` at `step` and of `steps` (dicts with a "step" and that optimizer
+        step's own loss, lr, grad norm...), each point at its own step. A key `steps` carries, or one
+        named in `skip`, is not logged again from `m`: one point per step, not a window's mean beside it.
+        No MFU that was not measured, no data counters."""
         if self.mlflow is None:
             return
         try:
             from mlflow.entities import Metric
 
             ts = int(time.time() * 1000)
-            metrics = [Metric(k, float(v), ts, step) for k, v in m.items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"]
-            self.client.log_batch(self.run_id, metrics=metrics)
+            per_step = {k for s in steps for k in s if k != "step"} | set(skip)
+            metrics = [Metric(k, float(v), ts, int(s["step"])) for s in steps for k, v in s.items()
+                       if k != "step" and _is_number(v)]
+            metrics += [Metric(k, float(v), ts, step) for k, v in measured(m).items()
+                        if _is_number(v) and k != "step" and k not in per_step and not k.startswith(_NOT_CURVES)]
+            for i in range(0, len(metrics), 1000):          # MLflow's limit per batch
+                self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
         except Exception as e:
             self.info(f"MLflow metric logging failed ({type(e).__name__}); training goes on")
+
+    def first_step_done(self, step: int, device) -> dict:
+        """At the end of this attempt's first optimizer step (every rank): the start-up breakdown, printed
+        in one line and logged as startup/* metrics by rank 0; returned for the run's reports."""
+        if self.startup.done is not None:
+            return self.startup.done
+        if getattr(device, "type", None) == "cuda":     # the step's kernels, not just their launch
+            import torch
+
+            torch.cuda.synchronize(device)
+        m = self.startup.finish()
+        self.info(self.startup.line())
+        self.log_metrics(m, step)
+        return m
 
     def close(self) -> None:
         if self._live:

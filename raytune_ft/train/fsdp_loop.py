@@ -22,7 +22,7 @@ from torch import nn
 from raytune_ft.data.packing import DataCounters
 from raytune_ft.recipe import Recipe
 from raytune_ft.train import checkpoint as ckpt_io
-from raytune_ft.train import ckpt_storage
+from raytune_ft.train import ckpt_storage, jit_cache
 from raytune_ft.train.batch import EpochFeeds, StepBatch, count_run_steps, worker_blocks
 from raytune_ft.train.common import WorkerLog, lr_at, recipe_from_config, report
 from raytune_ft.train.evaluate import EvalAndSamples
@@ -68,14 +68,16 @@ def train_fsdp(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = _device()
-    log = WorkerLog(rank, recipe, config.get("mlflow_run_id"))
+    log = WorkerLog(rank, recipe, config.get("mlflow_run_id"), job_start=config.get("job_start"))
     t_cfg = recipe.train
     fp8_recipe = t_cfg.fp8_recipe if t_cfg.precision == "fp8" else None
     if ckpt_storage.report_if_finished(log):
         return
     ckpt_storage.start_attempt(rank, log.info)     # checkpoint folders of dead attempts off the storage
+    jit = jit_cache.for_worker(recipe, device, log.info)   # before anything compiles
 
     model, lm, tok = build_fsdp_model(recipe, device, log)
+    log.startup.lap("model_build")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=t_cfg.lr, betas=tuple(t_cfg.betas), weight_decay=t_cfg.weight_decay,
                             fused=device.type == "cuda")
@@ -110,6 +112,10 @@ def train_fsdp(config: dict) -> None:
             precompute_fp8_scales(model, fp8_recipe)
         step += 1
         window.add(step, loss_sum, denom, grad_norm.detach(), lr, micro_batches)
+        if log.startup.done is None:
+            log.first_step_done(step, device)
+            if rank == 0 and jit is not None:    # what the first step compiled, for the next node and run
+                jit.save(log.info)
 
         at_log = step % t_cfg.log_every == 0 or step == total_steps
         at_ckpt = step % t_cfg.checkpoint_every == 0 and step != total_steps
@@ -122,7 +128,7 @@ def train_fsdp(config: dict) -> None:
         _record_position(state, step, feed)
         # after the window closed: evaluation and sampling are not counted as training time
         last_metrics |= probes.run(model, step, state, evaluate=at_eval, sample=at_ckpt)
-        log.progress(last_metrics, total_steps, window.elapsed())
+        log.progress(last_metrics, total_steps, window.elapsed(), steps=window.closed)
         if at_ckpt:
             _save_and_report(recipe, model, opt, rank, state, last_metrics, log, final=False, guard=guard)
         else:
@@ -221,6 +227,7 @@ class _Window:
 
     def restart(self) -> None:
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, float]] = []
+        self.closed: list[dict] = []
         self.tokens, self.flops, self.t0 = 0, 0.0, time.perf_counter()
 
     def add(self, step: int, loss_sum, denom, grad_norm, lr: float, micro_batches: list[StepBatch]) -> None:
@@ -248,6 +255,8 @@ class _Window:
                     "Lower train.lr, check the data, or use train.master_weights=fp32.")
             for (s, _, d, gn, lr_s), loss in zip(self.pending, losses.tolist()):
                 state["history"].append({"step": s, "loss": loss / float(d), "lr": lr_s, "grad_norm": float(gn)})
+        # each step's own figures, for MLflow (the returned metrics are the window's last step)
+        self.closed = state["history"][len(state["history"]) - len(self.pending):]
         tokens_all = torch.tensor(float(self.tokens), device=self.device)
         dist.all_reduce(tokens_all)
         state["tokens_total"] = state.get("tokens_total", 0) + int(tokens_all.item())
@@ -283,11 +292,12 @@ def _finish(recipe: Recipe, model, opt, lm, tok, rank: int, state: dict, step: i
     """End of the run: the steps since the last log go into the history, then the final checkpoint
     (with the hf/ export) or, with train.save_final=false, only the final metrics."""
     window.close(state, rank)
+    log.log_metrics({}, step, steps=window.closed)     # steps past the last log (the data ran out first)
     _record_position(state, step, feed)
     final = dict(last_metrics)
     final.update({"step": step, "loss": state["history"][-1]["loss"] if state["history"] else float("nan"),
                   "done": True, **window.attempt_metrics(state)})
-    final |= feed.total_counters().as_metrics()
+    final |= feed.total_counters().as_metrics() | (log.startup.done or {})
     end = probes.at_end(model, step, state)     # the final weights' held-out loss and samples
     log.log_metrics(end, step)
     final |= end
@@ -296,7 +306,8 @@ def _finish(recipe: Recipe, model, opt, lm, tok, rank: int, state: dict, step: i
                          guard=guard)
     else:
         log.info("train.save_final=false: no final checkpoint or hf/ export")
-        log.log_metrics(final, step)   # the summary reads the end of the run from MLflow
+        # the summary reads the end of the run from MLflow; the last step's own points are there already
+        log.log_metrics(final, step, skip=("loss", "lr", "grad_norm"))
         report(final)
     log.close()
 

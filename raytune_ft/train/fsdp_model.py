@@ -54,7 +54,8 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
     # shard of the weights, so no rank ever holds the whole model in host or GPU memory.
     lm = load_causal_lm(recipe.model, tokenizer_vocab_size=len(tok), device="meta", dtype=param_dtype)
     # every fast kernel proves itself on this GPU before the first step; a failing one is switched off
-    check_on_worker(lm.config, device, mode=recipe.train.kernels, dtype=compute_dtype, log=log)
+    with log.startup.phase("kernel_check"):
+        check_on_worker(lm.config, device, mode=recipe.train.kernels, dtype=compute_dtype, log=log)
     backend = select_attention_backend(device)
     log.info(f"attention backend: {backend}; params {param_dtype}, compute {compute_dtype}, "
              f"reduce fp32; activation checkpointing {recipe.train.activation_checkpointing}")

@@ -40,13 +40,16 @@ def train_trl(config: dict) -> None:
     t = recipe.train
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    log = WorkerLog(rank, recipe, config.get("mlflow_run_id"))
+    log = WorkerLog(rank, recipe, config.get("mlflow_run_id"), job_start=config.get("job_start"))
     from raytune_ft.train.ckpt_storage import SaveGuard, model_checkpoint_bytes, report_if_finished, start_attempt
 
     if report_if_finished(log):   # the final checkpoint is the latest: it stays the run's result
         return
 
     start_attempt(rank, log.info)          # checkpoint folders of dead attempts off the storage
+    from raytune_ft.train.jit_cache import for_worker
+
+    jit = for_worker(recipe, ray.train.torch.get_device(), log.info)   # before anything compiles
     on_gpu = recipe.scaling.use_gpu and torch.cuda.is_available()
     lora = t.lora_r > 0
     flag_device = torch.device("cuda", torch.cuda.current_device()) if (
@@ -67,9 +70,12 @@ def train_trl(config: dict) -> None:
     if not recipe.model.local_tiny:
         lm.config._name_or_path = recipe.model.name  # what a LoRA adapter names as its base
     lm.config.use_cache = False
+    log.startup.lap("model_build")
     # every fast kernel, and Liger's fused loss where it would be used, proves itself on this GPU first
-    kernels = check_on_worker(lm.config, build_device, mode=t.kernels, log=log, liger=_use_liger(recipe, on_gpu, log),
-                              dtype=torch.bfloat16 if compute_bf16 else torch.float32)
+    with log.startup.phase("kernel_check"):
+        kernels = check_on_worker(lm.config, build_device, mode=t.kernels, log=log,
+                                  liger=_use_liger(recipe, on_gpu, log),
+                                  dtype=torch.bfloat16 if compute_bf16 else torch.float32)
 
     out_dir = tempfile.mkdtemp(prefix=f"raytune_trl_rank{rank}_")
     base_dir = None
@@ -108,6 +114,8 @@ def train_trl(config: dict) -> None:
     trainer.raytune_eval_blocks = eval_blocks
     trainer.raytune_recipe = recipe
     trainer.raytune_pause = pause
+    trainer.raytune_steps = callback.steps
+    callback.jit = jit
     # room for a checkpoint checked before each save, and first now: a storage that cannot take one stops here
     trainer.raytune_guard = SaveGuard(rank, flag_device, model_checkpoint_bytes(
         p for p in trainer.model.parameters() if p.requires_grad))
@@ -121,6 +129,7 @@ def train_trl(config: dict) -> None:
 
     trainer.train(resume_from_checkpoint=resume_dir)
     state = trainer.state
+    callback.log_remaining_steps(state.global_step)
     if t.load_best_at_end and state.best_global_step:
         log.info(f"loaded the best checkpoint: step {state.best_global_step}, eval loss {state.best_metric:.4f}")
 
@@ -132,7 +141,8 @@ def train_trl(config: dict) -> None:
         metrics["loss"] = losses[-1]
     if not t.save_final:
         log.info("train.save_final=false: no final checkpoint")
-        log.log_metrics(metrics, state.global_step)   # the summary reads the end of the run from MLflow
+        # the summary reads the end of the run from MLflow; the last step's own points are there already
+        log.log_metrics(metrics, state.global_step, skip=("loss", "grad_norm", "learning_rate"))
         ray_report(metrics, None)
     else:
         with tempfile.TemporaryDirectory(prefix="raytune_trl_final_") as d:

@@ -35,6 +35,24 @@ def trainer_class():
         raytune_recipe: Recipe
 
         raytune_pause: dict           # seconds spent evaluating and saving (not training)
+        # each optimizer step's (step, this rank's loss, grad norm, LR) until the callback logs them
+        raytune_steps: list
+        _raytune_loss_before = None
+        _raytune_step_kept = -1
+
+        def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+            """Hugging Face's, after keeping this step's own figures for MLflow: it logs the mean of
+            `logging_steps` steps, and its `tr_loss` grows by each step's loss until a log resets it."""
+            step = self.state.global_step
+            if step > self._raytune_step_kept:       # also called at an epoch's end, for the same step
+                before = self._raytune_loss_before
+                loss = tr_loss.detach().clone() if before is None else tr_loss.detach() - before
+                lr = kwargs.get("learning_rate")
+                self.raytune_steps.append((step, loss, grad_norm, self._get_learning_rate() if lr is None else lr))
+                self._raytune_step_kept = step
+            super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+            self._raytune_loss_before = tr_loss.detach().clone()
+
         raytune_guard: SaveGuard      # room for each save checked first; out of space said so
 
         def evaluate(self, *args, **kwargs):
@@ -125,6 +143,8 @@ def report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ran
             self.last: dict[str, float] = {}
             self.history: list[dict] = []
             self.window = None             # (time, paused seconds, tokens, flops) at the last train log
+            self.steps: list = []          # filled by the trainer (its raytune_steps), emptied at each log
+            self.jit = None                # the worker's JIT cache (jit_cache.JitCache), saved after step 1
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.window = (time.perf_counter(), pause["s"], train_blocks.real_tokens, train_blocks.flops)
@@ -148,7 +168,35 @@ def report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ran
                 out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
             return out
 
+        def step_points(self) -> list[dict]:
+            """Each optimizer step's loss (mean over ranks, as Hugging Face logs it), grad norm and LR since
+            the last log. A collective: every rank calls it at the same log."""
+            kept, self.steps[:] = list(self.steps), []
+            if not kept:
+                return []
+            losses = torch.stack([loss.float().reshape(()) for _, loss, _, _ in kept])
+            if dist.is_initialized():
+                dist.all_reduce(losses)
+                losses /= dist.get_world_size()
+            points = []
+            for (step, _, norm, lr), loss in zip(kept, losses.tolist()):
+                p = {"step": step, "loss": loss, "learning_rate": float(lr)}
+                if norm is not None:
+                    p["grad_norm"] = float(norm)
+                points.append(p)
+            return points
+
+        def log_remaining_steps(self, step: int) -> None:
+            """The steps past the last log (every rank calls it after training)."""
+            points = self.step_points()
+            if rank == 0 and points:
+                log.log_metrics({}, step, steps=points)
+
         def on_step_end(self, args, state, control, **kwargs):
+            if log.startup.done is None:
+                log.first_step_done(state.global_step, args.device)
+                if rank == 0 and self.jit is not None:    # what the first step compiled, for the next node and run
+                    self.jit.save(log.info)
             if not resumed and os.environ.get(FAULT_AT_STEP_ENV, "").strip() == f"{state.global_step}:{rank}":
                 _die_for_test(recipe, rank, state.global_step)
             # Hugging Face saves at the end of training whatever save_steps says; with train.save_final
@@ -161,8 +209,10 @@ def report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ran
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = {k: float(v) for k, v in (logs or {}).items()
                     if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            points = []
             if "loss" in logs and self.window is not None:
                 logs.update(self.throughput())
+                points = self.step_points()    # MLflow gets each step; the console the window's mean
             if "eval_loss" in logs:     # the FSDP2 loop's names, so runs of both loops compare in MLflow
                 logs["eval/loss"] = logs["eval_loss"]
                 logs["eval/perplexity"] = math.exp(min(logs["eval_loss"], 700.0))
@@ -171,7 +221,7 @@ def report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ran
             self.last.update(logs)
             self.history.append({"step": state.global_step, **logs})
             if rank == 0 and logs:
-                log.log_metrics(logs, state.global_step)
+                log.log_metrics(logs, state.global_step, steps=points)
                 shown = " | ".join(f"{k} {v:.4g}" for k, v in logs.items() if k in _SHOWN)
                 if "tokens_per_s" in logs:
                     shown += f" | {logs['tokens_per_s']:,.0f} tok/s"
@@ -211,6 +261,7 @@ def report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ran
                       "run_train_seconds": float(resumed.get("run_train_seconds", 0.0)) + seconds})
             if state.best_metric is not None:
                 m["best_eval_loss"] = float(state.best_metric)
+            m.update(log.startup.done or {})
             return m
 
     return RayReportCallback()

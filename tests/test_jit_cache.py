@@ -1,0 +1,117 @@
+"""The JIT caches of a worker (Triton, tilelang, FLA autotune, TorchInductor) in one fingerprinted folder:
+the environment points every cache there, the folder goes to the run's storage as one tar after the first
+step, and a second node (another local root) starts from it. Real local filesystems throughout; the
+cache contents are files written by the test (no GPU here to JIT anything)."""
+from __future__ import annotations
+
+import os
+
+import pyarrow.fs as pafs
+import pytest
+
+from raytune_ft.env import scoped_env
+from raytune_ft.train import jit_cache
+
+CACHE_VARS = ("TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "FLA_CACHE_RESULTS")
+
+
+@pytest.fixture
+def clean_env():
+    """The cache variables unset for the test and put back afterwards."""
+    with scoped_env(keep=CACHE_VARS):
+        for k in CACHE_VARS:
+            os.environ.pop(k, None)
+        yield
+
+
+def test_fingerprint_names_the_gpu_and_changes_with_any_version():
+    base = {"torch": "2.13.0", "triton": "3.6.0", "flash-linear-attention": "0.6.0", "tilelang": "0.1.7"}
+    fp = jit_cache.fingerprint("NVIDIA H200", base)
+    assert fp.startswith("nvidia-h200-") and "/" not in fp
+    assert jit_cache.fingerprint("NVIDIA H200", dict(base)) == fp
+    assert jit_cache.fingerprint("NVIDIA B300", base) != fp
+    for pkg in base:
+        assert jit_cache.fingerprint("NVIDIA H200", {**base, pkg: "9.9"}) != fp, pkg
+    assert jit_cache.fingerprint(None, base).startswith("cpu-")
+
+
+def test_every_cache_variable_points_into_the_fingerprinted_folder(tmp_path, clean_env):
+    cache = jit_cache.open_cache(str(tmp_path / "jit"), "NVIDIA H200", remote=None, log=print)
+    assert cache.folder == str(tmp_path / "jit" / jit_cache.fingerprint("NVIDIA H200"))
+    for var in ("TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        assert os.environ[var].startswith(cache.folder + os.sep), var
+        assert os.path.isdir(os.environ[var])
+    assert os.environ["FLA_CACHE_RESULTS"] == "1"
+
+
+def test_a_cache_variable_the_user_set_is_kept(tmp_path, clean_env):
+    os.environ["TRITON_CACHE_DIR"] = str(tmp_path / "mine")
+    jit_cache.open_cache(str(tmp_path / "jit"), None, remote=None, log=print)
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path / "jit"))
+
+
+def _fill(folder: str) -> dict[str, bytes]:
+    files = {"triton/ab12/kernel.cubin": b"\x7fELF cubin", "triton/ab12/kernel.json": b'{"num_warps": 4}',
+             "tilelang/kern/lib.so": b"\x7fELF so", "inductor/fxgraph/xy/graph": b"graph"}
+    for rel, data in files.items():
+        os.makedirs(os.path.dirname(os.path.join(folder, rel)), exist_ok=True)
+        with open(os.path.join(folder, rel), "wb") as f:
+            f.write(data)
+    return files
+
+
+def test_saved_after_the_first_step_and_restored_on_a_second_node(tmp_path, clean_env):
+    storage = (pafs.LocalFileSystem(), str(tmp_path / "storage"))
+    lines: list[str] = []
+    first = jit_cache.open_cache(str(tmp_path / "node1"), "NVIDIA H200", remote=storage, log=lines.append)
+    files = _fill(first.folder)                       # what the first step JIT-compiled
+    assert first.save(log=lines.append)
+    tar = f"{storage[1]}/jit_cache/{jit_cache.fingerprint('NVIDIA H200')}.tar"
+    assert os.path.isfile(tar), lines
+
+    second = jit_cache.open_cache(str(tmp_path / "node2"), "NVIDIA H200", remote=storage, log=lines.append)
+    for rel, data in files.items():
+        with open(os.path.join(second.folder, rel), "rb") as f:
+            assert f.read() == data, rel
+    assert any("restored" in ln for ln in lines), lines
+    # nothing new was compiled on the second node: no second upload
+    mtime = os.stat(tar).st_mtime_ns
+    assert not second.save(log=lines.append)
+    assert os.stat(tar).st_mtime_ns == mtime
+    # a re-submit on the first node does not unpack its own upload again, and uploads what is new
+    again = jit_cache.open_cache(str(tmp_path / "node1"), "NVIDIA H200", remote=storage, log=lines.append)
+    assert not again.save(log=lines.append)
+    with open(os.path.join(again.folder, "triton", "new.cubin"), "wb") as f:
+        f.write(b"new kernel")
+    assert again.save(log=lines.append)
+    # another GPU gets a folder (and a tar) of its own
+    other = jit_cache.open_cache(str(tmp_path / "node2"), "NVIDIA B300", remote=storage, log=lines.append)
+    assert other.folder != second.folder and not os.listdir(os.path.join(other.folder, "triton"))
+
+
+def test_a_broken_cache_never_fails_the_run(tmp_path, clean_env):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    lines: list[str] = []
+    # the local root is a file, the storage path lies below a file: both fail, neither raises
+    assert jit_cache.open_cache(str(blocker / "jit"), None, remote=None, log=lines.append) is None
+    cache = jit_cache.open_cache(str(tmp_path / "jit"), None, remote=(pafs.LocalFileSystem(), str(blocker / "s")),
+                                 log=lines.append)
+    _fill(cache.folder)
+    assert not cache.save(log=lines.append)
+    assert any("JIT cache" in ln for ln in lines), lines
+    # a torn tar on the storage is skipped at start
+    bad = (pafs.LocalFileSystem(), str(tmp_path / "torn"))
+    os.makedirs(tmp_path / "torn" / "jit_cache")
+    (tmp_path / "torn" / "jit_cache" / f"{jit_cache.fingerprint(None)}.tar").write_bytes(b"not a tar")
+    assert jit_cache.open_cache(str(tmp_path / "jit3"), None, remote=bad, log=lines.append) is not None
+
+
+def test_a_relative_cache_dir_is_refused_before_ray_starts():
+    from raytune_ft.recipe import Recipe, RecipeError, apply_overrides, validate
+
+    r = Recipe()
+    apply_overrides(r, ["train.cache_dir=jit"])
+    with pytest.raises(RecipeError, match="train.cache_dir"):
+        validate(r)

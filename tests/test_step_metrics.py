@@ -1,0 +1,117 @@
+"""What a training loop's rank 0 writes to MLflow (a real sqlite store): one point per optimizer step for
+loss, lr and grad norm whatever `train.log_every` says, the windowed figures at the window's last step, no
+MFU where no peak is known, and the start-up breakdown (printed once, logged as startup/* metrics)."""
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+
+from raytune_ft.recipe import Recipe
+from raytune_ft.train.common import STARTUP_METRICS, StartupClock, WorkerLog
+
+
+@pytest.fixture
+def mlflow_run(tmp_path):
+    """A recipe whose MLflow store is a sqlite file under tmp_path, and a real run in it."""
+    from raytune_ft import tracking
+
+    r = Recipe()
+    r.tracking.storage_path = str(tmp_path / "runs")
+    r.tracking.run_name = "metrics"
+    return r, tracking.start_run(r)
+
+
+def _history(recipe, run_id: str, key: str) -> list[tuple[int, float]]:
+    from mlflow import MlflowClient
+
+    return sorted((m.step, m.value) for m in MlflowClient(recipe.tracking_uri).get_metric_history(run_id, key))
+
+
+def _window(steps: list[int], device_name: str | None) -> tuple[list[dict], dict]:
+    from raytune_ft.hardware import mfu_metrics
+
+    points = [{"step": s, "loss": 3.0 - 0.1 * s, "lr": 1e-4 * s, "grad_norm": 0.5 + s} for s in steps]
+    window = {**points[-1], "tokens_per_s": 1234.0, "tokens": 99 * steps[-1],
+              **mfu_metrics(0.4 * 989e12, device_name)}
+    return points, window
+
+
+def test_every_step_has_its_own_loss_lr_and_grad_norm_point(mlflow_run):
+    recipe, run_id = mlflow_run
+    log = WorkerLog(0, recipe, run_id, stream=io.StringIO())
+    for steps in ([1, 2, 3, 4, 5], [6, 7]):
+        points, window = _window(steps, None)
+        log.progress(window, 7, elapsed=1.0, steps=points)
+    for key in ("loss", "lr", "grad_norm"):
+        hist = _history(recipe, run_id, key)
+        assert [s for s, _ in hist] == [1, 2, 3, 4, 5, 6, 7], (key, hist)
+    assert _history(recipe, run_id, "loss")[2] == (3, pytest.approx(2.7))
+    # the windowed throughput stays one point per window
+    assert [s for s, _ in _history(recipe, run_id, "tokens_per_s")] == [5, 7]
+
+
+def test_no_mfu_metric_where_no_peak_is_known(mlflow_run):
+    from mlflow import MlflowClient
+
+    recipe, run_id = mlflow_run
+    out = io.StringIO()
+    log = WorkerLog(0, recipe, run_id, stream=out)
+    points, window = _window([1, 2], None)          # CPU: no datasheet peak
+    log.progress(window, 4, elapsed=1.0, steps=points)
+    metrics = MlflowClient(recipe.tracking_uri).get_run(run_id).data.metrics
+    assert "tokens_per_s" in metrics
+    assert not [k for k in metrics if k.startswith("mfu")], metrics
+    assert "MFU n/a" in out.getvalue()               # the console still says why there is none
+    points, window = _window([3, 4], "NVIDIA H200")  # a known GPU: measured, so logged
+    log.progress(window, 4, elapsed=2.0, steps=points)
+    assert _history(recipe, run_id, "mfu") == [(4, pytest.approx(0.4))]
+
+
+def test_data_counters_are_not_metrics(mlflow_run):
+    from mlflow import MlflowClient
+
+    recipe, run_id = mlflow_run
+    log = WorkerLog(0, recipe, run_id, stream=io.StringIO())
+    log.log_metrics({"loss": 1.0, "tokens": 10, "data/rows_read": 600.0, "data/blocks": 40.0}, 3)
+    metrics = MlflowClient(recipe.tracking_uri).get_run(run_id).data.metrics
+    assert metrics.keys() == {"loss", "tokens"}
+
+
+def test_startup_breakdown_sums_to_the_time_since_the_job_started():
+    job_start = time.time() - 0.30                   # the driver started 0.3 s before this worker
+    clock = StartupClock(job_start)
+    with clock.phase("kernel_check"):
+        time.sleep(0.05)
+    time.sleep(0.02)
+    clock.lap("model_build")                         # the build's time less the check inside it
+    time.sleep(0.04)
+    m = clock.finish()
+    assert list(m) == list(STARTUP_METRICS)
+    assert m["startup/ray_workers_s"] == pytest.approx(0.30, abs=0.05)
+    assert m["startup/kernel_check_s"] == pytest.approx(0.05, abs=0.02)
+    assert m["startup/model_build_s"] == pytest.approx(0.02, abs=0.02)
+    assert m["startup/first_step_s"] == pytest.approx(0.04, abs=0.02)
+    assert m["startup/compile_s"] == 0.0             # nothing was torch.compiled
+    parts = sum(v for k, v in m.items() if k != "startup/total_s")
+    assert parts == pytest.approx(m["startup/total_s"], abs=1e-6)
+    assert clock.finish() == m                       # the first step ends once
+
+
+def test_first_step_prints_one_breakdown_line_and_logs_it(mlflow_run):
+    import torch
+
+    recipe, run_id = mlflow_run
+    out = io.StringIO()
+    log = WorkerLog(0, recipe, run_id, stream=out, job_start=time.time() - 1.0)
+    log.startup.lap("model_build")
+    first = log.first_step_done(1, torch.device("cpu"))
+    again = log.first_step_done(2, torch.device("cpu"))
+    lines = [ln for ln in out.getvalue().splitlines() if "start-up" in ln]
+    assert len(lines) == 1, out.getvalue()
+    for label in ("Ray and workers", "model build", "kernel check", "compile", "first step"):
+        assert label in lines[0], lines[0]
+    assert again == first and first["startup/total_s"] >= 1.0
+    for key in STARTUP_METRICS:
+        assert _history(recipe, run_id, key) == [(1, pytest.approx(first[key]))], key
