@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Callable
 
+from raytune_ft.console import is_terminal, setup_driver
 from raytune_ft.env import redact
 from raytune_ft.recipe import absolute_local_paths, Recipe, RecipeError, apply_overrides, validate
 
@@ -25,7 +26,7 @@ EPILOG = """examples:
   raytune-ft run qwen27b_b300 --set scaling.num_workers=16
   raytune-ft plan qwen3_4b_full --set train.master_weights=bf16
   raytune-ft runs --storage ./runs
-  raytune-ft register ./runs/qwen27b-local/checkpoint_000001 --name main.default.qwen27b \\
+  raytune-ft register ./runs/qwen27b-local/checkpoint_<timestamp> --name main.default.qwen27b \\
       --tracking-uri sqlite:///runs/qwen27b-local/mlflow.db
   ray job submit --working-dir . -- raytune-ft run qwen27b_b300
 """
@@ -54,13 +55,6 @@ def resolve(recipe_fn: RecipeFn, local_fn: LocalFn, *, local: bool, overrides: l
     if local:
         recipe = local_fn(recipe)
     return validate(absolute_local_paths(apply_overrides(recipe, overrides)))
-
-
-def _is_terminal(stream) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False
 
 
 def _print_plan(recipe: Recipe, **kwargs) -> None:
@@ -100,13 +94,9 @@ def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = No
         print(redact(recipe.to_json()))   # a tracking URI may carry a password
         _print_plan(recipe)
         return 0
-    if not _is_terminal(sys.stdout):
-        # In a log file (ray job submit, CI, a pipe) Ray's coloured "(RayTrainWorker pid=...)" prefixes
-        # and Ray Data's tqdm bars (carriage returns, cursor moves) are noise: plain lines instead.
-        # Set before Ray and Ray Data are imported and started, so the driver, the workers it spawns and
-        # the DataContext shipped with the datasets all see them.
-        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-        os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+    # Before Ray and the libraries are imported (some switches are read at import), so the driver, the
+    # local Ray it starts and the DataContext shipped with the datasets all see them
+    setup_driver(terminal=is_terminal(sys.stdout))
     from raytune_ft.run import run
     from raytune_ft.storage_check import StorageAccessError
 
@@ -278,7 +268,8 @@ def cli_register(argv: list[str]) -> int:
         prog="raytune-ft register",
         description="Register a trained checkpoint (HF folder, Ray Train checkpoint with hf/ or "
                     "adapter/) as an MLflow / Unity Catalog model, task llm/v1/chat.")
-    ap.add_argument("checkpoint", help="checkpoint folder or URI (s3://...) with hf/ or adapter/, or a plain HF folder")
+    ap.add_argument("checkpoint", help="checkpoint folder or URI (s3://...) with hf/ or adapter/, or a plain HF "
+                                       "folder; Ray Train's are <storage>/<run_name>/checkpoint_<timestamp>")
     ap.add_argument("--name", required=True, help="registered model name, catalog.schema.model")
     ap.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
                     help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
@@ -407,12 +398,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "runs":
         storages = args.storage or [*DEFAULT_STORAGE, *filter(None, [os.environ.get("RAYTUNE_LOCAL_STORAGE")])]
         rows = find_runs(list(dict.fromkeys(storages)))[: args.limit]
-        if args.json:
-            print(json.dumps(rows, indent=2, default=str))
-        else:
-            print(format_runs(rows))
-            if not rows:
-                print(f"(looked in {', '.join(dict.fromkeys(storages))}; pass --storage PATH)")
+        try:
+            if args.json:
+                print(json.dumps(rows, indent=2, default=str), flush=True)
+            else:
+                print(format_runs(rows), flush=True)
+                if not rows:
+                    print(f"(looked in {', '.join(dict.fromkeys(storages))}; pass --storage PATH)", flush=True)
+        except BrokenPipeError:
+            # the reader stopped early (`| head`): what it read is what it wanted. Python would flush
+            # stdout again at exit and fail the same way, so stdout goes to /dev/null first.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     parser.error(f"unknown command {args.command!r}")
     return 2

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 from raytune_ft.env import public_uri, redact_exception
-from raytune_ft.recipe import Recipe, absolute_local_paths, check_tracking_store, nodes_of, validate
+from raytune_ft.recipe import Recipe, absolute_local_paths, validate
 
 
 @dataclass
@@ -22,6 +23,7 @@ class RunSummary:
     attempt_seconds: float = 0.0               # this attempt's training seconds
     run_seconds: float = 0.0                   # training seconds of every attempt
     run_tokens_per_s: float = 0.0              # tokens / run_seconds
+    steps_tokens_per_s: float = 0.0            # the training steps' own rate: the last logging window's
     final_loss: float | None = None
     best_loss: float | None = None
     checkpoint: str | None = None
@@ -34,15 +36,19 @@ class RunSummary:
     data: dict = field(default_factory=dict)
     seconds: float = 0.0
     plots: list = field(default_factory=list)
+    # the time to the first optimizer step by phase (ray_workers_s ... first_step_s) and its total_s
+    startup: dict = field(default_factory=dict)
 
     def lines(self) -> list[str]:
         out = [f"job {self.job} (run {self.run_name}): {self.status}",
                f"  steps            {self.steps}",
-               f"  tokens           {self.tokens:,} ({self.tokens_per_s:,.0f} tokens/s)"
+               f"  tokens           {self.tokens:,} ({self.tokens_per_s:,.0f} tokens/s end-to-end incl. start-up)"
                if self.attempt_tokens == self.tokens else
                f"  tokens           {self.tokens:,} ({self.run_tokens_per_s:,.0f} tokens/s over the run); "
-               f"this attempt {self.attempt_tokens:,} ({self.tokens_per_s:,.0f} tokens/s)",
+               f"this attempt {self.attempt_tokens:,} ({self.tokens_per_s:,.0f} tokens/s end-to-end incl. start-up)",
                f"  final loss       {self.final_loss:.4f}" if self.final_loss is not None else "  final loss       n/a"]
+        if self.steps_tokens_per_s:
+            out.insert(3, f"  training steps   {self.steps_tokens_per_s:,.0f} tokens/s (the last logged steps)")
         if self.best_loss is not None:
             out.append(f"  best eval loss   {self.best_loss:.4f}")
         out.append(f"  checkpoint       {self.checkpoint}")
@@ -54,9 +60,14 @@ class RunSummary:
         if self.data:
             skipped = self.data.get("rows_skipped_by_reason") or {}
             out.append(f"  data             {self.data.get('rows_read', 0)} rows read, "
-                       f"{sum(skipped.values())} skipped {dict(skipped) if skipped else ''}, "
+                       f"{sum(skipped.values())} skipped{f' {dict(skipped)}' if skipped else ''}, "
                        f"{self.data.get('blocks', 0)} blocks")
         out.append(f"  mlflow           {self.tracking_uri} run {self.mlflow_run_id}")
+        if self.tracking_uri and self.tracking_uri.startswith(("sqlite:", "file:", "/")):
+            import shlex
+
+            # a store on this machine has no server to open: this serves it on http://127.0.0.1:5000
+            out.append(f"  browse with      mlflow ui --backend-store-uri {shlex.quote(self.tracking_uri)}")
         if self.plots:
             out.append(f"  plots            {', '.join(self.plots)} (also MLflow artifacts under plots/)")
         out.append(f"  wall time        {self.seconds:.0f} s")
@@ -68,23 +79,31 @@ def ensure_ray(local: bool) -> None:
 
     A bare `ray.init()` would join whatever /tmp/ray/ray_current_cluster names, even a dead cluster.
     """
+    import logging
+
     import ray
+
+    from raytune_ft.console import WORKER_SETUP_HOOK, is_terminal, local_ray_env, quiet_env
 
     if ray.is_initialized():
         return
+    # every process of the job (Train controller and workers, Ray Data's actors, the registration task)
+    # runs the console's setup hook: they print most of what reaches the driver's console
+    quiet = {"worker_process_setup_hook": WORKER_SETUP_HOOK,
+             "env_vars": quiet_env(is_terminal(sys.stdout))}
     if os.environ.get("RAY_ADDRESS"):
-        ray.init()
+        try:
+            ray.init(runtime_env=quiet, logging_level=logging.WARNING)
+        except ValueError:  # the submitted job's runtime_env sets the same fields: it wins
+            ray.init(logging_level=logging.WARNING)
         return
     # more logical CPUs than cores: Ray Data operators inside the trainer must not starve
     ncpu = max(8, 2 * (os.cpu_count() or 2)) if local else None
-    ray.init(address="local", num_cpus=ncpu, include_dashboard=False)
-
-
-def cluster_nodes() -> int:
-    """Alive nodes of the Ray cluster this process is connected to."""
-    import ray
-
-    return sum(1 for n in ray.nodes() if n.get("Alive"))
+    if local:
+        for k, v in local_ray_env(ncpu).items():
+            os.environ.setdefault(k, v)
+    ray.init(address="local", num_cpus=ncpu, include_dashboard=False, runtime_env=quiet,
+             logging_level=logging.WARNING)
 
 
 def merged_data_counters(checkpoint_dir: str, fs=None) -> dict:
@@ -138,17 +157,18 @@ def _write_plots(recipe: Recipe, st, run_path: str, ckpt, run_id: str, last_step
         return []
 
 
-def _data_metrics(data: dict) -> dict:
-    """The merged data counters as MLflow metrics: data/rows_read, data/rows_skipped/<reason>, ..."""
+def _data_record(data: dict) -> dict:
+    """The merged data counters with their totals and fractions, for the run's data.json: single values,
+    so not MLflow metrics (each would be a one-point chart ahead of the loss curves)."""
     from raytune_ft.data.packing import DataCounters
 
     if not data:
         return {}
     c = DataCounters.from_dict(data)
-    m = c.as_metrics()
     total = c.real_tokens + c.padding_tokens
-    m["data/padding_fraction"] = c.padding_tokens / total if total else 0.0
-    return m
+    return {**c.to_dict(), "rows_skipped": c.rows_skipped,
+            "padding_fraction": c.padding_tokens / total if total else 0.0,
+            "packing_efficiency": c.real_tokens / total if total else 0.0}
 
 
 def _last_logged_metrics(recipe: Recipe, run_id: str) -> dict:
@@ -176,6 +196,7 @@ def _set_throughput(summary: RunSummary, metrics: dict) -> None:
         summary.tokens_per_s = summary.attempt_tokens / summary.attempt_seconds
     if summary.run_seconds:
         summary.run_tokens_per_s = summary.tokens / summary.run_seconds
+    summary.steps_tokens_per_s = float(metrics.get("tokens_per_s") or 0.0)
 
 
 def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) -> RunSummary:
@@ -195,18 +216,13 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     validate(absolute_local_paths(recipe))
     # object storage that cannot be used fails here, in words: before Ray starts or an MLflow run is opened
     check_storage(recipe)
-    # a run over several nodes needs a tracking store they all reach: the scaling's nodes before Ray
-    # starts, then those of the cluster joined (which may have more)
-    check_tracking_store(recipe, nodes_of(recipe.scaling), f"scaling.num_workers={recipe.scaling.num_workers} "
-                         f"with {recipe.scaling.gpus_per_node} GPUs per node")
     t0 = time.time()
     ensure_ray(local)
-    check_tracking_store(recipe, cluster_nodes(), "nodes of the Ray cluster it joined")
     st, run_path = storage.run_storage(recipe)
     # one job per run folder: a second one stops here, before it opens an MLflow run or touches a checkpoint
     run_lease = held.enter_context(lease.hold(st, run_path))
     run_id = tracking.start_run(recipe)
-    trainer = build_trainer(recipe, mlflow_run_id=run_id, lease_token=run_lease.token)
+    trainer = build_trainer(recipe, mlflow_run_id=run_id, lease_token=run_lease.token, job_start=t0)
     try:
         result = trainer.fit()
     except BaseException as e:
@@ -239,6 +255,7 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
         mlflow_run_id=run_id,
         tracking_uri=public_uri(recipe.tracking_uri), data=data, plots=plots)
     _set_throughput(summary, metrics)
+    summary.startup = {k[len("startup/"):]: float(v) for k, v in metrics.items() if k.startswith("startup/")}
 
     do_register = recipe.registry.enabled if register is None else register
     status_tags = {"raytune.status": "trained", "raytune.checkpoint": ckpt_uri or ""}
@@ -248,7 +265,8 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
 
         # a checkpoint is registered once: a re-submitted finished run returns the version it already has
         found = find_registered_version(ckpt_uri, recipe.registry.name, tracking_uri=recipe.tracking_uri,
-                                        registry_uri=recipe.registry.registry_uri)
+                                        registry_uri=recipe.registry.registry_uri,
+                                        timeout_s=recipe.registry.timeout_s)
         if found is not None:
             print(f"[raytune_ft] {public_uri(ckpt_uri)} is already registered as {found.name} version {found.version}")
             outcome = RegistrationOutcome(ok=True, result=found)
@@ -259,8 +277,8 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
             summary.status = "registered"
             if outcome.result is not None:  # None when registry.enabled is false (skipped)
                 summary.registered_name, summary.registered_version = outcome.result.name, str(outcome.result.version)
-            status_tags.update({"raytune.status": "registered",
-                                "raytune.registered_version": str(summary.registered_version)})
+            # the version itself is the registry's tag, raytune.registered_model_version
+            status_tags.update({"raytune.status": "registered"})
         else:
             summary.status = "trained_not_registered"
             summary.registration_error = outcome.error
@@ -269,8 +287,8 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     summary.seconds = time.time() - t0
     try:
         tracking.end_run(recipe, run_id, tags=status_tags,
-                         metrics={"final_loss": summary.final_loss or float("nan"), "total_tokens": summary.tokens,
-                                  **_data_metrics(data)})
+                         metrics={"final_loss": summary.final_loss or float("nan"), "total_tokens": summary.tokens},
+                         json_artifacts={"data.json": _data_record(data)} if data else None)
     except Exception as e:  # the run is trained and (maybe) registered: tracking must not lose it
         print(f"[raytune_ft] could not close the MLflow run: {type(e).__name__}")
     storage.write_json(st.fs, f"{run_path}/summary.json", asdict(summary))

@@ -16,12 +16,14 @@ from raytune_ft.recipe import Recipe, absolute_local_paths, recipe_from_dict
 
 
 def _worker_env() -> dict[str, str]:
-    # the JIT caches too: on a persistent disk they turn the start-up kernel check's first-run compile
-    # (minutes on a fresh node) into seconds for every later run (README, troubleshooting)
+    # the JIT caches too: a folder the user set for one wins over the run's fingerprinted one (jit_cache.py)
     keep = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "RAYTUNE_HF_ROOT", "HF_HOME",
             "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
-            "TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
+            "TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "FLA_CACHE_RESULTS",
             "RAYTUNE_FAULT_AFTER_UPLOAD", "RAYTUNE_FAULT_AT_STEP", "RAYTUNE_FAULT_FREE_BYTES")
+    from raytune_ft.console import QUIET_ENV, PLAIN_ENV
+
+    keep += (*QUIET_ENV, *PLAIN_ENV)    # the driver set them (cli.job_main): workers on other nodes too
     return {k: os.environ[k] for k in keep if k in os.environ}
 
 
@@ -82,7 +84,7 @@ def _trainer_class():
 
 
 def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, blocks_by_rank: dict | None = None,
-                  lease_token: str | None = None):
+                  lease_token: str | None = None, job_start: float | None = None):
     """The TorchTrainer for `recipe`; re-running with the same run name resumes from its last checkpoint.
 
     `lease_token`: the run folder's lease this job holds (lease.py); each attempt's workers check it is
@@ -111,12 +113,16 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, blocks_by_rank: 
         failure_config=ray.train.FailureConfig(max_failures=s.max_failures),
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=recipe.train.keep_checkpoints),
         worker_runtime_env={"env_vars": {**_worker_env(), **({TOKEN_ENV: lease_token} if lease_token else {})}},
+        # Ray Train's own progress lines ("Requesting resources", "Checkpoint successfully created at ...")
+        # stay in its log files; its warnings and errors still reach the console
+        logging_config=ray.train.LoggingConfig(log_level="WARNING"),
     )
     # workers get every local path absolute and the MLflow store named: they resolve nothing against
     # their own working folder or home (a second, empty store there would take their metrics)
     shipped = absolute_local_paths(recipe_from_dict(recipe.to_dict()))
     shipped.tracking.tracking_uri = shipped.tracking_uri
-    config = {"recipe": shipped.to_dict(), "mlflow_run_id": mlflow_run_id}
+    # job_start (epoch seconds): the workers' start-up breakdown counts from it (train/common.StartupClock)
+    config = {"recipe": shipped.to_dict(), "mlflow_run_id": mlflow_run_id, "job_start": job_start}
     if blocks_by_rank is not None:
         config["blocks_by_rank"] = blocks_by_rank
         datasets, dataset_config = None, None
