@@ -21,6 +21,12 @@ DATASET = "hf://HuggingFaceH4/ultrachat_200k"
 DATASET_REVISION = "8049631c405ae6576f93f445c6b8166f76f5505a"
 SEQ_LEN = 32_768
 NUM_GPUS = 8
+CHECKPOINT_EVERY = 200
+# Held-out loss at every checkpoint on the first 1,000 conversations of UltraChat's own test split, and
+# 4 of them answered greedily (up to 128 tokens) beside the base model's answers: `raytune-ft plan` states
+# what both cost.
+EVAL_SPLIT, EVAL_ROWS = "test_sft", 1000
+SAMPLE_PROMPTS, SAMPLE_MAX_NEW_TOKENS = 4, 128
 # The Qwen3.8 template's own defaults, as the notebook renders UltraChat: a system text on reasoning
 # effort in every row (not supervised) and an empty think block before each answer (supervised).
 # README "Chat template settings" shows a rendered row and how to change it.
@@ -34,11 +40,13 @@ def recipe() -> Recipe:
         model=ModelConfig(name=MODEL, revision=MODEL_REVISION, family="qwen3_5", dtype="bfloat16",
                           max_position_embeddings=262_144),
         data=DataConfig(source=DATASET, revision=DATASET_REVISION, split="train_sft", seq_len=SEQ_LEN,
-                        template_kwargs=TEMPLATE_KWARGS),
+                        template_kwargs=TEMPLATE_KWARGS, validation_split=EVAL_SPLIT,
+                        validation_max_rows=EVAL_ROWS),
         train=TrainConfig(loop="fsdp2", lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0, warmup_steps=0,
                           schedule="constant", epochs=1, micro_batch_size=1, grad_accum=1,
                           activation_checkpointing="full", master_weights="fp32", log_every=100,
-                          checkpoint_every=200, compile=True),
+                          checkpoint_every=CHECKPOINT_EVERY, eval_every=CHECKPOINT_EVERY,
+                          sample_prompts=SAMPLE_PROMPTS, sample_max_new_tokens=SAMPLE_MAX_NEW_TOKENS, compile=True),
         scaling=ScalingConfig(num_workers=NUM_GPUS, use_gpu=True, gpus_per_node=8, cpus_per_worker=8,
                               accelerator_type=None),
         tracking=TrackingConfig(run_name="qwen27b-ultrachat", experiment="raytune_ft"),
@@ -56,6 +64,10 @@ def local(r: Recipe) -> Recipe:
     r.train.max_steps = 20
     r.train.log_every = 5
     r.train.checkpoint_every = 10
+    r.train.eval_every = 10
+    r.data.validation_max_rows = 64    # of the generated chat's own held-out rows
+    r.train.sample_prompts = 2         # a newcomer sees two answers grow in MLflow's samples.json table
+    r.train.sample_max_new_tokens = 24
     r.train.activation_checkpointing = "none"
     return r
 

@@ -31,7 +31,10 @@ less a margin (default 10%) for the CUDA context, NCCL buffers and allocator fra
 
 The time model: tokens of one pass / (tokens/s per GPU x GPUs), tokens/s per GPU = MFU x bf16 peak /
 training FLOPs per token, peaks and FLOPs from `raytune_ft.hardware` (the datasheet dense bf16 peak and the
-FLOPs the loops count for MFU).
+FLOPs the loops count for MFU). Evaluation and samples (FSDP2 loop) are forward passes only, a third of
+the training FLOPs per token at the same MFU: the held-out tokens spread over the GPUs; the samples'
+forwards (no KV cache: each new token a forward over the prompt and the tokens so far) the same on every
+GPU. Their FSDP2 all-gather of the weights per forward is not counted.
 """
 from __future__ import annotations
 
@@ -77,7 +80,12 @@ KNOWN_DATASETS: dict[tuple[str, str], DatasetSize] = {
     ("hf://HuggingFaceH4/ultrachat_200k", "train_sft"): DatasetSize(
         207_865, 1_322,
         "UltraChat 200k train_sft: 207,865 rows x mean 1,322 tokens (Qwen3.8 template, counted over the whole split)"),
+    ("hf://HuggingFaceH4/ultrachat_200k", "test_sft"): DatasetSize(
+        23_110, 1_322, "UltraChat 200k test_sft: 23,110 rows (the dataset card) x mean 1,322 tokens (train_sft's "
+                       "mean, assumed)"),
 }
+# a prompt file's prompts are not tokenized to plan: each counts as this many tokens
+PROMPT_FILE_TOKENS = 256
 
 
 # ------------------------------------------------------------------ the plan
@@ -111,6 +119,21 @@ class Plan:
     tokens_per_s_per_gpu: float | None = None
     tokens_per_s_source: str = ""
     notes: list[str] = field(default_factory=list)
+    eval_each_s: float | None = None     # one held-out evaluation
+    eval_count: int | None = None        # evaluations in the run (None: the step count is unknown)
+    eval_how: str = ""
+    sample_each_s: float | None = None   # one round of sample generations
+    sample_rounds: int | None = None
+    sample_how: str = ""
+
+    @property
+    def eval_seconds(self) -> float | None:
+        """Seconds of the run's evaluations (of one, when the step count is unknown); None: off or unknown."""
+        return None if self.eval_each_s is None else self.eval_each_s * (self.eval_count or 1)
+
+    @property
+    def sample_seconds(self) -> float | None:
+        return None if self.sample_each_s is None else self.sample_each_s * (self.sample_rounds or 1)
 
     @property
     def total_bytes(self) -> float:
@@ -174,9 +197,18 @@ class Plan:
         else:
             out.append(f"  throughput   unknown: no bf16 peak known for {self.gpu.name} (pass --tokens-per-s-per-gpu)")
         gpus = f"{self.n_workers} GPU{'s' if self.n_workers != 1 else ''}"
+        for name, each, count, how in (("evaluation", self.eval_each_s, self.eval_count, self.eval_how),
+                                       ("samples", self.sample_each_s, self.sample_rounds, self.sample_how)):
+            if each is not None:
+                times = f"{count} x {_fmt_duration(each)} = {_fmt_duration(each * count)}" if count else \
+                    f"{_fmt_duration(each)} each"
+                out.append(f"  {name:<12} {times} ({how})")
         if self.seconds is not None:
             out.append(f"  time         {_fmt_duration(self.seconds)} on {gpus}, excluding start-up, "
-                       "checkpoints and evaluation")
+                       "checkpoints, evaluation and samples")
+            extra = (self.eval_seconds or 0.0) + (self.sample_seconds or 0.0)
+            if extra:
+                out.append(f"  with both    {_fmt_duration(self.seconds + extra)} (training + evaluation + samples)")
         elif self.tokens_per_s_per_gpu:
             per_m = 1e6 / (self.tokens_per_s_per_gpu * self.n_workers)
             out.append(f"  time         {_fmt_duration(per_m)} per million tokens on {gpus}")
@@ -366,8 +398,46 @@ def memory_plan(recipe: Recipe, *, gpu: str | None = None, tokens_per_s_per_gpu:
     if lora:
         notes.append("LoRA: the frozen base still does its forward and input-gradient matmuls; the time "
                      "estimate counts full training FLOPs (an upper bound)")
-    return Plan(job=recipe.job, model_name=recipe.model.name + (" (tiny)" if recipe.model.local_tiny else ""),
+    plan = Plan(job=recipe.job, model_name=recipe.model.name + (" (tiny)" if recipe.model.local_tiny else ""),
                 shape=shape, shape_source=shape_src, loop=t.loop, gpu=g, n_workers=workers, shard=shard,
                 lines=lines, margin=margin, trainable_params=trainable, tokens=tokens, tokens_source=tokens_src,
                 steps=steps, flops_per_token=fpt, tokens_per_s_per_gpu=tokens_per_s_per_gpu,
                 tokens_per_s_source=tps_src, notes=notes)
+    if tokens_per_s_per_gpu and t.loop == "fsdp2":
+        _plan_eval_and_samples(plan, recipe, size, mean_conv)
+    return plan
+
+
+def _plan_eval_and_samples(plan: Plan, recipe: Recipe, train_size: DatasetSize | None, mean_conv: float) -> None:
+    """The cost of the FSDP2 loop's held-out evaluations and sample rounds (module docstring: the model)."""
+    t, d = recipe.train, recipe.data
+    forward_tps = 3 * plan.tokens_per_s_per_gpu        # forward only: 2 of the 6 FLOPs per parameter and token
+    steps = plan.steps
+    if t.eval_every:
+        held = KNOWN_DATASETS.get((d.source.rstrip("/"), d.validation_split)) if d.validation_split else None
+        rows = held.rows if held else None
+        if rows is None and d.validation_fraction and train_size:
+            rows = int(train_size.rows * d.validation_fraction)
+        if d.validation_max_rows:
+            rows = min(rows, d.validation_max_rows) if rows else d.validation_max_rows
+        mean = held.mean_tokens if held else mean_conv
+        if rows:
+            held_tokens = rows * mean
+            plan.eval_each_s = held_tokens / (forward_tps * plan.n_workers)
+            plan.eval_count = (steps - 1) // t.eval_every + 1 if steps else None
+            plan.eval_how = (f"every {t.eval_every} steps and at the end: {rows:,} held-out rows x {mean:,.0f} "
+                             f"tokens, forward only at 3x the training tokens/s, over {plan.n_workers} GPUs")
+    n = t.sample_count()
+    if n != 0:
+        if n is None:
+            from raytune_ft.train.sampling import read_prompt_file
+
+            n, prompt_len, what = len(read_prompt_file(str(t.sample_prompts))), PROMPT_FILE_TOKENS, "file prompts"
+        else:
+            prompt_len, what = mean_conv, "held-out prompts"
+        m = t.sample_max_new_tokens
+        forward_tokens = n * (m * prompt_len + m * (m - 1) / 2)
+        plan.sample_each_s = forward_tokens / forward_tps
+        plan.sample_rounds = (steps - 1) // t.checkpoint_every + 2 if steps else None
+        plan.sample_how = (f"at the start, each checkpoint and the end: {n} {what} of ~{prompt_len:,.0f} tokens x up "
+                           f"to {m} new tokens, a forward over the whole sequence per token, the same on every GPU")

@@ -185,11 +185,15 @@ class TrainConfig:
         if self.max_length is not None:
             check_range("train.max_length", self.max_length, 16, 1 << 20)
 
+    def sample_count(self) -> int | None:
+        """N when `sample_prompts` asks for N held-out conversations (0: no samples), None for a file."""
+        text = str(self.sample_prompts).strip()
+        return int(text or 0) if isinstance(self.sample_prompts, int) or text.isdigit() or not text else None
+
     def _validate_samples(self, data: DataConfig) -> None:
-        spec = self.sample_prompts
-        text = str(spec).strip()
-        if isinstance(spec, int) or text.isdigit() or not text:
-            n = int(text or 0)
+        n = self.sample_count()
+        text = str(self.sample_prompts).strip()
+        if n is not None:
             check_range("train.sample_prompts", n, 0, 1000)
             if n and data.validation_fraction == 0.0 and data.validation_split is None:
                 raise RecipeError(f"train.sample_prompts: {n} held-out conversations need held-out data (set "
@@ -447,7 +451,7 @@ def absolute_local_paths(recipe: Recipe) -> Recipe:
     recipe.model.tokenizer = fix(recipe.model.tokenizer)
     recipe.model.chat_template = fix(recipe.model.chat_template)
     recipe.data.source = fix(recipe.data.source)
-    if isinstance(recipe.train.sample_prompts, str) and not recipe.train.sample_prompts.strip().isdigit():
+    if recipe.train.sample_count() is None:
         recipe.train.sample_prompts = fix(recipe.train.sample_prompts)
     tr = recipe.tracking
     if tr.storage_path.strip() and "://" not in tr.storage_path:

@@ -76,7 +76,7 @@ class EvalAndSamples:
         from raytune_ft.train import sampling
 
         t = recipe.train
-        n_held_out = sampling.sample_count(t.sample_prompts)
+        n_held_out = t.sample_count()
         rows = held_out_rows(recipe) if (t.eval_every or n_held_out) else []
         blocks = None
         if t.eval_every:

@@ -34,17 +34,6 @@ class SamplePrompt:
     text: str                            # what the table shows: the prompt as the model reads it
 
 
-def sample_count(spec: str | int) -> int | None:
-    """N when `train.sample_prompts` asks for N held-out conversations, None when it names a file;
-    0: sampling off."""
-    if isinstance(spec, int):
-        return spec
-    text = str(spec).strip()
-    if not text:
-        return 0
-    return int(text) if text.isdigit() else None
-
-
 def _as_messages(row: Any, where: str) -> list[dict]:
     if isinstance(row, str):
         return [{"role": "user", "content": row}]
