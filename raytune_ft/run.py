@@ -8,7 +8,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from raytune_ft.env import public_uri, redact_exception
-from raytune_ft.recipe import Recipe, absolute_local_paths, validate
+from raytune_ft.recipe import Recipe, absolute_local_paths, check_tracking_store, nodes_of, validate
 
 
 @dataclass
@@ -104,6 +104,13 @@ def ensure_ray(local: bool) -> None:
             os.environ.setdefault(k, v)
     ray.init(address="local", num_cpus=ncpu, include_dashboard=False, runtime_env=quiet,
              logging_level=logging.WARNING)
+
+
+def cluster_nodes() -> int:
+    """Alive nodes of the Ray cluster this process is connected to."""
+    import ray
+
+    return sum(1 for n in ray.nodes() if n.get("Alive"))
 
 
 def merged_data_counters(checkpoint_dir: str, fs=None) -> dict:
@@ -216,8 +223,13 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     validate(absolute_local_paths(recipe))
     # object storage that cannot be used fails here, in words: before Ray starts or an MLflow run is opened
     check_storage(recipe)
+    # a run over several nodes needs a tracking store they all reach: the scaling's nodes before Ray
+    # starts, then those of the cluster joined (which may have more)
+    check_tracking_store(recipe, nodes_of(recipe.scaling), f"scaling.num_workers={recipe.scaling.num_workers} "
+                         f"with {recipe.scaling.gpus_per_node} GPUs per node")
     t0 = time.time()
     ensure_ray(local)
+    check_tracking_store(recipe, cluster_nodes(), "nodes of the Ray cluster it joined")
     st, run_path = storage.run_storage(recipe)
     # one job per run folder: a second one stops here, before it opens an MLflow run or touches a checkpoint
     run_lease = held.enter_context(lease.hold(st, run_path))
