@@ -22,7 +22,8 @@ STEPS, EVERY, KILL_AT = 8, 4, 6
 FAULT_ENV = "RAYTUNE_FAULT_AT_STEP"
 
 
-def _recipe(storage, run_name: str, max_failures: int):
+def _recipe(storage, run_name: str, max_failures: int, *overrides: str):
+    """The Qwen3-4B recipe's --local job under `run_name`; `overrides` (key=value) applied last."""
     from raytune_ft.cli import resolve
 
     spec = importlib.util.spec_from_file_location("job_4b_resume", REPO / "jobs" / "qwen3_4b_full.py")
@@ -31,7 +32,7 @@ def _recipe(storage, run_name: str, max_failures: int):
     return resolve(job.recipe, job.local, local=True, overrides=[
         f"tracking.storage_path={storage}", f"tracking.run_name={run_name}",
         f"train.max_steps={STEPS}", f"train.checkpoint_every={EVERY}", f"train.eval_every={EVERY}",
-        "train.log_every=1", f"scaling.max_failures={max_failures}", "registry.enabled=false"])
+        "train.log_every=1", f"scaling.max_failures={max_failures}", "registry.enabled=false", *overrides])
 
 
 def _history(recipe, run_id: str, key: str) -> dict[int, list[float]]:
@@ -52,6 +53,16 @@ def _weights(ckpt: str) -> dict:
     for f in sorted(glob.glob(os.path.join(ckpt, "hf", "*.safetensors"))):
         out.update(load_file(f))
     return out
+
+
+def assert_close_weights(ckpt: str, reference: str) -> None:
+    """The hf/ weights of two checkpoints agree (fp32 on CPU: within rounding)."""
+    import torch
+
+    a, b = _weights(reference), _weights(ckpt)
+    assert a.keys() == b.keys() and a
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +90,6 @@ def runs(tmp_path_factory):
 
 @pytest.mark.timeout(900)
 def test_killed_trl_worker_resumes_exactly(runs):
-    import torch
-
     (ref_recipe, ref), (k_recipe, k) = runs["ref"], runs["killed"]
     assert ref.steps == STEPS and k.steps == STEPS
 
@@ -101,10 +110,7 @@ def test_killed_trl_worker_resumes_exactly(runs):
     assert k_eval[STEPS][-1] == pytest.approx(ref_eval[STEPS][0], rel=1e-5)
     assert k.best_loss == pytest.approx(ref.best_loss, rel=1e-5)
 
-    a, b = _weights(ref.checkpoint), _weights(k.checkpoint)
-    assert a.keys() == b.keys() and a
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert_close_weights(k.checkpoint, ref.checkpoint)
 
 
 @pytest.mark.timeout(900)

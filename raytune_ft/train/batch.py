@@ -225,6 +225,51 @@ def count_run_steps(open_blocks: Callable[[int, DataCounters], Iterable[dict]], 
                for e in range(epochs))
 
 
+# What a counted schedule length depends on besides the data's own settings (all of data.* but the
+# CPU share of its operators): a resumed attempt counts again when one of them changed.
+_COUNT_SETTINGS = ("train.epochs", "train.micro_batch_size", "train.grad_accum", "scaling.num_workers")
+
+
+def schedule_settings(recipe: Recipe) -> dict[str, str]:
+    """{setting: digest of its value} of every setting the counted schedule length depends on (digests:
+    the data source may be a path or URI that has no place in a checkpoint)."""
+    import dataclasses
+    import json
+
+    names = list(_COUNT_SETTINGS) + [f"data.{f.name}" for f in dataclasses.fields(recipe.data)
+                                      if f.name != "num_cpus_per_op"]
+    values = {name: _setting(recipe, name) for name in names}
+    return {k: f"{zlib.crc32(json.dumps(v, sort_keys=True, default=str).encode()):08x}" for k, v in values.items()}
+
+
+def run_schedule_steps(recipe: Recipe, state: dict, count: Callable[[], int], log: Callable[[str], None]) -> int:
+    """The counted schedule length of the run (both loops): the checkpoint's count (`state`'s
+    `counted_steps`) when it was counted under today's settings (`counted_for`), else `count()` (a full
+    pass per epoch), saying which setting changed. A re-submit with more epochs or other data runs the
+    length it asks for; the LR schedule stretches (or shrinks) from the resumed step on."""
+    settings = schedule_settings(recipe)
+    saved, saved_for = int(state.get("counted_steps") or 0), state.get("counted_for") or {}
+    if saved and saved_for == settings:
+        return saved
+    total = count()
+    if saved:
+        changed = [k for k in settings if saved_for.get(k) != settings[k]]
+        now = ", ".join(f"{k}={_setting(recipe, k)!r}" for k in changed if k.startswith(("train.", "scaling.")))
+        why = (f"{', '.join(changed)} changed since the checkpoint" + (f" (now {now})" if now else "")
+               if saved_for else "the checkpoint does not say which settings it was counted for")
+        log(f"schedule length: recounted {total} optimizer steps (the checkpoint's count was {saved}): {why}; "
+            "the learning-rate schedule follows the new length from the resumed step on")
+    else:
+        log(f"schedule length: counted {total} optimizer steps for {recipe.train.epochs} epoch(s) (one extra "
+            "pass over the data per epoch; set train.max_steps to skip it)")
+    return total
+
+
+def _setting(recipe: Recipe, name: str) -> Any:
+    section, field_name = name.split(".", 1)
+    return getattr(getattr(recipe, section), field_name)
+
+
 class EpochFeeds:
     """`epochs` passes over this rank's data, a `StepFeed` each, resumable inside any of them.
 

@@ -23,7 +23,8 @@ from raytune_ft.data.packing import DataCounters
 from raytune_ft.recipe import Recipe
 from raytune_ft.train import checkpoint as ckpt_io
 from raytune_ft.train import ckpt_storage, jit_cache
-from raytune_ft.train.batch import EpochFeeds, StepBatch, count_run_steps, worker_blocks
+from raytune_ft.train.batch import (EpochFeeds, StepBatch, count_run_steps, run_schedule_steps,
+                                    schedule_settings, worker_blocks)
 from raytune_ft.train.common import WorkerLog, lr_at, recipe_from_config, report
 from raytune_ft.train.evaluate import EvalAndSamples
 from raytune_ft.train.fp8 import precompute_fp8_scales
@@ -188,16 +189,14 @@ def _schedule_length(recipe: Recipe, state: dict, feed: EpochFeeds, log: WorkerL
 
     `train.max_steps` when set; else, for a decaying schedule, counted: one extra pass per epoch
     (tokenize + pack, no training) counts every rank's blocks exactly as the feed will run them, so
-    the schedule ends on the run's last step. Counted once: a resumed attempt reads it back."""
+    the schedule ends on the run's last step. A resumed attempt reads it back, or counts again when
+    a setting it depends on changed (`batch.run_schedule_steps`)."""
     t = recipe.train
     total = int(t.max_steps or 0)
     if not total and t.schedule != "constant":
-        total = int(state.get("counted_steps") or 0)
-        if not total:
-            total = count_run_steps(feed.open_blocks, feed.per_step, t.epochs, group=feed.group)
-            log.info(f"schedule length: counted {total} optimizer steps for {t.epochs} epoch(s) (one extra "
-                     "pass over the data per epoch; set train.max_steps to skip it)")
-        state["counted_steps"] = total
+        total = run_schedule_steps(recipe, state, lambda: count_run_steps(
+            feed.open_blocks, feed.per_step, t.epochs, group=feed.group), log.info)
+        state["counted_steps"], state["counted_for"] = total, schedule_settings(recipe)
     state["total_steps"] = total
     return total
 

@@ -16,10 +16,11 @@ import torch.distributed as dist
 TRAINER_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", "training_args.bin",
                  "rng_state.pth")
 
-# Fault injection for tests/test_trl_resume.py: "STEP:RANK" SIGKILLs that rank's worker at the end of
+# Fault injection for the TRL resume tests: "STEP:RANK" SIGKILLs that rank's worker at the end of
 # optimizer step STEP, in an attempt that did not resume (so the restarted worker runs on), once Ray has
 # registered a checkpoint of the run (its controller takes reports in asynchronously: a worker dying
-# right after reporting can lose that report, as a real crash would).
+# right after reporting can lose that report, as a real crash would); "STEP:RANK:saved" once step STEP's
+# checkpoint is registered (after the last save of a pass, say).
 FAULT_AT_STEP_ENV = "RAYTUNE_FAULT_AT_STEP"
 
 

@@ -12,10 +12,12 @@ The final checkpoint is reported last; with `train.load_best_at_end` it holds th
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
 from raytune_ft.recipe import Recipe
+from raytune_ft.train.batch import schedule_settings
 from raytune_ft.train.checkpoint import read_train_state, write_meta
 from raytune_ft.train.common import WorkerLog
 from raytune_ft.train.trl.base import TRAINER_FILES, write_train_state
@@ -57,7 +59,8 @@ def save_train_state(d: str, rank: int, step: int, blocks, metrics: dict) -> Non
                                 "data_fingerprint": blocks.fingerprint, "counters": blocks.counters.to_dict(),
                                 "tokens_total": metrics["tokens"],
                                 "run_train_seconds": metrics["run_train_seconds"],
-                                "counted_steps": blocks.counted_steps})
+                                "counted_steps": blocks.counted_steps,
+                                "counted_for": schedule_settings(blocks.recipe) if blocks.counted_steps else None})
 
 
 def save_meta(d: str, recipe: Recipe, state, last: dict, *, final: bool, extra: dict | None = None) -> None:
@@ -102,6 +105,75 @@ def restore_hf_checkpoint(out_dir: str, rank: int, log: WorkerLog) -> tuple[str 
         storage.download(fs, f"{root}/{sub}", dst, only=mine)
     log.info(f"resuming from step {st['step']} ({st['blocks_consumed']} blocks consumed on rank {rank})")
     return dst, st
+
+
+def point_at_best(dst: str, out_dir: str, step: int, rank: int, lora: bool, log: WorkerLog) -> str | None:
+    """Keep `train.load_best_at_end` true across a restart: the resumed trainer state (in `dst`, the
+    rebuilt checkpoint of step `step`) names its best checkpoint by a local folder of the dead attempt,
+    which Hugging Face drops when it is gone, and the last weights would be registered as the best.
+
+    Point that state at a folder of this attempt instead: `dst` when the best is the resumed step, else
+    an empty `checkpoint-{best}` that `fetch_best` fills from the run's storage only if the best weights
+    are loaded at the end. Returns where rank 0 finds that save in the run's storage (Ray's record of its
+    checkpoints, by step); None when there is nothing to fetch. A best save Ray no longer keeps is said
+    plainly, and forgotten."""
+    path = os.path.join(dst, "trainer_state.json")
+    with open(path) as f:
+        state = json.load(f)
+    best = state.get("best_global_step")
+    if not state.get("best_model_checkpoint") or not best:
+        return None
+    source = None
+    if best == step:
+        state["best_model_checkpoint"] = dst
+    else:
+        source = _best_in_storage(best, lora)
+        if source is None:
+            state["best_model_checkpoint"] = None
+            log.info(f"the best checkpoint so far (step {best}, eval loss {state.get('best_metric')}) is no "
+                     "longer in the run's storage (Ray keeps only the latest train.keep_checkpoints): unless a "
+                     "later evaluation beats it, the final checkpoint holds the last weights, not the best")
+        else:
+            state["best_model_checkpoint"] = os.path.join(out_dir, f"checkpoint-{best}")
+            os.makedirs(state["best_model_checkpoint"], exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(state, f)
+    return source if rank == 0 else None
+
+
+def _best_in_storage(step: int, lora: bool) -> str | None:
+    """The model folder (hf/ or adapter/) of the run's kept checkpoint of optimizer step `step`."""
+    from raytune_ft import storage
+    from raytune_ft.train.ckpt_storage import run_location
+
+    fs, run_path = run_location()
+    reported = storage.reported_checkpoints(fs, run_path)
+    for name in (reported.kept if reported else []):
+        folder = f"{run_path.rstrip('/')}/{name}/{'adapter' if lora else 'hf'}"
+        if (reported.metrics.get(name) or {}).get("step") == step and storage.is_dir(fs, folder):
+            return folder
+    return None
+
+
+def fetch_best(source: str, local: str) -> bool:
+    """Copy the best checkpoint's model files from the run's storage into `local` (once); whether they
+    are there (Ray may have deleted that checkpoint since the attempt started)."""
+    from raytune_ft import storage
+    from raytune_ft.train.ckpt_storage import run_location
+
+    if not has_weights(local):
+        fs, _ = run_location()
+        try:
+            storage.download(fs, source, local)
+        except FileNotFoundError:
+            return False
+    return has_weights(local)
+
+
+def has_weights(folder: str) -> bool:
+    """Whether a Hugging Face checkpoint folder holds model (or adapter) weights."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return any(n.startswith(("model", "adapter_model", "pytorch_model")) for n in names)
 
 
 def save_final(trainer, tok, d: str, recipe: Recipe, lora: bool, base_dir: str | None, log: WorkerLog) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-from raytune_ft.data.packing import DataCounters
+from raytune_ft.data.packing import DataCounters, padding_block
 from raytune_ft.recipe import Recipe
 from raytune_ft.train.batch import StepFeed, real_seq_lens, worker_blocks
 
@@ -24,12 +24,15 @@ class RankBlocks(torch.utils.data.IterableDataset):
 
     The first pass of a resumed attempt (epoch `epoch`) replays the blocks the checkpoint had consumed
     and checks their fingerprint (`DataOrderChanged` when the data no longer lays out the same blocks).
-    `peek()` starts the first pass and keeps its first block; the next iteration replays it, so TRL's
-    look at a sample costs no data.
+    A checkpoint taken at the end of a pass (Hugging Face saves at the last step; `checkpoint_every`
+    may fall on an epoch's last step) leaves nothing of that pass: the first pass goes on with the next
+    epoch, or is empty after the last one (the trainer then ends at once), as the FSDP2 loop's
+    `EpochFeeds` does. `peek()` starts the first pass and keeps its first block; the next iteration
+    replays it, so TRL's look at a sample costs no data.
     """
 
     def __init__(self, recipe: Recipe, *, rank: int, flag_device: torch.device, epoch: int = 0,
-                 skip_blocks: int = 0, fingerprint: int | None = None, counted_steps: int | None = None):
+                 skip_blocks: int = 0, fingerprint: int | None = None):
         self.recipe, self.rank, self.flag_device = recipe, rank, flag_device
         self.epoch = epoch                          # the epoch of the current (or next) pass
         self.counters = DataCounters()
@@ -38,8 +41,8 @@ class RankBlocks(torch.utils.data.IterableDataset):
         self.real_tokens = 0
         self.flops = 0.0                            # model FLOPs of the real blocks fed (set flops_config)
         self.flops_config = None
-        self.counted_steps = counted_steps          # the run's counted schedule length, if it was counted
-        self._pending: tuple[dict, Iterator[dict]] | None = None
+        self.counted_steps: int | None = None       # the run's counted schedule length, if it was counted
+        self._pending: tuple[dict | None, Iterator[dict]] | None = None
         self._passes = 0
         self._feed: StepFeed | None = None
 
@@ -59,32 +62,44 @@ class RankBlocks(torch.utils.data.IterableDataset):
         if self._passes:
             self.epoch += 1
         self._passes += 1
-        if self.epoch >= self.recipe.train.epochs:
-            return
-        self._feed = StepFeed(worker_blocks(self.recipe, counters=self.counters, epoch=self.epoch),
-                              per_step=self.per_step,
-                              seq_len=self.recipe.data.seq_len, counters=self.counters, rank=self.rank,
-                              skip_blocks=skip, fingerprint=fingerprint, flag_device=self.flag_device)
-        for block in self._feed:
-            lens = real_seq_lens(block)
-            if len(lens):
-                self.real_tokens += int(lens.sum())
-                if self.flops_config is not None:
-                    self.flops += flops_per_block(self.flops_config, lens)
-            yield block
+        while self.epoch < self.recipe.train.epochs:
+            self._feed = StepFeed(worker_blocks(self.recipe, counters=self.counters, epoch=self.epoch),
+                                  per_step=self.per_step,
+                                  seq_len=self.recipe.data.seq_len, counters=self.counters, rank=self.rank,
+                                  skip_blocks=skip, fingerprint=fingerprint, flag_device=self.flag_device)
+            fed = False
+            for block in self._feed:
+                fed = True
+                lens = real_seq_lens(block)
+                if len(lens):
+                    self.real_tokens += int(lens.sum())
+                    if self.flops_config is not None:
+                        self.flops += flops_per_block(self.flops_config, lens)
+                yield block
+            # every rank agrees on `fed` (the feed's steps are equalised): only a resumed pass that the
+            # checkpoint had finished feeds nothing, and the next epoch takes its place
+            if fed or not skip:
+                return
+            self.epoch, skip, fingerprint = self.epoch + 1, 0, None
+
+    def spend(self) -> None:
+        """Feed nothing more: the resumed checkpoint is the run's last step (train.max_steps reached
+        with data left), and Hugging Face would otherwise train one step past it."""
+        self._pending = (None, iter(()))
 
     def peek(self) -> dict:
+        """The first block of the next pass; an all-padding block, for TRL to look at only, when the
+        run's data is spent (a resume from its last checkpoint: nothing is left to train)."""
         if self._pending is None:
             it = self._pass()
-            first = next(it)
-            self._pending = (first, it)
-        return self._pending[0]
+            self._pending = (next(it, None), it)
+        return self._pending[0] if self._pending[0] is not None else padding_block(self.recipe.data.seq_len)
 
     def __iter__(self) -> Iterator[dict]:
         if self._pending is not None:
             first, it = self._pending
             self._pending = None
-            return itertools.chain([first], it)
+            return itertools.chain([first], it) if first is not None else it
         return self._pass()
 
 

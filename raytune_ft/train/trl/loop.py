@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from raytune_ft.data.packing import DataCounters
 from raytune_ft.recipe import Recipe
-from raytune_ft.train.batch import collate_blocks, count_run_steps, worker_blocks
+from raytune_ft.train.batch import collate_blocks, count_run_steps, run_schedule_steps, worker_blocks
 from raytune_ft.train.common import WorkerLog, recipe_from_config
 from raytune_ft.train.trl.base import ray_report
-from raytune_ft.train.trl.checkpoint import (restore_hf_checkpoint, save_final, save_meta,
+from raytune_ft.train.trl.checkpoint import (point_at_best, restore_hf_checkpoint, save_final, save_meta,
                                              save_train_state)
 from raytune_ft.train.trl.data import RankBlocks, facade, release_facades
 from raytune_ft.train.trl.trainer import report_callback, trainer_class
@@ -86,20 +86,23 @@ def train_trl(config: dict) -> None:
         tok.save_pretrained(base_dir)
 
     resume_dir, resumed = restore_hf_checkpoint(out_dir, rank, log)
+    best_source = point_at_best(resume_dir, out_dir, int(resumed["step"]), rank, lora, log) if (
+        resume_dir and t.load_best_at_end) else None
     train_blocks = RankBlocks(recipe, rank=rank, flag_device=flag_device, epoch=int(resumed.get("epoch", 0)),
                               skip_blocks=int(resumed.get("blocks_consumed", 0)),
-                              fingerprint=resumed.get("data_fingerprint"),
-                              counted_steps=resumed.get("counted_steps"))
+                              fingerprint=resumed.get("data_fingerprint"))
     train_blocks.flops_config = lm.config
     eval_blocks = _validation_blocks(recipe, log)
 
-    max_steps = int(t.max_steps or resumed.get("counted_steps") or 0)
-    if not max_steps:
-        max_steps = max(1, count_run_steps(lambda e, c: worker_blocks(recipe, counters=c, epoch=e),
-                                           train_blocks.per_step, t.epochs, flag_device=flag_device))
+    max_steps = int(t.max_steps or 0)
+    if not max_steps:      # Hugging Face needs the length of a stream it cannot measure, whatever the schedule
+        max_steps = max(1, run_schedule_steps(recipe, resumed, lambda: count_run_steps(
+            lambda e, c: worker_blocks(recipe, counters=c, epoch=e), train_blocks.per_step, t.epochs,
+            flag_device=flag_device), log.info))
         train_blocks.counted_steps = max_steps      # saved with the train state: a resumed attempt reads it back
-        log.info(f"counted {max_steps} optimizer steps for {t.epochs} epoch(s) (one extra pass over the "
-                 "data per epoch; set train.max_steps to skip it)")
+    if int(resumed.get("step") or 0) >= max_steps:
+        train_blocks.spend()
+        log.info(f"the checkpoint is at step {resumed['step']} of {max_steps}: nothing left to train")
 
     pause = {"s": 0.0}
     callback = report_callback(recipe, rank, log, train_blocks, lora, pause, world,
@@ -114,6 +117,7 @@ def train_trl(config: dict) -> None:
     trainer.raytune_eval_blocks = eval_blocks
     trainer.raytune_recipe = recipe
     trainer.raytune_pause = pause
+    trainer.raytune_best_source = best_source
     trainer.raytune_steps = callback.steps
     callback.jit = jit
     # room for a checkpoint checked before each save, and first now: a storage that cannot take one stops here
@@ -130,8 +134,12 @@ def train_trl(config: dict) -> None:
     trainer.train(resume_from_checkpoint=resume_dir)
     state = trainer.state
     callback.log_remaining_steps(state.global_step)
-    if t.load_best_at_end and state.best_global_step:
-        log.info(f"loaded the best checkpoint: step {state.best_global_step}, eval loss {state.best_metric:.4f}")
+    weights_step = trainer.raytune_best_loaded or state.global_step
+    if t.load_best_at_end and trainer.raytune_best_loaded:
+        log.info(f"loaded the best checkpoint: step {weights_step}, eval loss {state.best_metric:.4f}")
+    elif t.load_best_at_end and state.best_global_step:
+        log.info(f"the best checkpoint (step {state.best_global_step}) could not be loaded: the final "
+                 f"checkpoint holds the last weights, step {weights_step}, not the best")
 
     # the final checkpoint: the weights the trainer holds now (the best ones with load_best_at_end)
     metrics = callback.metrics(state, train_blocks)
@@ -148,7 +156,7 @@ def train_trl(config: dict) -> None:
         with tempfile.TemporaryDirectory(prefix="raytune_trl_final_") as d:
             if rank == 0:
                 save_final(trainer, tok, d, recipe, lora, base_dir, log)
-                save_meta(d, recipe, state, callback.last, final=True)
+                save_meta(d, recipe, state, callback.last, final=True, extra={"weights_step": weights_step})
             save_train_state(d, rank, state.global_step, train_blocks, metrics)
             ray_report(metrics, d)
     shutil.rmtree(out_dir, ignore_errors=True)

@@ -18,7 +18,8 @@ from raytune_ft.train.batch import collate_blocks
 from raytune_ft.train.ckpt_storage import SaveGuard
 from raytune_ft.train.common import WorkerLog, lr_at
 from raytune_ft.train.trl.base import FAULT_AT_STEP_ENV, not_training, ray_report, sum_over_ranks
-from raytune_ft.train.trl.checkpoint import save_meta, save_train_state, stage_checkpoint
+from raytune_ft.train.trl.checkpoint import (fetch_best, has_weights, save_meta, save_train_state,
+                                             stage_checkpoint)
 from raytune_ft.train.trl.data import RankBlocks
 
 
@@ -54,6 +55,20 @@ def trainer_class():
             self._raytune_loss_before = tr_loss.detach().clone()
 
         raytune_guard: SaveGuard      # room for each save checked first; out of space said so
+
+        # where rank 0 fetches a best checkpoint of an earlier attempt from (trl.checkpoint.point_at_best)
+        raytune_best_source: str | None = None
+        raytune_best_loaded: int | None = None     # the step whose weights `_load_best_model` loaded
+
+        def _load_best_model(self):
+            """Hugging Face's, once the best checkpoint's files are here (fetched from the run's storage
+            when an earlier attempt saved it); records whether the best weights were loaded."""
+            best = self.state.best_model_checkpoint
+            if self.raytune_best_source and not fetch_best(self.raytune_best_source, best):
+                return
+            if has_weights(best):
+                super()._load_best_model()
+                self.raytune_best_loaded = self.state.best_global_step
 
         def evaluate(self, *args, **kwargs):
             with not_training(self.raytune_pause):
@@ -108,14 +123,25 @@ def recipe_scheduler(optimizer, train: TrainConfig, total_steps: int):
     return LambdaLR(optimizer, lambda step: lr_at(step, train, total_steps))
 
 
-def _die_for_test(recipe: Recipe, rank: int, step: int) -> None:
+def _die_for_test(rank: int, step: int, output_dir: str, *, saved: bool = False) -> None:
+    """SIGKILL this worker (FAULT_AT_STEP_ENV) once Ray has registered a checkpoint of the run (`saved`:
+    step `step`'s), its local Hugging Face folders removed first, as a restart on another node finds them."""
+    import shutil
+
     from raytune_ft import storage
     from raytune_ft.train.ckpt_storage import run_location
 
+    def registered() -> bool:
+        if not saved:
+            return storage.exists(fs, f"{run_path}/{storage.SNAPSHOT_FILE}")
+        reported = storage.reported_checkpoints(fs, run_path)
+        return bool(reported) and any(m.get("step") == step for m in reported.metrics.values())
+
     fs, run_path = run_location()          # local or object storage alike
     deadline = time.time() + 120
-    while not storage.exists(fs, f"{run_path}/{storage.SNAPSHOT_FILE}") and time.time() < deadline:
+    while not registered() and time.time() < deadline:
         time.sleep(0.1)
+    shutil.rmtree(output_dir, ignore_errors=True)
     print(f"[raytune_ft] {FAULT_AT_STEP_ENV}: killing rank {rank} at step {step}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -198,7 +224,7 @@ def report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ran
                 if rank == 0 and self.jit is not None:    # what the first step compiled, for the next node and run
                     self.jit.save(log.info)
             if not resumed and os.environ.get(FAULT_AT_STEP_ENV, "").strip() == f"{state.global_step}:{rank}":
-                _die_for_test(recipe, rank, state.global_step)
+                _die_for_test(rank, state.global_step, args.output_dir)
             # Hugging Face saves at the end of training whatever save_steps says; with train.save_final
             # false only the checkpoint_every saves are wanted
             if (not recipe.train.save_final and state.global_step >= state.max_steps
@@ -249,6 +275,8 @@ def report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ran
                 from raytune_ft.train.ckpt_storage import run_storage, write_checkpoint
 
                 write_checkpoint(lambda: ray_report(metrics, d), run_storage(), state.global_step)
+            if not resumed and os.environ.get(FAULT_AT_STEP_ENV, "").strip() == f"{state.global_step}:{rank}:saved":
+                _die_for_test(rank, state.global_step, args.output_dir, saved=True)
 
         def metrics(self, state, blocks: RankBlocks) -> dict:
             """The last logged figures, with this attempt's and the run's tokens and seconds (a

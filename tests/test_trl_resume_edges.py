@@ -1,0 +1,139 @@
+"""The TRL loop resumed where the common case does not reach: real local Ray, the Qwen3-4B recipe's --local
+job (tiny qwen3 on CPU, one worker), workers SIGKILLed by the loop's fault hook (RAYTUNE_FAULT_AT_STEP).
+
+With data.max_rows=40 a pass is 2 optimizer steps (4 packed blocks, 2 per step), its length counted.
+
+- "ref" / "boundary": 2 epochs, a checkpoint at the end of each; "boundary" is killed at the end of step
+  3, resumes from the epoch-boundary checkpoint of step 2 and must train epoch 2 exactly as "ref" did.
+- "end": 1 epoch, killed once the last save of the pass (step 2) is registered, before the final
+  checkpoint: the retry has nothing left to train and must finish, not fail in SFTTrainer.__init__.
+- "grow": the same, with no retry (the run fails); submitted again with train.epochs=2 it must recount
+  its schedule and train the second epoch, not stop at the one-epoch count the checkpoint holds.
+- "best": lr 0.3 (constant) makes the first evaluation the best (the loss then jumps); killed once the
+  step-2 checkpoint is registered, with its local Hugging Face folders removed as on another node;
+  train.load_best_at_end must still end on the step-1 weights, fetched from the run's storage.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.test_trl_resume import FAULT_ENV, _history, _recipe, _weights, assert_close_weights
+
+EPOCH_STEPS = 2
+COUNTED = ("train.max_steps=null", "data.max_rows=40", f"train.checkpoint_every={EPOCH_STEPS}",
+           f"train.eval_every={EPOCH_STEPS}")
+
+
+def _run_with_fault(recipe, spec: str | None):
+    """run(recipe, local=True) with the fault hook set to `spec` for this run: (result, None) or (None, the
+    exception the run ended with)."""
+    from raytune_ft.env import scoped_env
+    from raytune_ft.run import run
+
+    with scoped_env({FAULT_ENV: spec} if spec else {}):
+        try:
+            return run(recipe, local=True), None
+        except Exception as e:  # noqa: BLE001 - some runs are meant to fail
+            return None, e
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    import ray
+
+    storage = tmp_path_factory.mktemp("trl_resume_edges")
+    out = {}
+    ray.init(address="local", num_cpus=8, include_dashboard=False)
+    try:
+        two = ("train.epochs=2", *COUNTED)
+        out["ref"] = (r := _recipe(storage, "ref", 0, *two)), _run_with_fault(r, None)
+        out["boundary"] = (r := _recipe(storage, "boundary", 1, *two)), _run_with_fault(r, f"{EPOCH_STEPS + 1}:0")
+        out["end"] = (r := _recipe(storage, "end", 1, *COUNTED)), _run_with_fault(r, f"{EPOCH_STEPS}:0:saved")
+        out["grow_first"] = _run_with_fault(_recipe(storage, "grow", 0, *COUNTED), f"{EPOCH_STEPS}:0:saved")
+        out["grow"] = (r := _recipe(storage, "grow", 0, *two)), _run_with_fault(r, None)
+        best = ("train.max_steps=4", "train.lr=0.3", "train.schedule=constant", "train.warmup_steps=0",
+                "train.eval_every=1", "train.checkpoint_every=1", "train.keep_checkpoints=5")
+        out["best"] = (r := _recipe(storage, "best", 1, *best)), _run_with_fault(r, "2:0:saved")
+        return out
+    finally:
+        ray.shutdown()
+
+
+def _finished(runs, name: str):
+    recipe, (result, error) = runs[name]
+    assert error is None, f"run {name!r} failed: {error!r}"
+    return recipe, result
+
+
+def _checkpoint_of_step(recipe, step: int) -> str:
+    """The run's kept Ray checkpoint of optimizer step `step` reported during training (not the final one)."""
+    import pyarrow.fs as pafs
+
+    from raytune_ft import storage
+
+    run_dir = f"{recipe.tracking.storage_path}/{recipe.tracking.run_name}"
+    reported = storage.reported_checkpoints(pafs.LocalFileSystem(), run_dir)
+    names = [n for n in reported.kept if reported.metrics[n].get("step") == step and not reported.metrics[n].get("done")]
+    assert names, (step, reported.metrics)
+    return f"{run_dir}/{names[-1]}"
+
+
+def _same_weights(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and bool(a) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(2400)
+def test_resume_at_an_epoch_boundary_trains_the_next_epoch_exactly(runs):
+    from tests.conftest import train_state
+
+    (ref_recipe, ref), (b_recipe, b) = _finished(runs, "ref"), _finished(runs, "boundary")
+    assert ref.steps == 2 * EPOCH_STEPS and b.steps == 2 * EPOCH_STEPS
+    ref_loss = _history(ref_recipe, ref.mlflow_run_id, "loss")
+    b_loss = _history(b_recipe, b.mlflow_run_id, "loss")
+    # killed at the end of step 3 (before its log), resumed from the step-2 checkpoint: each step once
+    assert {s: len(v) for s, v in b_loss.items()} == {s: 1 for s in range(1, 2 * EPOCH_STEPS + 1)}
+    for step, values in b_loss.items():
+        assert values[0] == pytest.approx(ref_loss[step][0], rel=1e-5), (step, values, ref_loss[step])
+    assert train_state(b.checkpoint)["epoch"] == 1
+    assert_close_weights(b.checkpoint, ref.checkpoint)
+
+
+@pytest.mark.timeout(2400)
+def test_resume_at_the_last_save_of_a_pass_finishes(runs):
+    from raytune_ft.train.checkpoint import read_meta
+
+    recipe, end = _finished(runs, "end")
+    assert end.steps == EPOCH_STEPS
+    assert {s: len(v) for s, v in _history(recipe, end.mlflow_run_id, "loss").items()} == {1: 1, 2: 1}
+    assert read_meta(end.checkpoint)["final"] is True
+    # nothing trained after the last save: the final weights are that save's
+    assert _same_weights(_weights(end.checkpoint), _weights(_checkpoint_of_step(recipe, EPOCH_STEPS)))
+
+
+@pytest.mark.timeout(2400)
+def test_resubmit_with_more_epochs_recounts_the_schedule(runs):
+    from tests.conftest import train_state
+
+    first, first_error = runs["grow_first"]
+    assert first is None and first_error is not None          # no retry: the killed run failed
+    recipe, grow = _finished(runs, "grow")
+    assert grow.steps == 2 * EPOCH_STEPS
+    assert {3, 4} <= set(_history(recipe, grow.mlflow_run_id, "loss"))
+    assert train_state(grow.checkpoint)["epoch"] == 1
+
+
+@pytest.mark.timeout(2400)
+def test_best_checkpoint_of_an_earlier_attempt_is_loaded_at_the_end(runs):
+    from raytune_ft.train.checkpoint import read_meta
+
+    recipe, best = _finished(runs, "best")
+    assert best.steps == 4
+    evals = {s: v[-1] for s, v in _history(recipe, best.mlflow_run_id, "eval_loss").items()}
+    assert min(evals, key=evals.get) == 1 and sorted(evals) == [1, 2, 3, 4]
+    final = _weights(best.checkpoint)
+    assert _same_weights(final, _weights(_checkpoint_of_step(recipe, 1)))
+    assert not _same_weights(final, _weights(_checkpoint_of_step(recipe, 4)))
+    meta = read_meta(best.checkpoint)
+    assert meta["best_step"] == 1 and meta["weights_step"] == 1
