@@ -130,6 +130,9 @@ class TrainConfig:
     # the start-up kernel check on each GPU worker (models/kernel_check.py): "check" switches a failing
     # fast kernel off for the run and says so; "strict" stops the run instead; "off" skips the check
     kernels: Literal["check", "strict", "off"] = "check"
+    # each node's folder for the JIT caches (Triton, tilelang, FLA autotune, Inductor; train/jit_cache.py),
+    # an absolute path or ~/...; None: ~/.cache/raytune_ft/jit. Also shared through the run's storage.
+    cache_dir: str | None = None
     # TRL loop only
     lora_r: int = 0                          # 0: full fine-tune
     lora_alpha: int = 32
@@ -167,6 +170,9 @@ class TrainConfig:
             check_range("train.eval_every", self.eval_every, 0)
         self._validate_samples(data)
         check_range("train.keep_checkpoints", self.keep_checkpoints, 1, 1000)
+        if self.cache_dir is not None and not self.cache_dir.startswith(("/", "~")):
+            raise RecipeError(f"train.cache_dir: {self.cache_dir!r} is not an absolute path (or ~/...): each "
+                              "node reads it on its own, from a folder of its own")
         if not self.save_final and registry.enabled:
             raise RecipeError("train.save_final: false leaves no final model to register; "
                               "set registry.enabled=false too")
