@@ -81,8 +81,8 @@ def _print_storage_plan(recipe: Recipe, shape) -> None:
 def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = None, *, prog: str = "job") -> int:
     """Parse a job's flags, then dry-run or run it; a bad recipe exits 2 before Ray starts.
 
-    Exit codes: 0 trained (and registered when enabled), 2 bad recipe or unusable storage (nothing
-    started), 3 trained but not registered.
+    Exit codes: 0 trained (and registered when enabled), 2 bad recipe, unusable storage or a run folder
+    another job holds (nothing started), 3 trained but not registered.
     """
     args = job_parser(prog, (recipe_fn.__doc__ or "").strip() or None).parse_args(argv)
     try:
@@ -97,12 +97,13 @@ def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = No
     # Before Ray and the libraries are imported (some switches are read at import), so the driver, the
     # local Ray it starts and the DataContext shipped with the datasets all see them
     setup_driver(terminal=is_terminal(sys.stdout))
+    from raytune_ft.lease import RunFolderInUse
     from raytune_ft.run import run
     from raytune_ft.storage_check import StorageAccessError
 
     try:
         summary = run(recipe, local=args.local, register=False if args.no_register else None)
-    except (RecipeError, StorageAccessError) as e:   # found before anything was trained: no traceback
+    except (RecipeError, StorageAccessError, RunFolderInUse) as e:   # found before anything was trained: no traceback
         print(f"error: {redact(str(e))}", file=sys.stderr)
         return 2
     print("\n".join(summary.lines()), flush=True)

@@ -50,7 +50,11 @@ class LeaseRecord:
     heartbeat: float
 
     def owner(self) -> str:
-        return f"job {self.job_id} on host {self.host} (pid {self.pid})"
+        return (f"job {self.job_id} on host {self.host} (pid {self.pid})" if self.job_id
+                else f"process {self.pid} on host {self.host}")
+
+    def how_to_stop(self) -> str:
+        return f"ray job stop {self.job_id}" if self.job_id else f"kill {self.pid} on {self.host}"
 
 
 def _seconds(env: str, default: float) -> float:
@@ -61,17 +65,13 @@ def _seconds(env: str, default: float) -> float:
 
 
 def job_id() -> str:
-    """The Ray job submission id when submitted with `ray job submit`, else the Ray job id, else the pid."""
+    """The Ray job submission id of a driver started by `ray job submit` (Ray hands the driver its job
+    config in this variable before it connects), else "" (a process started by hand)."""
     try:
-        import ray
-
-        if ray.is_initialized():
-            ctx = ray.get_runtime_context()
-            meta = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}").get("metadata") or {}
-            return meta.get("job_submission_id") or ctx.get_job_id()
-    except Exception:  # a job id is a label here: never a reason to fail a run
-        pass
-    return f"pid-{os.getpid()}"
+        config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+        return str((config.get("metadata") or {}).get("job_submission_id") or "")
+    except (ValueError, AttributeError):  # a label here: never a reason to fail a run
+        return ""
 
 
 def _pid_alive(pid: int) -> bool:
@@ -106,8 +106,8 @@ def _why_free(rec: LeaseRecord, now: float, stale_s: float) -> str | None:
 def in_use_message(uri: str, rec: LeaseRecord, now: float, stale_s: float) -> str:
     return (f"run folder {uri} is in use by {rec.owner()}, started {time.ctime(rec.started)}, last heartbeat "
             f"{max(0.0, now - rec.heartbeat):.0f} s ago. Two jobs on one run folder would overwrite each "
-            f"other's checkpoints, so this one stops. Wait for that job to end (or stop it: ray job stop "
-            f"{rec.job_id}), or give this run another tracking.run_name. If that job is dead, its lease is "
+            f"other's checkpoints, so this one stops. Wait for that job to end (or stop it: {rec.how_to_stop()}), "
+            "or give this run another tracking.run_name. If that job is dead, its lease is "
             f"taken over once its heartbeat is older than {stale_s:g} s ({STALE_ENV}), or at once when its "
             "process is gone from this host.")
 

@@ -227,12 +227,13 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     # starts, then those of the cluster joined (which may have more)
     check_tracking_store(recipe, nodes_of(recipe.scaling), f"scaling.num_workers={recipe.scaling.num_workers} "
                          f"with {recipe.scaling.gpus_per_node} GPUs per node")
+    st, run_path = storage.run_storage(recipe)
+    # one job per run folder: a second one stops here, before Ray starts, an MLflow run opens or a checkpoint
+    # is touched
+    run_lease = held.enter_context(lease.hold(st, run_path))
     t0 = time.time()
     ensure_ray(local)
     check_tracking_store(recipe, cluster_nodes(), "nodes of the Ray cluster it joined")
-    st, run_path = storage.run_storage(recipe)
-    # one job per run folder: a second one stops here, before it opens an MLflow run or touches a checkpoint
-    run_lease = held.enter_context(lease.hold(st, run_path))
     run_id = tracking.start_run(recipe)
     trainer = build_trainer(recipe, mlflow_run_id=run_id, lease_token=run_lease.token, job_start=t0)
     try:

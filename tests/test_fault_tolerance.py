@@ -329,7 +329,7 @@ def test_a_second_job_on_a_live_run_folder_stops_at_once_and_deletes_nothing(ray
     with pytest.raises(lease.RunFolderInUse) as e:
         run(recipe, local=True)
     assert time.time() - t < 60, "refused at once, not after training"
-    assert f"run folder {run_path} is in use by job " in str(e.value)
+    assert f"run folder {run_path} is in use by process {os.getpid()} on host " in str(e.value)
     assert storage.tree_bytes(st.fs, unreported) == 1000
     assert lease.read(st.fs, run_path).token == job_a.token
     if os.path.exists(recipe.tracking_uri[len("sqlite:///"):]):

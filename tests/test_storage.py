@@ -344,7 +344,7 @@ def test_runs_command_lists_runs_on_s3(s3_env, capsys):
     assert rows["in-flight"]["path"] == f"{root}/in-flight"
 
 
-def test_a_run_folder_has_one_owner_at_a_time(where):
+def test_a_run_folder_has_one_owner_at_a_time(where, monkeypatch):
     import socket
     import subprocess
     import time
@@ -352,15 +352,17 @@ def test_a_run_folder_has_one_owner_at_a_time(where):
     from raytune_ft import lease
 
     run = where.path("leased")
+    # the driver of `ray job submit` gets its submission id from Ray in this variable
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"metadata": {"job_submission_id": "raysubmit_A1"}}))
     a = lease.Lease.acquire(where, run, settle_s=0)
     rec = lease.read(where.fs, run)
-    assert (rec.token, rec.pid, rec.host) == (a.token, os.getpid(), socket.gethostname()) and rec.job_id
+    assert (rec.token, rec.pid, rec.host, rec.job_id) == (a.token, os.getpid(), socket.gethostname(), "raysubmit_A1")
     # a second job on a live lease stops at once, naming the owner and how to get past it
     with pytest.raises(lease.RunFolderInUse) as e:
         lease.Lease.acquire(where, run, settle_s=0)
     msg = str(e.value)
-    assert where.uri(run) in msg and f"job {rec.job_id} on host {rec.host} (pid {rec.pid})" in msg, msg
-    assert f"ray job stop {rec.job_id}" in msg and "tracking.run_name" in msg and lease.STALE_ENV in msg
+    assert where.uri(run) in msg and f"job raysubmit_A1 on host {rec.host} (pid {rec.pid})" in msg, msg
+    assert "ray job stop raysubmit_A1" in msg and "tracking.run_name" in msg and lease.STALE_ENV in msg
     # the driver's heartbeat thread refreshes it
     a.start(every_s=0.05)
     deadline = time.time() + 10
@@ -385,6 +387,11 @@ def test_a_run_folder_has_one_owner_at_a_time(where):
     assert lease.read(where.fs, run).token == b.token
     b.release()
     assert lease.read(where.fs, run) is None and not storage.exists(where.fs, f"{run}/{lease.LEASE_FILE}")
+    # a process started by hand (no Ray job): named by its pid and host
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    with lease.hold(where, run, settle_s=0):
+        with pytest.raises(lease.RunFolderInUse, match=f"in use by process {os.getpid()} on host .*kill {os.getpid()}"):
+            lease.Lease.acquire(where, run, settle_s=0)
     # an owner whose process is gone from this host: taken over at once, whatever the heartbeat says
     gone = subprocess.Popen(["true"])
     gone.wait()
@@ -394,3 +401,20 @@ def test_a_run_folder_has_one_owner_at_a_time(where):
     with lease.hold(where, run, settle_s=0) as d:
         assert lease.read(where.fs, run).token == d.token
     assert lease.read(where.fs, run) is None
+
+
+def test_a_job_on_a_run_folder_another_job_holds_exits_2_before_ray_starts(tmp_path, capsys):
+    import ray
+
+    from raytune_ft import cli, lease
+    from raytune_ft.console import quiet_env
+    from raytune_ft.env import scoped_env
+
+    st = storage.resolve(str(tmp_path / "runs"), create=True)
+    with lease.hold(st, st.path("qwen27b-local"), settle_s=0) as other, scoped_env(keep=tuple(quiet_env(False))):
+        code = cli.main(["run", "qwen27b_b300", "--local", f"--set=tracking.storage_path={st.root}"])
+        assert lease.read(st.fs, st.path("qwen27b-local")).token == other.token
+    assert code == 2 and not ray.is_initialized()
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: run folder {st.path('qwen27b-local')} is in use by process {os.getpid()}"), err
+    assert "Traceback" not in err
