@@ -220,6 +220,6 @@ def for_worker(recipe, device, log) -> JitCache | None:
         _skipped(log, "not shared", e)
     cache = open_cache(getattr(recipe.train, "cache_dir", None) or DEFAULT_ROOT, device_name, remote=remote,
                        log=log)
-    if cache is not None:
+    if cache is not None and device_name:     # a CPU run compiles nothing worth a line
         log(f"JIT caches in {cache.folder}")
     return cache
