@@ -20,10 +20,16 @@ TRL 4B recipe (1 worker, 8 steps, checkpoint + eval every 4): its worker SIGKILL
 step 5, trained by both attempts, logs the same loss twice. Registration cannot run either; the retry command
 works.
 
+27B recipe again, no fault hook: this test SIGKILLs rank 1's RayTrainWorker process from outside (its PID from
+Ray Train's state actor) once the step-4 checkpoint is registered on S3; Ray restarts the worker group, which
+resumes from S3 and finishes with the uninterrupted run's losses.
+
 Small storage: the free-space probe is patched (RAYTUNE_FAULT_FREE_BYTES, read by the workers; no filesystem
 of a few kB can be mounted portably here) to report 1000 bytes from step 8: the step-4 checkpoint is written,
 the step-8 one is refused before anything is written, the run stops with an error naming the storage path,
-the bytes needed and the bytes free, and the step-4 checkpoint is intact and still Ray's latest.
+the bytes needed and the bytes free, and the step-4 checkpoint is intact and still Ray's latest. Ray does not
+retry it (max_failures=1 would allow one): a retry would train to the same save again. The TRL recipe on a
+storage reporting 1000 bytes free stops at the start of its first attempt, before any step.
 """
 from __future__ import annotations
 
@@ -40,7 +46,8 @@ import pytest
 from raytune_ft import storage
 from raytune_ft.env import scoped_env
 from tests.conftest import run_with_fault
-from tests.test_fault_tolerance import STEPS, _assert_history_matches
+from tests.test_fault_tolerance import (STATE_TRACKING_ENV, STEPS, RankKiller, _assert_history_matches,
+                                       run_attempts)
 
 EVERY = 4
 FAULT_UPLOAD = "RAYTUNE_FAULT_AFTER_UPLOAD"
@@ -93,72 +100,121 @@ def _run_cli(cmd: str, env: dict, cwd) -> subprocess.CompletedProcess:
     return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
+def _losses(summary) -> list[tuple[int, float]]:
+    import mlflow
+
+    history = mlflow.MlflowClient(summary.tracking_uri).get_metric_history(summary.mlflow_run_id, "loss")
+    return sorted((m.step, m.value) for m in history)
+
+
 @pytest.fixture(scope="module")
-def s3_runs(s3_server, tmp_path_factory):
+def s3_ray(s3_server, tmp_path_factory):
+    """One local Ray for the module's runs, started with the S3 server's AWS_* variables in place (its
+    workers and tasks reach S3 the way a node does) and Ray Train's state actor on (attempts and worker
+    PIDs); the launch folder is a fresh one, where ./runs, the local default, would appear."""
     import ray
 
     from raytune_ft.registry import task as registry_task
-    from raytune_ft.run import run
 
     work = tmp_path_factory.mktemp("s3_launch")
     saved_grace, registry_task._KILL_GRACE_S = registry_task._KILL_GRACE_S, 1.0
     saved_cwd = os.getcwd()
-    # the AWS_* variables are in place before Ray starts: its workers and tasks reach S3 the way a node does
-    with scoped_env({**s3_server.env(), "RAYTUNE_TRACKING_HOME": str(work / "tracking_home")},
-                    keep=("RAYTUNE_LOCAL_STORAGE",)):
+    with scoped_env({**s3_server.env(), "RAYTUNE_TRACKING_HOME": str(work / "tracking_home"),
+                     STATE_TRACKING_ENV: "1"}, keep=("RAYTUNE_LOCAL_STORAGE",)):
         os.environ.pop("RAYTUNE_LOCAL_STORAGE", None)
-        os.chdir(work)              # where ./runs, the local default, would appear
-        bucket = s3_server.bucket()
-        root = f"s3://{bucket}/runs"
-        fs = s3_server.filesystem()
-        out: dict = {"work": work, "root": root, "fs": fs, "bucket": bucket}
+        os.chdir(work)
         ray.init(address="local", num_cpus=8, include_dashboard=False)
         try:
-            # ---- 27B recipe
-            r27 = _recipe("qwen27b_b300", root, "s3-27b", f"train.max_steps={STEPS}",
-                          f"train.checkpoint_every={EVERY}", "scaling.max_failures=1", *NO_ROOM_TO_REGISTER,
-                          "registry.name=main.default.s3_27b")
-            out["r27"] = r27
-            watcher = FolderWatcher(fs, f"{bucket}/runs/s3-27b")
-            watcher.start()
-            out["faulty_error"] = run_with_fault(r27, {FAULT_UPLOAD: f"{STEPS}:1"})   # every attempt dies
-            out["after_faulty"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
-            t = time.time()
-            out["finished"] = run(r27, local=True)
-            out["finished_s"] = time.time() - t
-            watcher.stop.set()
-            watcher.join(timeout=10)
-            out["watcher"] = watcher
-            cmd = out["finished"].retry_command
-            out["retry"] = _run_cli(cmd, dict(os.environ), work) if cmd else None
-            out["folders_before_again"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
-            t = time.time()
-            out["again"] = run(r27, local=True)
-            out["again_s"] = time.time() - t
-            out["folders_after_again"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
-
-            # ---- TRL 4B recipe: a worker killed at step 6, resumed from S3
-            r4 = _recipe("qwen3_4b_full", root, "s3-4b", "train.max_steps=8", "train.checkpoint_every=4",
-                         "train.eval_every=4", "train.log_every=1", "scaling.max_failures=1", *NO_ROOM_TO_REGISTER,
-                         "registry.name=main.default.s3_4b")
-            out["r4"] = r4
-            with scoped_env({FAULT_AT_STEP: "6:0"}):
-                out["trl"] = run(r4, local=True)
-            cmd = out["trl"].retry_command
-            out["trl_retry"] = _run_cli(cmd, dict(os.environ), work) if cmd else None
-
-            # ---- a storage too small for the step-8 checkpoint (local folder, patched free-space probe)
-            small_root = work / "small_storage"
-            rs = _recipe("qwen27b_b300", str(small_root), "small", f"train.max_steps={STEPS}",
-                         f"train.checkpoint_every={EVERY}", "scaling.max_failures=1", "registry.enabled=false",
-                         f"tracking.tracking_uri=sqlite:///{work / 'small_mlflow.db'}")
-            out["small_recipe"] = rs
-            out["small_error"] = run_with_fault(rs, {FAULT_FREE: "1000@8"})   # meant to stop
-            return out
+            yield work
         finally:
             ray.shutdown()
             registry_task._KILL_GRACE_S = saved_grace
             os.chdir(saved_cwd)
+
+
+@pytest.fixture(scope="module")
+def s3_runs(s3_server, s3_ray):
+    from raytune_ft.run import run
+
+    work = s3_ray
+    bucket = s3_server.bucket()
+    root = f"s3://{bucket}/runs"
+    fs = s3_server.filesystem()
+    out: dict = {"work": work, "root": root, "fs": fs, "bucket": bucket}
+    # ---- 27B recipe
+    r27 = _recipe("qwen27b_b300", root, "s3-27b", f"train.max_steps={STEPS}",
+                  f"train.checkpoint_every={EVERY}", "scaling.max_failures=1", *NO_ROOM_TO_REGISTER,
+                  "registry.name=main.default.s3_27b")
+    out["r27"] = r27
+    watcher = FolderWatcher(fs, f"{bucket}/runs/s3-27b")
+    watcher.start()
+    out["faulty_error"] = run_with_fault(r27, {FAULT_UPLOAD: f"{STEPS}:1"})   # every attempt dies
+    out["after_faulty"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
+    t = time.time()
+    out["finished"] = run(r27, local=True)
+    out["finished_s"] = time.time() - t
+    watcher.stop.set()
+    watcher.join(timeout=10)
+    out["watcher"] = watcher
+    cmd = out["finished"].retry_command
+    out["retry"] = _run_cli(cmd, dict(os.environ), work) if cmd else None
+    out["folders_before_again"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
+    out["losses_before_again"] = _losses(out["finished"])
+    t = time.time()
+    out["again"] = run(r27, local=True)
+    out["again_s"] = time.time() - t
+    out["folders_after_again"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
+
+    # ---- TRL 4B recipe: a worker killed at step 6, resumed from S3
+    r4 = _recipe("qwen3_4b_full", root, "s3-4b", "train.max_steps=8", "train.checkpoint_every=4",
+                 "train.eval_every=4", "train.log_every=1", "scaling.max_failures=1", *NO_ROOM_TO_REGISTER,
+                 "registry.name=main.default.s3_4b")
+    out["r4"] = r4
+    with scoped_env({FAULT_AT_STEP: "6:0"}):
+        out["trl"] = run(r4, local=True)
+    cmd = out["trl"].retry_command
+    out["trl_retry"] = _run_cli(cmd, dict(os.environ), work) if cmd else None
+    return out
+
+
+@pytest.fixture(scope="module")
+def s3_killed(s3_runs):
+    """The 27B recipe on S3 again (max_failures=1), its rank-1 worker SIGKILLed from outside (this test, by the
+    PID Ray's state actor gives) once the step-4 checkpoint is registered: no fault hook in the worker."""
+    from raytune_ft.run import run
+
+    fs, bucket = s3_runs["fs"], s3_runs["bucket"]
+    recipe = _recipe("qwen27b_b300", s3_runs["root"], "s3-killed", f"train.max_steps={STEPS}",
+                     f"train.checkpoint_every={EVERY}", "scaling.max_failures=1", "registry.enabled=false")
+    killer = RankKiller(f"{bucket}/runs/s3-killed", "s3-killed", rank=1, fs=fs)
+    killer.start()
+    try:
+        summary = run(recipe, local=True)
+    finally:
+        killer.stop.set()
+        killer.join(timeout=30)
+    return {"summary": summary, "killer": killer, "attempts": len(run_attempts("s3-killed"))}
+
+
+@pytest.fixture(scope="module")
+def small_storage(s3_ray):
+    """Runs on a storage too small for a checkpoint (a local folder, the free-space probe patched), both with
+    scaling.max_failures=1: the 27B recipe's step-8 checkpoint does not fit, the TRL recipe's first does not."""
+    work = s3_ray
+    out: dict = {}
+    common = ("scaling.max_failures=1", "registry.enabled=false",
+              f"tracking.tracking_uri=sqlite:///{work / 'small_mlflow.db'}")
+    out["recipe"] = _recipe("qwen27b_b300", str(work / "small_storage"), "small", f"train.max_steps={STEPS}",
+                            f"train.checkpoint_every={EVERY}", *common)
+    out["error"] = run_with_fault(out["recipe"], {FAULT_FREE: "1000@8"})   # meant to stop
+    out["attempts"] = len(run_attempts("small"))
+    out["trl_recipe"] = _recipe("qwen3_4b_full", str(work / "small_storage"), "small-trl", "train.max_steps=8",
+                                "train.checkpoint_every=4", "train.eval_every=4", "train.log_every=1", *common)
+    t = time.time()
+    out["trl_error"] = run_with_fault(out["trl_recipe"], {FAULT_FREE: "1000"})
+    out["trl_s"] = time.time() - t
+    out["trl_attempts"] = len(run_attempts("small-trl"))
+    return out
 
 
 @pytest.mark.timeout(1500)
@@ -228,7 +284,9 @@ def test_finished_fsdp_run_submitted_again_ends_at_once_with_one_version(s3_runs
     assert again.status == "registered" and again.registered_version == "1"
     client = mlflow.MlflowClient(again.tracking_uri)
     assert [str(v.version) for v in client.search_model_versions("name = 'main.default.s3_27b'")] == ["1"]
-    assert client.get_metric_history(again.mlflow_run_id, "loss") == []          # no step trained
+    # the re-submit names the run's MLflow run, and trains no step: not one loss more there
+    assert again.mlflow_run_id == first.mlflow_run_id
+    assert _losses(again) == s3_runs["losses_before_again"]
     assert s3_runs["again_s"] < s3_runs["finished_s"]
 
 
@@ -255,9 +313,30 @@ def test_trl_4b_on_s3_resumes_a_killed_worker_and_registers_by_retry(s3_runs):
 
 
 @pytest.mark.timeout(1500)
-def test_storage_too_small_for_the_next_checkpoint_stops_clearly_keeping_the_last_good_one(s3_runs):
-    err, rs = s3_runs["small_error"], s3_runs["small_recipe"]
+def test_27b_on_s3_worker_sigkilled_from_outside_resumes_from_s3_and_finishes(s3_runs, s3_killed):
+    import psutil
+
+    killer, s = s3_killed["killer"], s3_killed["summary"]
+    assert killer.error is None, killer.error
+    assert killer.killed_pid is not None and "RayTrainWorker" in killer.cmdline
+    assert not psutil.pid_exists(killer.killed_pid) or psutil.Process(killer.killed_pid).status() == "zombie"
+    assert s3_killed["attempts"] == 2                  # the killed attempt, then the one Ray restarted
+    assert s.steps == STEPS and s.checkpoint.startswith(f"s3://{s3_runs['bucket']}/runs/s3-killed/checkpoint_")
+    # the uninterrupted run's losses: the first orphan of the fault case (every rank keeps the whole history)
+    w = s3_runs["watcher"]
+    first = min(n for n in w.final_states if n not in s3_runs["folders_before_again"])
+    for rank in (0, 1):
+        st = storage.read_json(s3_runs["fs"], f"{s.checkpoint[len('s3://'):]}/train_state/rank{rank}.json")
+        assert st["step"] == STEPS and len(st["resumed_from"]) == 1 and st["resumed_from"][0] in (4, 8), st
+        _assert_history_matches(st["history"], w.final_states[first]["history"])
+
+
+@pytest.mark.timeout(900)
+def test_storage_too_small_for_the_next_checkpoint_stops_clearly_keeping_the_last_good_one(small_storage):
+    err, rs = small_storage["error"], small_storage["recipe"]
     assert isinstance(err, storage.StorageFullError), repr(err)
+    # no retry: a second attempt would only train to the same save again (max_failures=1 allowed one)
+    assert small_storage["attempts"] == 1
     msg = str(err)
     assert f"storage {rs.tracking.storage_path}/small is full" in msg, msg
     assert "1,000 bytes" in msg and f"{err.needed:,} bytes" in msg and err.needed > 1000
@@ -271,3 +350,24 @@ def test_storage_too_small_for_the_next_checkpoint_stops_clearly_keeping_the_las
         assert json.load(f)["step"] == 4
     assert os.path.isfile(os.path.join(latest, "dcp", ".metadata"))
     assert storage.checkpoint_dirs(fs, run_path) == [reported.latest]        # nothing half-written beside it
+
+
+@pytest.mark.timeout(900)
+def test_trl_run_that_cannot_save_its_first_checkpoint_stops_before_training(small_storage):
+    import mlflow
+
+    err, rs = small_storage["trl_error"], small_storage["trl_recipe"]
+    assert isinstance(err, storage.StorageFullError), repr(err)
+    msg = str(err)
+    assert f"storage {rs.tracking.storage_path}/small-trl is full" in msg and "1,000 bytes" in msg, msg
+    assert "the step-4 checkpoint" in msg and "last good checkpoint is kept" in msg
+    assert small_storage["trl_attempts"] == 1
+    # refused at the start of the attempt: no step trained, nothing written
+    client = mlflow.MlflowClient(rs.tracking_uri)
+    exp = client.get_experiment_by_name(rs.tracking.experiment)
+    found = client.search_runs([exp.experiment_id], filter_string="tags.`raytune.run_name` = 'small-trl'")
+    assert len(found) == 1 and found[0].info.status == "FAILED"
+    assert "is full" in found[0].data.tags["raytune.error"]
+    assert client.get_metric_history(found[0].info.run_id, "loss") == []
+    run_path = os.path.join(rs.tracking.storage_path, "small-trl")
+    assert storage.checkpoint_dirs(storage.resolve(run_path).fs, run_path) == []
