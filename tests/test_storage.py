@@ -418,3 +418,22 @@ def test_a_job_on_a_run_folder_another_job_holds_exits_2_before_ray_starts(tmp_p
     err = capsys.readouterr().err
     assert err.startswith(f"error: run folder {st.path('qwen27b-local')} is in use by process {os.getpid()}"), err
     assert "Traceback" not in err
+
+
+def test_the_attempt_start_room_check_asks_only_for_a_save_the_attempt_will_make():
+    """An 8-step speed run (checkpoint_every 1000, no final save) writes nothing: no room check may refuse it.
+    Where the run ends before the next periodic checkpoint, the final one (with its export) is the one checked."""
+    from types import SimpleNamespace
+
+    from raytune_ft.train.ckpt_storage import SaveGuard
+
+    asked = []
+    guard = SaveGuard.__new__(SaveGuard)     # no run storage needed: only which save gets checked is asserted
+    guard.check = lambda step, final=False: asked.append((step, final))
+    guard.check_first(0, SimpleNamespace(checkpoint_every=1000, max_steps=8, save_final=False))
+    assert asked == []
+    guard.check_first(0, SimpleNamespace(checkpoint_every=1000, max_steps=8, save_final=True))
+    assert asked == [(8, True)]
+    guard.check_first(100, SimpleNamespace(checkpoint_every=50, max_steps=0, save_final=True))
+    guard.check_first(100, SimpleNamespace(checkpoint_every=50, max_steps=1000, save_final=False))
+    assert asked[1:] == [(150, False), (150, False)]

@@ -154,6 +154,16 @@ class SaveGuard:
             raise storage.StorageFullError(self.st.uri(), needed, self.free,
                                            what=f"the step-{step} checkpoint{' with its export' if final else ''}")
 
+    def check_first(self, step: int, t) -> None:
+        """Check the attempt's first save before any training: the next periodic checkpoint, or the final one
+        where the run ends before that (`t`: the recipe's train section). Nothing when the attempt saves nothing."""
+        nxt = step + t.checkpoint_every
+        if t.max_steps and nxt >= t.max_steps:
+            if getattr(t, "save_final", True):
+                self.check(t.max_steps, final=True)
+            return
+        self.check(nxt)
+
     def write(self, fn: Callable[[], Any], step: int) -> Any:
         """Run a save or an upload; an out-of-space failure in it comes out as a StorageFullError."""
         return write_checkpoint(fn, self.st, step, self.needed, self.free)

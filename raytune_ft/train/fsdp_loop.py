@@ -86,7 +86,7 @@ def train_fsdp(config: dict) -> None:
     guard = ckpt_storage.SaveGuard(rank, device, ckpt_storage.model_checkpoint_bytes(params), export_bytes)
     state = _resume_state(model, opt, rank, log)
     # a storage that cannot take the next checkpoint stops the attempt here, before training to it
-    guard.check(state["step"] + t_cfg.checkpoint_every)
+    guard.check_first(state["step"], t_cfg)
     feed = _open_data(recipe, config, state, rank=rank, device=device)
     total_steps = _schedule_length(recipe, state, feed, log)
     probes = EvalAndSamples.open(recipe, tok, rank=rank, world=world, device=device, log=log)

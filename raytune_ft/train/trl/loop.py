@@ -117,13 +117,13 @@ def train_trl(config: dict) -> None:
     trainer.raytune_eval_blocks = eval_blocks
     trainer.raytune_recipe = recipe
     trainer.raytune_pause = pause
-    trainer.raytune_best_source = best_source
     trainer.raytune_steps = callback.steps
     callback.jit = jit
+    trainer.raytune_best_source = best_source
     # room for a checkpoint checked before each save, and first now: a storage that cannot take one stops here
     trainer.raytune_guard = SaveGuard(rank, flag_device, model_checkpoint_bytes(
         p for p in trainer.model.parameters() if p.requires_grad))
-    trainer.raytune_guard.check(int(resumed.get("step") or 0) + t.checkpoint_every)
+    trainer.raytune_guard.check_first(int(resumed.get("step") or 0), t)
     if lora:
         n_train = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         log.info(f"LoRA r={t.lora_r} alpha={t.lora_alpha} on {t.lora_target_modules or 'all-linear'}: "

@@ -36,6 +36,11 @@ def trainer_class():
         raytune_recipe: Recipe
 
         raytune_pause: dict           # seconds spent evaluating and saving (not training)
+        raytune_guard: SaveGuard      # room for each save checked first; out of space said so
+
+        # where rank 0 fetches a best checkpoint of an earlier attempt from (trl.checkpoint.point_at_best)
+        raytune_best_source: str | None = None
+        raytune_best_loaded: int | None = None     # the step whose weights `_load_best_model` loaded
         # each optimizer step's (step, this rank's loss, grad norm, LR) until the callback logs them
         raytune_steps: list
         _raytune_loss_before = None
@@ -45,7 +50,9 @@ def trainer_class():
             """Hugging Face's, after keeping this step's own figures for MLflow: it logs the mean of
             `logging_steps` steps, and its `tr_loss` grows by each step's loss until a log resets it."""
             step = self.state.global_step
-            if step > self._raytune_step_kept:       # also called at an epoch's end, for the same step
+            # also called at an epoch's end, for the same step, and for the resumed step itself when a
+            # resumed attempt has nothing left to train (its loss was logged by the attempt that trained it)
+            if step > max(self._raytune_step_kept, self._globalstep_last_logged):
                 before = self._raytune_loss_before
                 loss = tr_loss.detach().clone() if before is None else tr_loss.detach() - before
                 lr = kwargs.get("learning_rate")
@@ -53,12 +60,6 @@ def trainer_class():
                 self._raytune_step_kept = step
             super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
             self._raytune_loss_before = tr_loss.detach().clone()
-
-        raytune_guard: SaveGuard      # room for each save checked first; out of space said so
-
-        # where rank 0 fetches a best checkpoint of an earlier attempt from (trl.checkpoint.point_at_best)
-        raytune_best_source: str | None = None
-        raytune_best_loaded: int | None = None     # the step whose weights `_load_best_model` loaded
 
         def _load_best_model(self):
             """Hugging Face's, once the best checkpoint's files are here (fetched from the run's storage
