@@ -43,8 +43,9 @@ SKIPPED = {
     "ray start --head": "a Ray cluster (tests/test_job_submit.py starts one on loopback)",
     "export RAY_AUTH_MODE=token": "a Ray cluster",
     "ray job submit --working-dir . -- python jobs/qwen27b_b300.py": "a Ray cluster and GPUs",
-    "ray job submit --working-dir . -- python jobs/qwen27b_b300.py --set scaling.num_workers=16":
-        "a Ray cluster and GPUs",
+    "ray job submit --working-dir . -- python jobs/qwen27b_b300.py --set scaling.num_workers=16 "
+    "--set tracking.storage_path=/mnt/shared/raytune_runs --set tracking.tracking_uri=http://HEAD_NODE:5000":
+        "a Ray cluster of two GPU nodes",
 }
 SERVERS = {"mlflow ui --backend-store-uri sqlite:///runs/qwen27b-local/mlflow.db": "http://127.0.0.1:5000"}
 
@@ -54,7 +55,7 @@ def readme_commands(text: str) -> list[str]:
     blank lines dropped."""
     commands = []
     for block in re.findall(r"^[ \t]*```bash\n(.*?)^[ \t]*```", text, flags=re.S | re.M):
-        joined = re.sub(r"\\\n\s*", " ", block)
+        joined = re.sub(r"\s*\\\n\s*", " ", block)
         for line in joined.splitlines():
             line = re.sub(r"\s+#.*$", "", line.strip()) if not line.strip().startswith("#") else ""
             if line:
