@@ -151,10 +151,13 @@ def metric_windows(summary: dict, names=("tokens_per_s", "tokens_per_s_per_worke
     """Each logged window's metrics from the run's MLflow store, by step."""
     import mlflow
 
+    from raytune_ft.tracking import mlflow_metric_name
+
     client = mlflow.MlflowClient(summary["tracking_uri"])
     out = {}
     for name in names:
-        hist = sorted(client.get_metric_history(summary["mlflow_run_id"], name), key=lambda m: m.step)
+        hist = sorted(client.get_metric_history(summary["mlflow_run_id"], mlflow_metric_name(name)),
+                      key=lambda m: m.step)
         by_step = {}
         for m in hist:
             by_step[m.step] = m.value   # the final report repeats the last window's step: keep one
@@ -195,8 +198,8 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def eval_figures(summary: dict) -> dict:
     """Every evaluation or sampling time the run recorded: summary.json's fields and the MLflow metrics whose
-    name says eval/sample and seconds."""
-    pattern = re.compile(r"(eval|sample).*(seconds|_s)$")
+    name says eval/validation/sample and seconds."""
+    pattern = re.compile(r"(eval|validation|sample).*(seconds|_s)$")
     fig = {k: v for k, v in _flat(summary).items() if pattern.search(k.lower()) and isinstance(v, (int, float))}
     try:
         import mlflow

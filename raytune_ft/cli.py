@@ -217,6 +217,9 @@ def _run_from_mlflow(db_path: str, name: str, uri: str, when: float) -> dict:
     try:
         import mlflow
 
+        from raytune_ft.tracking import mlflow_metric_name
+
+        loss_key = mlflow_metric_name("loss")
         client = mlflow.MlflowClient("sqlite:///" + os.path.abspath(db_path))
         found = []
         for exp in client.search_experiments():
@@ -226,9 +229,9 @@ def _run_from_mlflow(db_path: str, name: str, uri: str, when: float) -> dict:
             r = found[0]
             status = r.data.tags.get("raytune.status") or r.info.status.lower()
             row.update(status="running" if r.info.status == "RUNNING" else status,
-                       job=r.data.tags.get("raytune.job"), final_loss=r.data.metrics.get("loss"),
+                       job=r.data.tags.get("raytune.job"), final_loss=r.data.metrics.get(loss_key),
                        steps=int(r.data.metrics.get("step", 0)) or None, mlflow_run_id=r.info.run_id)
-            hist = client.get_metric_history(r.info.run_id, "loss")
+            hist = client.get_metric_history(r.info.run_id, loss_key)
             if hist:
                 last = max(hist, key=lambda m: m.step)
                 row.update(final_loss=last.value, steps=last.step)

@@ -145,6 +145,8 @@ def run_history(checkpoint_dir: str | None, tracking_uri: str | None = None,
         try:
             import mlflow
 
+            from raytune_ft.tracking import mlflow_metric_name
+
             client = mlflow.MlflowClient(tracking_uri)
             if not any("tokens_per_s" in h for h in history):
                 tps = {m.step: m.value for m in client.get_metric_history(run_id, "tokens_per_s")}
@@ -156,7 +158,7 @@ def run_history(checkpoint_dir: str | None, tracking_uri: str | None = None,
                         history.append({"step": step, "tokens_per_s": value})
             if not any("loss" in h for h in history):
                 by_step = {h["step"]: h for h in history}
-                for m in client.get_metric_history(run_id, "loss"):
+                for m in client.get_metric_history(run_id, mlflow_metric_name("loss")):
                     by_step.setdefault(m.step, {"step": m.step})["loss"] = m.value
                 history = list(by_step.values())
             if not evals:

@@ -179,13 +179,18 @@ def _data_record(data: dict) -> dict:
 
 
 def _last_logged_metrics(recipe: Recipe, run_id: str) -> dict:
-    """The latest value of each metric of the MLflow run, and `step`: the last step logged."""
+    """The latest value of each metric of the MLflow run under the loop's names, the start-up params as
+    `startup/<phase>_s`, and `step`: the last step logged."""
     try:
         from mlflow import MlflowClient
 
+        from raytune_ft.tracking import loop_metric_name, mlflow_metric_name, startup_from_params
+
         client = MlflowClient(tracking_uri=recipe.tracking_uri)
-        out: dict = dict(client.get_run(run_id).data.metrics)
-        history = client.get_metric_history(run_id, "loss")
+        run = client.get_run(run_id)
+        out: dict = {loop_metric_name(k): v for k, v in run.data.metrics.items()}
+        out |= {f"startup/{k}": v for k, v in startup_from_params(run.data.params).items()}
+        history = client.get_metric_history(run_id, mlflow_metric_name("loss"))
         if history:
             out["step"] = max(m.step for m in history)
         return out

@@ -18,6 +18,46 @@ from raytune_ft.recipe import Recipe, RecipeError
 TRAINING_PARAMS = ("job", "model.", "data.", "train.")
 
 
+# MLflow's run page draws a section per metric prefix, prefixed sections alphabetically and the unprefixed
+# metrics last: the per-step training curves go under train/ and the held-out figures under validation/
+# (the name of the Ray dataset they come from), so the page opens on loss, lr and grad norm
+TRAIN_CURVES = ("loss", "lr", "learning_rate", "grad_norm")
+_RENAMED_PREFIXES = (("eval/", "validation/"),)
+STARTUP_PARAM = "startup."
+
+
+def mlflow_metric_name(key: str) -> str:
+    """The MLflow name of a training loop's metric `key` (`loss` -> `train/loss`, `eval/loss` ->
+    `validation/loss`; other keys as they are)."""
+    if key in TRAIN_CURVES:
+        return f"train/{key}"
+    for loop, shown in _RENAMED_PREFIXES:
+        if key.startswith(loop):
+            return shown + key[len(loop):]
+    return key
+
+
+def loop_metric_name(name: str) -> str:
+    """The training loop's key of the MLflow metric `name` (the inverse of `mlflow_metric_name`)."""
+    if name.startswith("train/") and name[len("train/"):] in TRAIN_CURVES:
+        return name[len("train/"):]
+    for loop, shown in _RENAMED_PREFIXES:
+        if name.startswith(shown):
+            return loop + name[len(shown):]
+    return name
+
+
+def startup_params(breakdown: dict) -> dict[str, str]:
+    """The start-up breakdown (`startup/<phase>_s` seconds) as MLflow params `startup.<phase>_s`: six
+    one-off values per run, not curves."""
+    return {STARTUP_PARAM + k.split("/", 1)[1]: f"{float(v):.3f}" for k, v in breakdown.items()}
+
+
+def startup_from_params(params: dict) -> dict[str, float]:
+    """The start-up breakdown a run's params hold, by phase (`ray_workers_s`: seconds, ...)."""
+    return {k[len(STARTUP_PARAM):]: float(v) for k, v in params.items() if k.startswith(STARTUP_PARAM)}
+
+
 class FinishedRunError(RecipeError):
     """A re-submit asks a finished run for weights it did not train."""
 

@@ -80,7 +80,7 @@ def two_node_run(tmp_path_factory):
             out["attempts"] = worker_nodes(RUN)
             client = MlflowClient(server.uri)
             out["loss_steps"] = sorted(m.step for m in client.get_metric_history(out["summary"].mlflow_run_id,
-                                                                                  "loss"))
+                                                                                  "train/loss"))
         finally:
             ray.shutdown()
             cluster.shutdown()

@@ -103,7 +103,7 @@ def _run_cli(cmd: str, env: dict, cwd) -> subprocess.CompletedProcess:
 def _losses(summary) -> list[tuple[int, float]]:
     import mlflow
 
-    history = mlflow.MlflowClient(summary.tracking_uri).get_metric_history(summary.mlflow_run_id, "loss")
+    history = mlflow.MlflowClient(summary.tracking_uri).get_metric_history(summary.mlflow_run_id, "train/loss")
     return sorted((m.step, m.value) for m in history)
 
 
@@ -298,7 +298,7 @@ def test_trl_4b_on_s3_resumes_a_killed_worker_and_registers_by_retry(s3_runs):
     assert s.steps == 8 and s.checkpoint.startswith(f"s3://{s3_runs['bucket']}/runs/s3-4b/checkpoint_")
     client = mlflow.MlflowClient(s.tracking_uri)
     losses: dict[int, list[float]] = {}
-    for m in client.get_metric_history(s.mlflow_run_id, "loss"):
+    for m in client.get_metric_history(s.mlflow_run_id, "train/loss"):
         losses.setdefault(m.step, []).append(m.value)
     # killed at the end of step 6 and restarted from the step-4 checkpoint on S3: step 5 ran in both
     # attempts and must give the same loss; nothing before the checkpoint trained again
@@ -368,6 +368,6 @@ def test_trl_run_that_cannot_save_its_first_checkpoint_stops_before_training(sma
     found = client.search_runs([exp.experiment_id], filter_string="tags.`raytune.run_name` = 'small-trl'")
     assert len(found) == 1 and found[0].info.status == "FAILED"
     assert "is full" in found[0].data.tags["raytune.error"]
-    assert client.get_metric_history(found[0].info.run_id, "loss") == []
+    assert client.get_metric_history(found[0].info.run_id, "train/loss") == []
     run_path = os.path.join(rs.tracking.storage_path, "small-trl")
     assert storage.checkpoint_dirs(storage.resolve(run_path).fs, run_path) == []

@@ -45,9 +45,9 @@ def test_save_final_false_trains_and_writes_no_checkpoint(tmp_path, job_name, ex
     from mlflow import MlflowClient
 
     client = MlflowClient(recipe.tracking_uri)
-    for key in ("loss", "grad_norm", "lr" if job_name == "qwen27b_b300" else "learning_rate"):
+    for key in ("train/loss", "train/grad_norm", "train/lr" if job_name == "qwen27b_b300" else "train/learning_rate"):
         hist = client.get_metric_history(summary.mlflow_run_id, key)
         assert sorted(m.step for m in hist) == [1, 2, 3, 4], (key, [(m.step, m.value) for m in hist])
-    last = max(client.get_metric_history(summary.mlflow_run_id, "loss"), key=lambda m: m.step)
+    last = max(client.get_metric_history(summary.mlflow_run_id, "train/loss"), key=lambda m: m.step)
     assert summary.final_loss == pytest.approx(last.value)
     assert summary.startup["total_s"] > 0 and summary.startup["first_step_s"] > 0

@@ -93,8 +93,8 @@ def test_killed_trl_worker_resumes_exactly(runs):
     (ref_recipe, ref), (k_recipe, k) = runs["ref"], runs["killed"]
     assert ref.steps == STEPS and k.steps == STEPS
 
-    ref_loss = _history(ref_recipe, ref.mlflow_run_id, "loss")
-    k_loss = _history(k_recipe, k.mlflow_run_id, "loss")
+    ref_loss = _history(ref_recipe, ref.mlflow_run_id, "train/loss")
+    k_loss = _history(k_recipe, k.mlflow_run_id, "train/loss")
     assert sorted(ref_loss) == list(range(1, STEPS + 1))
     assert sorted(k_loss) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
@@ -123,6 +123,6 @@ def test_finished_trl_run_submitted_again_trains_nothing(runs):
     assert again.steps == STEPS
     assert again.final_loss == pytest.approx(ref.final_loss)
     assert again.mlflow_run_id != ref.mlflow_run_id          # a finished MLflow run is not reopened
-    assert _history(ref_recipe, again.mlflow_run_id, "loss") == {}
-    assert {s: len(v) for s, v in _history(ref_recipe, ref.mlflow_run_id, "loss").items()} == {
+    assert _history(ref_recipe, again.mlflow_run_id, "train/loss") == {}
+    assert {s: len(v) for s, v in _history(ref_recipe, ref.mlflow_run_id, "train/loss").items()} == {
         s: 1 for s in range(1, STEPS + 1)}

@@ -10,6 +10,7 @@ import time
 from typing import Sequence
 
 from raytune_ft.recipe import Recipe, TrainConfig, recipe_from_dict
+from raytune_ft.tracking import mlflow_metric_name, startup_params
 
 
 def recipe_from_config(config: dict) -> Recipe:
@@ -70,8 +71,9 @@ def _gpu_description(n_workers: int) -> str:
     return f"{n_workers} x CPU (no GPU)"
 
 
-# single values of the run's data go to the MLflow run's data.json (run.py), not into its charts
-_NOT_CURVES = ("data/",)
+# not charts: single values of the run's data go to the MLflow run's data.json (run.py), the start-up
+# breakdown to params (`first_step_done`), each sample's seconds stay in the samples table
+_NOT_CURVES = ("data/", "startup/", "samples/")
 _MFU_KEYS = ("mfu", "mfu_peak_tflops", "mfu_measured_matmul")
 
 
@@ -136,7 +138,7 @@ class StartupClock:
         self._mark, self._inner, self._compiled = now, 0.0, _compile_seconds()
 
     def finish(self) -> dict:
-        """The startup/* metrics (once: later calls return the first answer)."""
+        """The start-up breakdown, `startup/<phase>_s` seconds (once: later calls return the first answer)."""
         if self.done is None:
             compiled = max(0.0, _compile_seconds() - self._compiled)
             self.seconds["compile"] += compiled
@@ -263,7 +265,7 @@ class WorkerLog:
         """Rank 0: one MLflow batch of `m` at `step` and of `steps` (dicts with a "step" and that optimizer
         step's own loss, lr, grad norm...), each point at its own step. A key `steps` carries, or one
         named in `skip`, is not logged again from `m`: one point per step, not a window's mean beside it.
-        No MFU that was not measured, no data counters."""
+        No MFU that was not measured, no data counters; names as `tracking.mlflow_metric_name` gives them."""
         if self.mlflow is None:
             return
         try:
@@ -271,9 +273,9 @@ class WorkerLog:
 
             ts = int(time.time() * 1000)
             per_step = {k for s in steps for k in s if k != "step"} | set(skip)
-            metrics = [Metric(k, float(v), ts, int(s["step"])) for s in steps for k, v in s.items()
-                       if k != "step" and _is_number(v)]
-            metrics += [Metric(k, float(v), ts, step) for k, v in measured(m).items()
+            metrics = [Metric(mlflow_metric_name(k), float(v), ts, int(s["step"])) for s in steps
+                       for k, v in s.items() if k != "step" and _is_number(v)]
+            metrics += [Metric(mlflow_metric_name(k), float(v), ts, step) for k, v in measured(m).items()
                         if _is_number(v) and k != "step" and k not in per_step and not k.startswith(_NOT_CURVES)]
             for i in range(0, len(metrics), 1000):          # MLflow's limit per batch
                 self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
@@ -282,7 +284,7 @@ class WorkerLog:
 
     def first_step_done(self, step: int, device) -> dict:
         """At the end of this attempt's first optimizer step (every rank): the start-up breakdown, printed
-        in one line and logged as startup/* metrics by rank 0; returned for the run's reports."""
+        in one line and logged as startup.* params by rank 0; returned for the run's reports."""
         if self.startup.done is not None:
             return self.startup.done
         if getattr(device, "type", None) == "cuda":     # the step's kernels, not just their launch
@@ -291,7 +293,13 @@ class WorkerLog:
             torch.cuda.synchronize(device)
         m = self.startup.finish()
         self.info(self.startup.line())
-        self.log_metrics(m, step)
+        if self.mlflow is not None:
+            try:
+                from mlflow.entities import Param
+
+                self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in startup_params(m).items()])
+            except Exception as e:   # MLflow params do not change: a resumed attempt keeps the first one's
+                self.info(f"MLflow params startup.* not logged ({type(e).__name__}); summary.json has them")
         return m
 
     def close(self) -> None:
