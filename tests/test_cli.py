@@ -167,7 +167,7 @@ def test_runs_shows_an_unfinished_run_from_its_mlflow_store(tmp_path, capsys):
     run_id = tracking.start_run(recipe)
     client = mlflow.MlflowClient(recipe.tracking_uri)
     for step, loss in ((100, 2.5), (200, 2.0)):
-        client.log_metric(run_id, "loss", loss, step=step)
+        client.log_metric(run_id, tracking.mlflow_metric_name("loss"), loss, step=step)   # as the loops name it
     assert cli.main(["runs", "--storage", str(tmp_path)]) == 0
     row = capsys.readouterr().out.splitlines()[1]
     assert "in-flight" in row and "running" in row and "200" in row and "2.0000" in row
