@@ -90,8 +90,8 @@ def test_resume_at_an_epoch_boundary_trains_the_next_epoch_exactly(runs):
 
     (ref_recipe, ref), (b_recipe, b) = _finished(runs, "ref"), _finished(runs, "boundary")
     assert ref.steps == 2 * EPOCH_STEPS and b.steps == 2 * EPOCH_STEPS
-    ref_loss = _history(ref_recipe, ref.mlflow_run_id, "loss")
-    b_loss = _history(b_recipe, b.mlflow_run_id, "loss")
+    ref_loss = _history(ref_recipe, ref.mlflow_run_id, "train/loss")
+    b_loss = _history(b_recipe, b.mlflow_run_id, "train/loss")
     # killed at the end of step 3 (before its log), resumed from the step-2 checkpoint: each step once
     assert {s: len(v) for s, v in b_loss.items()} == {s: 1 for s in range(1, 2 * EPOCH_STEPS + 1)}
     for step, values in b_loss.items():
@@ -106,7 +106,7 @@ def test_resume_at_the_last_save_of_a_pass_finishes(runs):
 
     recipe, end = _finished(runs, "end")
     assert end.steps == EPOCH_STEPS
-    assert {s: len(v) for s, v in _history(recipe, end.mlflow_run_id, "loss").items()} == {1: 1, 2: 1}
+    assert {s: len(v) for s, v in _history(recipe, end.mlflow_run_id, "train/loss").items()} == {1: 1, 2: 1}
     assert read_meta(end.checkpoint)["final"] is True
     # nothing trained after the last save: the final weights are that save's
     assert _same_weights(_weights(end.checkpoint), _weights(_checkpoint_of_step(recipe, EPOCH_STEPS)))
@@ -120,7 +120,7 @@ def test_resubmit_with_more_epochs_recounts_the_schedule(runs):
     assert first is None and first_error is not None          # no retry: the killed run failed
     recipe, grow = _finished(runs, "grow")
     assert grow.steps == 2 * EPOCH_STEPS
-    assert {3, 4} <= set(_history(recipe, grow.mlflow_run_id, "loss"))
+    assert {3, 4} <= set(_history(recipe, grow.mlflow_run_id, "train/loss"))
     assert train_state(grow.checkpoint)["epoch"] == 1
 
 
