@@ -45,17 +45,20 @@ def test_fp8_on_one_gpu_is_the_8_layer_recipe_cut_through_ray_train_bf16_then_fp
 
 def test_startup_runs_twice_on_one_storage_and_cache_with_fresh_run_names(capsys):
     cold, warm = dry_run(capsys, "startup", "--gpus", "0")
-    cache = re.compile(r"TRITON_CACHE_DIR=(\S+)")
+    cache = re.compile(r"train.cache_dir=(\S+)")
     storage = re.compile(r"tracking.storage_path=(\S+)")
     name = re.compile(r"tracking.run_name=(\S+)")
     assert cache.search(cold).group(1) == cache.search(warm).group(1)
     assert storage.search(cold).group(1) == storage.search(warm).group(1)
     assert name.search(cold).group(1) != name.search(warm).group(1)
+    # speed and start-up runs measure training alone
+    assert "train.eval_every=0" in cold and "train.sample_prompts=0" in cold
 
 
 def test_eval_sets_eval_every_sample_prompts_and_validation_data(capsys):
     (line,) = dry_run(capsys, "eval", "--gpus", "0")
-    assert "train.eval_every=" in line and "train.sample_prompts=" in line and "data.validation_fraction=" in line
+    assert re.search(r"train.eval_every=[1-9]", line) and re.search(r"train.sample_prompts=[1-9]", line)
+    assert "data.validation_split=none" in line and "data.validation_fraction=0.05" in line
 
 
 def test_all_runs_every_measure(capsys):
