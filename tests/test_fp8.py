@@ -234,7 +234,7 @@ def _plain_state(model) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)   # float8 emulated on CPU: minutes on a loaded 2-core machine
 @pytest.mark.parametrize("recipe, ac", [("tensorwise", "selective"), ("rowwise", "full")])
 def test_fp8_step_checkpoint_and_export_keep_the_bf16_state(tmp_path, process_group, recipe, ac):
     from safetensors.torch import load_file
