@@ -116,13 +116,12 @@ def test_killed_trl_worker_resumes_exactly(runs):
 @pytest.mark.timeout(900)
 def test_finished_trl_run_submitted_again_trains_nothing(runs):
     """Its final checkpoint is the latest: the worker reports the run complete and that checkpoint stays
-    the result (no second pass: the new MLflow run of the submission logs no training loss, the first
-    run's history is untouched)."""
+    the result (no second pass: the submission names the finished run's MLflow run, opens no second one,
+    and adds no training loss to its history)."""
     (ref_recipe, ref), again = runs["ref"], runs["again"]
     assert again.checkpoint == ref.checkpoint
     assert again.steps == STEPS
     assert again.final_loss == pytest.approx(ref.final_loss)
-    assert again.mlflow_run_id != ref.mlflow_run_id          # a finished MLflow run is not reopened
-    assert _history(ref_recipe, again.mlflow_run_id, "train/loss") == {}
+    assert again.mlflow_run_id == ref.mlflow_run_id          # no second, empty MLflow run for a finished run
     assert {s: len(v) for s, v in _history(ref_recipe, ref.mlflow_run_id, "train/loss").items()} == {
         s: 1 for s in range(1, STEPS + 1)}
