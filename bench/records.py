@@ -14,7 +14,6 @@ import platform
 import shutil
 import subprocess
 import sys
-from importlib import metadata
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_RESULTS_DIR = os.path.join(REPO, "bench", "results")
@@ -25,13 +24,9 @@ DISTRIBUTIONS = ("torch", "triton", "transformers", "flash-linear-attention", "f
 
 
 def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for name in DISTRIBUTIONS:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = "absent"
-    return out
+    from raytune_ft.env import package_versions
+
+    return {"python": platform.python_version(), **package_versions(DISTRIBUTIONS, "absent")}
 
 
 def _run(cmd: list[str]) -> str:

@@ -132,3 +132,16 @@ def scoped_env(values: dict[str, str] | None = None, *, keep: Iterable[str] = ()
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def package_versions(names, missing: str) -> dict[str, str]:
+    """Each installed distribution's version, `missing` for one that is not installed."""
+    import importlib.metadata as md
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = missing
+    return out

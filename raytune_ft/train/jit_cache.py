@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.metadata as md
 import json
 import os
 import re
@@ -34,13 +33,9 @@ _STATE = ".raytune_jit.json"      # in the folder: the tar it was filled from an
 
 
 def installed_versions() -> dict[str, str]:
-    out = {}
-    for pkg in VERSIONED:
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = "none"
-    return out
+    from raytune_ft.env import package_versions
+
+    return package_versions(VERSIONED, "none")
 
 
 def fingerprint(device_name: str | None, versions: dict[str, str] | None = None) -> str:
