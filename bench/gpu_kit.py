@@ -36,7 +36,8 @@ SUBCOMMANDS = ("suite", "speed", "fp8", "parity", "kernel-check", "startup", "ev
 # (minutes); each part's limit leaves room for that
 DEFAULT_TIMEOUT_S = {"suite": 560, "speed": 540, "fp8": 540, "parity": 580, "kernel-check": 300,
                      "startup": 540, "eval": 540}
-STARTUP_KEYS = ("ray_workers_s", "model_build_s", "kernel_check_s", "compile_s", "first_step_s", "total_s")
+STARTUP_KEYS = ("ray_workers_s", "model_build_s", "kernel_check_s", "compile_s", "eval_setup_s", "first_step_s",
+                "total_s")
 SUITE_PARTS = {"kernels": ["tests/gpu/test_packed_equality.py", "tests/gpu/test_kernel_check_gpu.py"],
                "ray": ["tests/gpu/test_fsdp_ray_gpu.py"]}
 
@@ -259,7 +260,10 @@ class Kit:
                   "--set", f"tracking.run_name={run_name}", "--set", f"train.max_steps={steps}",
                   "--set", f"train.log_every={self.o.log_every}",
                   # speed and start-up runs measure training alone; `eval` turns these back on
-                  "--set", "train.eval_every=0", "--set", "train.sample_prompts=0"]
+                  "--set", "train.eval_every=0", "--set", "train.sample_prompts=0",
+                  # one JIT cache folder for the kit's runs (start-up's pair brings a fresh one of its own): a
+                  # run after the first does not spend its time limit compiling what an earlier one compiled
+                  "--set", f"train.cache_dir={os.path.join(self.work, 'jit-cache')}"]
         if self.o.cpu_smoke:   # the same recipe's --local form: tiny qwen3_5, local Ray on CPU
             return [PY, "jobs/qwen27b_b300.py", "--local", "--no-register", *common, *extra]
         n = self.n_gpus

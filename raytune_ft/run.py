@@ -238,9 +238,12 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     run_lease = held.enter_context(lease.hold(st, run_path))
     t0 = time.time()
     ensure_ray(local)
+    marks = {"ray_start": time.time()}       # the start-up breakdown's driver side (train/common.DRIVER_MARKS)
     check_tracking_store(recipe, cluster_nodes(), "nodes of the Ray cluster it joined")
     run_id = tracking.start_run(recipe)
-    trainer = build_trainer(recipe, mlflow_run_id=run_id, lease_token=run_lease.token, job_start=t0)
+    marks["tracking"] = time.time()
+    trainer = build_trainer(recipe, mlflow_run_id=run_id, lease_token=run_lease.token, job_start=t0,
+                            startup_marks=marks)
     try:
         result = trainer.fit()
     except BaseException as e:

@@ -48,7 +48,8 @@ def test_startup_runs_twice_on_one_storage_and_cache_with_fresh_run_names(capsys
     cache = re.compile(r"train.cache_dir=(\S+)")
     storage = re.compile(r"tracking.storage_path=(\S+)")
     name = re.compile(r"tracking.run_name=(\S+)")
-    assert cache.search(cold).group(1) == cache.search(warm).group(1)
+    # the last --set wins: the pair's own fresh folder, not the one the kit's other runs share
+    assert cache.findall(cold)[-1] == cache.findall(warm)[-1] != cache.findall(cold)[0]
     assert storage.search(cold).group(1) == storage.search(warm).group(1)
     assert name.search(cold).group(1) != name.search(warm).group(1)
     # speed and start-up runs measure training alone
@@ -57,6 +58,10 @@ def test_startup_runs_twice_on_one_storage_and_cache_with_fresh_run_names(capsys
 
 def test_eval_sets_eval_every_sample_prompts_and_validation_data(capsys):
     (line,) = dry_run(capsys, "eval", "--gpus", "0")
+    # eval compiles nothing the kit's earlier runs compiled: their cache folder, not the default one
+    bf16, _ = dry_run(capsys, "fp8", "--gpus", "0")
+    cache = re.compile(r"train.cache_dir=(\S+)")
+    assert cache.findall(line) == cache.findall(bf16) and len(cache.findall(line)) == 1
     assert re.search(r"train.eval_every=[1-9]", line) and re.search(r"train.sample_prompts=[1-9]", line)
     assert "data.validation_split=none" in line and "data.validation_fraction=0.05" in line
 

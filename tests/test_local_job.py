@@ -56,10 +56,18 @@ def test_local_job_mlflow_run_has_every_step_and_the_startup_breakdown(local_run
     assert json.load(open(data))["rows_read"] == summary["data"]["rows_read"] > 0
 
     startup = summary["startup"]
-    assert set(startup) == {"ray_workers_s", "model_build_s", "kernel_check_s", "compile_s", "first_step_s",
-                            "total_s"}
-    parts = sum(v for k, v in startup.items() if k != "total_s")
+    phases = {k: v for k, v in startup.items() if not k.startswith("ray_workers.")}
+    assert set(phases) == {"ray_workers_s", "model_build_s", "kernel_check_s", "compile_s", "eval_setup_s",
+                           "first_step_s", "total_s"}
+    assert startup["eval_setup_s"] > 0      # --local reads held-out rows and samples the base model
+    parts = sum(v for k, v in phases.items() if k != "total_s")
     assert parts == pytest.approx(startup["total_s"], abs=0.05) and 0 < startup["total_s"] < summary["seconds"]
+    # "Ray and workers" split at the driver's steps and the worker process's start
+    ray_parts = {k: v for k, v in startup.items() if k.startswith("ray_workers.")}
+    assert set(ray_parts) == {f"ray_workers.{p}_s" for p in ("ray_start", "tracking", "datasets", "scheduling",
+                                                              "worker_setup")}
+    assert sum(ray_parts.values()) == pytest.approx(startup["ray_workers_s"], abs=0.05)
+    assert startup["ray_workers.ray_start_s"] > 0 and startup["ray_workers.worker_setup_s"] > 0
     assert startup_from_params(client.get_run(run_id).data.params) == pytest.approx(startup, abs=1e-3)
     assert sum("start-up " in line and "first step" in line for line in out.splitlines()) == 1, out[-3000:]
     ui = f"mlflow ui --backend-store-uri {summary['tracking_uri']}"

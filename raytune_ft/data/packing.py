@@ -68,6 +68,21 @@ class DataCounters:
                 setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
         return self
 
+    def since(self, earlier: "DataCounters") -> "DataCounters":
+        """What was counted after `earlier` (a copy of these counters taken before)."""
+        out = DataCounters()
+        for f in dataclasses.fields(self):
+            if f.name == "rows_skipped_by_reason":
+                for k, v in self.rows_skipped_by_reason.items():
+                    if v - earlier.rows_skipped_by_reason.get(k, 0):
+                        out.skip(k, v - earlier.rows_skipped_by_reason.get(k, 0))
+            else:
+                setattr(out, f.name, getattr(self, f.name) - getattr(earlier, f.name))
+        return out
+
+    def copy(self) -> "DataCounters":
+        return DataCounters.from_dict(self.to_dict())
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -19,6 +19,8 @@ the blocks end to end as one row with merged boundaries (`stack_blocks`).
 """
 from __future__ import annotations
 
+import queue
+import threading
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -31,6 +33,71 @@ from raytune_ft.data.packing import DataCounters, padding_block
 from raytune_ft.recipe import Recipe
 
 _STACKED = ("input_ids", "labels", "position_ids", "seq_idx")
+
+
+class ReadAhead:
+    """A pass's blocks, read by a background thread up to `depth` blocks ahead of the loop that takes them.
+
+    The loop opens its data before it builds the model: Ray Data's tasks start, the tokenizer loads and
+    the first packing window fills while the model is built, checked and compiled, instead of inside
+    the first step. `open_blocks(counters)` is called here, in the caller's thread (it may look up the
+    Ray Train context); only the iteration runs in the thread, which does no collective.
+
+    `counters` moves with the blocks taken, not with the blocks read: the thread counts into its own
+    counters and hands each block's share over with the block, so a checkpoint's counts are those of
+    an unthreaded read at the same step. An error of the data path is raised where the loop takes the
+    block it stopped at. `close()` stops the thread (it also ends with the pass)."""
+
+    _END = object()
+
+    def __init__(self, open_blocks: Callable[[DataCounters], Iterable[dict]], counters: DataCounters,
+                 depth: int):
+        self.counters = counters
+        self._own = DataCounters()
+        self._blocks = iter(open_blocks(self._own))
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._ended = False
+        self._thread = threading.Thread(target=self._read, name="raytune-read-ahead", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: tuple) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _read(self) -> None:
+        seen = self._own.copy()
+        try:
+            for block in self._blocks:
+                share, seen = self._own.since(seen), self._own.copy()
+                if not self._put((block, share, None)):
+                    return
+            self._put((self._END, self._own.since(seen), None))
+        except BaseException as e:  # noqa: BLE001 - handed to the loop, raised where it takes the next block
+            self._put((self._END, self._own.since(seen), e))
+
+    def __iter__(self) -> "ReadAhead":
+        return self
+
+    def __next__(self) -> dict:
+        if self._ended:
+            raise StopIteration
+        block, share, error = self._q.get()
+        self.counters.merge(share)
+        if block is self._END:
+            self._ended = True
+            if error is not None:
+                raise error
+            raise StopIteration
+        return block
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 class DataOrderChanged(RuntimeError):
@@ -242,6 +309,16 @@ def schedule_settings(recipe: Recipe) -> dict[str, str]:
     return {k: f"{zlib.crc32(json.dumps(v, sort_keys=True, default=str).encode()):08x}" for k, v in values.items()}
 
 
+def needs_counting_pass(recipe: Recipe, state: dict) -> bool:
+    """Whether the run's schedule length takes a counting pass over the data (`run_schedule_steps`): no
+    `train.max_steps`, a schedule that must know its end, and no count in the checkpoint made under
+    today's settings."""
+    t = recipe.train
+    if t.max_steps or t.schedule == "constant":
+        return False
+    return not (state.get("counted_steps") and (state.get("counted_for") or {}) == schedule_settings(recipe))
+
+
 def run_schedule_steps(recipe: Recipe, state: dict, count: Callable[[], int], log: Callable[[str], None]) -> int:
     """The counted schedule length of the run (both loops): the checkpoint's count (`state`'s
     `counted_steps`) when it was counted under today's settings (`counted_for`), else `count()` (a full
@@ -280,9 +357,11 @@ class EpochFeeds:
     """
 
     def __init__(self, open_blocks: Callable[[int, DataCounters], Iterable[dict]], *, epochs: int, per_step: int,
-                 seq_len: int, rank: int, state: dict, group: Any = None):
+                 seq_len: int, rank: int, state: dict, group: Any = None, read_ahead: int = 0):
         self.open_blocks, self.epochs, self.per_step, self.seq_len = open_blocks, epochs, per_step, seq_len
         self.rank, self.group = rank, group
+        self.read_ahead = read_ahead          # > 0: each pass read by a `ReadAhead` thread, this many blocks ahead
+        self._reader: ReadAhead | None = None
         self.epoch = int(state.get("epoch", 0))
         saved = state.get("epoch_counters") or ([state["counters"]] if state.get("counters") else [])
         self.finished = [DataCounters.from_dict(c) for c in saved[:self.epoch]]
@@ -296,7 +375,12 @@ class EpochFeeds:
         self.feed = self._open(skip, state.get("data_fingerprint"))
 
     def _open(self, skip: int, fingerprint: int | None) -> StepFeed:
-        return StepFeed(self.open_blocks(self.epoch, self.counters), per_step=self.per_step, seq_len=self.seq_len,
+        epoch = self.epoch
+        if self.read_ahead:
+            self._reader = blocks = ReadAhead(lambda c: self.open_blocks(epoch, c), self.counters, self.read_ahead)
+        else:
+            blocks = self.open_blocks(epoch, self.counters)
+        return StepFeed(blocks, per_step=self.per_step, seq_len=self.seq_len,
                         counters=self.counters, rank=self.rank, skip_blocks=skip, fingerprint=fingerprint,
                         group=self.group)
 
@@ -316,6 +400,11 @@ class EpochFeeds:
             self.epoch, self.counters, self.steps_in_epoch = self.epoch + 1, DataCounters(), 0
             self.feed = self._open(0, None)
         return None
+
+    def close(self) -> None:
+        """Stop the read-ahead thread of the current pass, if any (a run that ends before its data)."""
+        if self._reader is not None:
+            self._reader.close()
 
     def total_counters(self) -> DataCounters:
         total = DataCounters()

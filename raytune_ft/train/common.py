@@ -91,8 +91,30 @@ def _is_number(v) -> bool:
 
 # the start-up phases up to the end of the first optimizer step, in the order they happen
 STARTUP_PHASES = {"ray_workers": "Ray and workers", "model_build": "model build", "kernel_check": "kernel check",
-                  "compile": "compile", "first_step": "first step"}
+                  "compile": "compile", "eval_setup": "held-out data and base-model samples",
+                  "first_step": "first step"}
 STARTUP_METRICS = tuple(f"startup/{p}_s" for p in STARTUP_PHASES) + ("startup/total_s",)
+# `ray_workers` split at the driver's marks (`startup_marks`: epoch seconds after each, in this order) and at
+# the start of the worker's process; each part is also reported, as `startup/ray_workers.<part>_s`
+RAY_WORKERS_PARTS = {"ray_start": "Ray start", "tracking": "MLflow run", "datasets": "datasets and trainer",
+                     "scheduling": "worker scheduling", "worker_setup": "worker imports and process group"}
+DRIVER_MARKS = ("ray_start", "tracking", "datasets")
+
+
+def _ray_workers_parts(job_start: float, marks: dict | None, now: float) -> dict[str, float]:
+    """Seconds of each `RAY_WORKERS_PARTS` part, or {} without the driver's marks or the process's start."""
+    if not marks or any(k not in marks for k in DRIVER_MARKS):
+        return {}
+    try:
+        import psutil
+
+        created = psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - the parts are a diagnosis; the phase itself stays measured
+        return {}
+    points = [job_start] + [float(marks[k]) for k in DRIVER_MARKS]
+    # a process Ray had started before the job asked for it counts as scheduled at once
+    points += [min(max(created, points[-1]), now), now]
+    return {part: max(0.0, b - a) for part, a, b in zip(RAY_WORKERS_PARTS, points, points[1:])}
 
 
 def _compile_seconds() -> float:
@@ -114,11 +136,12 @@ class StartupClock:
     then `lap(name)` gives the time since the previous lap to `name`, less what `phase()` blocks timed
     inside it; `finish()` ends `first_step`, less the torch.compile time inside it (`compile`)."""
 
-    def __init__(self, job_start: float | None = None):
+    def __init__(self, job_start: float | None = None, marks: dict | None = None):
         now = time.time()
         self.job_start = job_start or now
         self.seconds = dict.fromkeys(STARTUP_PHASES, 0.0)
         self.seconds["ray_workers"] = max(0.0, now - self.job_start)
+        self.parts = _ray_workers_parts(self.job_start, marks, now) if job_start else {}
         self._mark, self._inner, self._compiled = now, 0.0, _compile_seconds()
         self.done: dict | None = None
 
@@ -146,12 +169,15 @@ class StartupClock:
             self.lap("first_step")
             self.done = {f"startup/{p}_s": self.seconds[p] for p in STARTUP_PHASES}
             self.done["startup/total_s"] = self._mark - self.job_start
+            self.done |= {f"startup/ray_workers.{p}_s": v for p, v in self.parts.items()}
         return self.done
 
     def line(self) -> str:
         m = self.finish()
-        parts = ", ".join(f"{label} {m[f'startup/{p}_s']:.1f} s" for p, label in STARTUP_PHASES.items())
-        return f"start-up {m['startup/total_s']:.1f} s to the end of the first step: {parts}"
+        parts = [f"{label} {m[f'startup/{p}_s']:.1f} s" for p, label in STARTUP_PHASES.items()]
+        if self.parts:
+            parts[0] += " (" + ", ".join(f"{RAY_WORKERS_PARTS[p]} {v:.1f}" for p, v in self.parts.items()) + ")"
+        return f"start-up {m['startup/total_s']:.1f} s to the end of the first step: {', '.join(parts)}"
 
 
 class WorkerLog:
@@ -164,11 +190,11 @@ class WorkerLog:
     """
 
     def __init__(self, rank: int, recipe: Recipe, run_id: str | None = None, stream=None,
-                 job_start: float | None = None):
+                 job_start: float | None = None, startup_marks: dict | None = None):
         self.rank = rank
         self.recipe = recipe
         self.mlflow = None
-        self.startup = StartupClock(job_start)
+        self.startup = StartupClock(job_start, startup_marks)
         self._stream = stream
         self._live = False           # a redrawn progress line is on screen (terminal only)
         run_id = run_id or os.environ.get("RAYTUNE_MLFLOW_RUN_ID")

@@ -15,6 +15,7 @@ import os
 import tempfile
 import time
 
+import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -23,8 +24,8 @@ from raytune_ft.data.packing import DataCounters
 from raytune_ft.recipe import Recipe
 from raytune_ft.train import checkpoint as ckpt_io
 from raytune_ft.train import ckpt_storage, jit_cache
-from raytune_ft.train.batch import (EpochFeeds, StepBatch, count_run_steps, run_schedule_steps,
-                                    schedule_settings, worker_blocks)
+from raytune_ft.train.batch import (EpochFeeds, StepBatch, count_run_steps, needs_counting_pass,
+                                    run_schedule_steps, schedule_settings, worker_blocks)
 from raytune_ft.train.common import WorkerLog, lr_at, recipe_from_config, report
 from raytune_ft.train.evaluate import EvalAndSamples
 from raytune_ft.train.fp8 import precompute_fp8_scales
@@ -69,13 +70,19 @@ def train_fsdp(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = _device()
-    log = WorkerLog(rank, recipe, config.get("mlflow_run_id"), job_start=config.get("job_start"))
+    log = WorkerLog(rank, recipe, config.get("mlflow_run_id"), job_start=config.get("job_start"),
+                    startup_marks=config.get("startup_marks"))
     t_cfg = recipe.train
     fp8_recipe = t_cfg.fp8_recipe if t_cfg.precision == "fp8" else None
     if ckpt_storage.report_if_finished(log):
         return
     ckpt_storage.start_attempt(rank, log.info)     # checkpoint folders of dead attempts off the storage
     jit = jit_cache.for_worker(recipe, device, log.info)   # before anything compiles
+    # the data starts flowing now, read ahead while the model is built, checked and compiled; after the
+    # model when the schedule's length takes a counting pass over the same shard first
+    early = _checkpoint_position(rank)
+    feed = None if needs_counting_pass(recipe, early) else _open_data(recipe, config, early, rank=rank,
+                                                                      device=device, read_ahead=True)
 
     model, lm, tok = build_fsdp_model(recipe, device, log)
     log.startup.lap("model_build")
@@ -87,10 +94,11 @@ def train_fsdp(config: dict) -> None:
     state = _resume_state(model, opt, rank, log)
     # a storage that cannot take the next checkpoint stops the attempt here, before training to it
     guard.check_first(state["step"], t_cfg)
-    feed = _open_data(recipe, config, state, rank=rank, device=device)
+    feed = feed or _open_data(recipe, config, state, rank=rank, device=device)
     total_steps = _schedule_length(recipe, state, feed, log)
-    probes = EvalAndSamples.open(recipe, tok, rank=rank, world=world, device=device, log=log)
-    log.log_metrics(probes.at_start(model, state), 0)     # the base model's samples, before any timing
+    with log.startup.phase("eval_setup"):      # 0 s with train.eval_every=0 and train.sample_prompts=0
+        probes = EvalAndSamples.open(recipe, tok, rank=rank, world=world, device=device, log=log)
+        log.log_metrics(probes.at_start(model, state), 0)     # the base model's samples, before any timing
     window = _Window(device, lm.config, world, state)
     log.mfu_basis(window.mfu_basis)
 
@@ -137,7 +145,21 @@ def train_fsdp(config: dict) -> None:
         # the next window starts after the report/checkpoint, so saving is not counted as training
         window.restart()
 
+    feed.close()
     _finish(recipe, model, opt, lm, tok, rank, state, step, feed, window, last_metrics, log, guard, probes)
+
+
+def _checkpoint_position(rank: int) -> dict:
+    """The train state of the checkpoint Ray hands this attempt (its JSON file only: where the data stood,
+    the counted schedule), or {} for a fresh start. `_resume_state` loads the same state with the weights."""
+    import ray.train
+
+    resume = ray.train.get_checkpoint()
+    if resume is None:
+        return {}
+    fs = resume.filesystem
+    path = os.path.abspath(resume.path) if isinstance(fs, pafs.LocalFileSystem) else resume.path
+    return ckpt_io.read_train_state(fs, path, rank)
 
 
 def _resume_state(model, opt, rank: int, log: WorkerLog) -> dict:
@@ -169,8 +191,10 @@ def clip_gradients(params: list, max_norm: float | None) -> torch.Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-def _open_data(recipe: Recipe, config: dict, state: dict, *, rank: int, device: torch.device) -> EpochFeeds:
-    """This rank's `train.epochs` passes over its data, past what the checkpoint had consumed."""
+def _open_data(recipe: Recipe, config: dict, state: dict, *, rank: int, device: torch.device,
+               read_ahead: bool = False) -> EpochFeeds:
+    """This rank's `train.epochs` passes over its data, past what the checkpoint had consumed.
+    `read_ahead`: a thread reads two steps' blocks ahead (`batch.ReadAhead`) from now on."""
     # `blocks_by_rank` (tests, benchmarks): fixed blocks per rank instead of the Ray Data shard
     fixed = (config.get("blocks_by_rank") or {}).get(rank)
 
@@ -179,9 +203,9 @@ def _open_data(recipe: Recipe, config: dict, state: dict, *, rank: int, device: 
 
     # the step flag travels on a CPU (gloo) group, so the GPU never waits for it
     group = dist.new_group(backend="gloo") if dist.is_initialized() and device.type == "cuda" else None
-    return EpochFeeds(open_blocks, epochs=recipe.train.epochs,
-                      per_step=recipe.train.grad_accum * recipe.train.micro_batch_size,
-                      seq_len=recipe.data.seq_len, rank=rank, state=state, group=group)
+    per_step = recipe.train.grad_accum * recipe.train.micro_batch_size
+    return EpochFeeds(open_blocks, epochs=recipe.train.epochs, per_step=per_step, seq_len=recipe.data.seq_len,
+                      rank=rank, state=state, group=group, read_ahead=2 * per_step if read_ahead else 0)
 
 
 def _schedule_length(recipe: Recipe, state: dict, feed: EpochFeeds, log: WorkerLog) -> int:

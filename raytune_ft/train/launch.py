@@ -8,6 +8,7 @@ run at once on those, with their message, and leaves the rest to Ray's own polic
 from __future__ import annotations
 
 import os
+import time
 
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy, create_failure_policy
 
@@ -84,7 +85,8 @@ def _trainer_class():
 
 
 def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, blocks_by_rank: dict | None = None,
-                  lease_token: str | None = None, job_start: float | None = None):
+                  lease_token: str | None = None, job_start: float | None = None,
+                  startup_marks: dict | None = None):
     """The TorchTrainer for `recipe`; re-running with the same run name resumes from its last checkpoint.
 
     `lease_token`: the run folder's lease this job holds (lease.py); each attempt's workers check it is
@@ -122,12 +124,15 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, blocks_by_rank: 
     shipped = absolute_local_paths(recipe_from_dict(recipe.to_dict()))
     shipped.tracking.tracking_uri = shipped.tracking_uri
     # job_start (epoch seconds): the workers' start-up breakdown counts from it (train/common.StartupClock)
+    # startup_marks: the driver's times after each of its start-up parts (train/common.DRIVER_MARKS)
     config = {"recipe": shipped.to_dict(), "mlflow_run_id": mlflow_run_id, "job_start": job_start}
     if blocks_by_rank is not None:
         config["blocks_by_rank"] = blocks_by_rank
         datasets, dataset_config = None, None
     else:
         datasets, dataset_config = build_datasets(recipe)
+    if startup_marks is not None:
+        config["startup_marks"] = {**startup_marks, "datasets": time.time()}
     return _trainer_class()(loop, train_loop_config=config, scaling_config=scaling, run_config=run_config,
                         torch_config=TorchConfig(backend=backend), datasets=datasets,
                         dataset_config=dataset_config)
