@@ -18,6 +18,7 @@ import warnings
 QUIET_ENV = {
     "RAY_DATA_LOG_LEVEL": "WARNING",        # "Starting execution of Dataset ...", execution plans, timings
     "MLFLOW_LOGGING_LEVEL": "WARNING",      # "Creating initial MLflow database tables...", "Created version"
+    "TORCH_CPP_LOG_LEVEL": "ERROR",         # c10d's C++ warnings ("ProcessGroupNCCL ... destroy_process_group")
 }
 
 # Off a terminal (a pipe, a file, `ray job submit`'s log): no colour codes, no redrawn progress bars.
@@ -37,6 +38,8 @@ QUIET_LOGGERS = {
     "ray._private.authentication.authentication_token_setup": logging.ERROR,
     "ray.data._internal.progress": logging.ERROR,   # "Progress bars disabled ..." where we turned them off
 }
+# torchao's source files: the module a compile-time warning names is its file's path less ".py"
+TORCHAO_SOURCES = r".*[/\\]torchao[/\\]"
 
 # A local Ray on one machine (--local): nothing preempts its workers (Ray Train's watcher for that logs
 # an error line from its actor's constructor), and it starts more worker processes than it has cores
@@ -67,6 +70,9 @@ def quiet_process() -> None:
         logging.getLogger(report).setLevel(logging.WARNING)
     # Ray's own APIs calling its deprecated ones (Ray Data's ExecutionOptions from Ray Train): nothing to fix here
     warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"ray\.")
+    # torchao's sources compiled on first import ("invalid escape sequence": a SyntaxWarning from Python 3.12)
+    for category in (SyntaxWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=TORCHAO_SOURCES)
 
 
 def _pin_ray_address() -> None:

@@ -216,3 +216,22 @@ def test_run_off_a_terminal_turns_off_ray_colours_and_progress_bars(monkeypatch,
     assert seen == {"color": "0", "bars": "1"}
     out = capsys.readouterr().out
     assert "job qwen27b_b300 (run qwen27b-local): trained" in out
+
+
+def test_quiet_processes_hide_torchaos_compile_warnings_and_keep_others(tmp_path):
+    """torchao's sources warn "invalid escape sequence" when first compiled (a SyntaxWarning on the GPU
+    machine's Python 3.12, a DeprecationWarning on 3.11): a worker after the setup hook shows none of
+    them, and still shows the same warning from any other package. A fresh process: the filters are
+    the subject, and pytest's own warning capture must not decide."""
+    for pkg in ("torchao", "otherpkg"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text('PATTERN = "\\d+"\n')
+    code = ("from raytune_ft.console import quiet_process; quiet_process(); "
+            "import torchao, otherpkg; print('imported')")
+    proc = subprocess.run([sys.executable, "-W", "default", "-B", "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": f"{tmp_path}:{REPO}"})
+    assert proc.returncode == 0 and "imported" in proc.stdout, proc.stderr
+    assert "otherpkg" in proc.stderr and "invalid escape sequence" in proc.stderr, proc.stderr
+    assert "torchao" not in proc.stderr, proc.stderr
+    from raytune_ft.console import QUIET_ENV
+    assert QUIET_ENV["TORCH_CPP_LOG_LEVEL"] == "ERROR"     # c10d's C++ warnings in the workers
