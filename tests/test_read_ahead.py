@@ -163,3 +163,27 @@ def test_the_data_is_read_ahead_only_when_no_counting_pass_reads_the_shard_first
     # a resumed run whose checkpoint counted under today's settings reads it back: no pass, read ahead
     assert not needs_counting_pass(counted, {"counted_steps": 5, "counted_for": schedule_settings(counted)})
     assert needs_counting_pass(counted, {"counted_steps": 5, "counted_for": {"train.epochs": "0"}})
+
+
+@pytest.mark.timeout(60)
+def test_a_resumed_feed_read_ahead_replays_at_its_first_step_and_still_checks_the_fingerprint():
+    """Opened before the model is built, the feed replays the trained blocks only when the loop first asks
+    (after the attempt's storage check), and a changed data order still stops the run there."""
+    from raytune_ft.train.batch import DataOrderChanged
+
+    rows = _rows(40, seed=2)
+    plain = _run_feed(rows, epochs=1, read_ahead=0, state={})
+    position = dict(plain[2][1])
+
+    early = EpochFeeds(lambda e, c: _open(rows)(c), epochs=1, per_step=2, seq_len=SEQ_LEN, rank=0,
+                       state=position, read_ahead=4)
+    assert early.feed.blocks_consumed == 0          # nothing replayed yet
+    assert early.position()["blocks_consumed"] == position["blocks_consumed"]   # asked: replayed first
+    assert [b["input_ids"].tolist() for b in early.next_blocks()] == [x.tolist() for x in plain[3][0]]
+    early.close()
+
+    changed = EpochFeeds(lambda e, c: _open(rows[1:])(c), epochs=1, per_step=2, seq_len=SEQ_LEN, rank=0,
+                         state=position, read_ahead=4)      # constructed: no error yet
+    with pytest.raises(DataOrderChanged):
+        changed.next_blocks()
+    changed.close()

@@ -40,7 +40,7 @@ class ReadAhead:
 
     The loop opens its data before it builds the model: Ray Data's tasks start, the tokenizer loads and
     the first packing window fills while the model is built, checked and compiled, instead of inside
-    the first step. `open_blocks(counters)` is called here, in the caller's thread (it may look up the
+    the first step. (`EpochFeeds` then defers a resume's replay to the first step.) `open_blocks(counters)` is called here, in the caller's thread (it may look up the
     Ray Train context); only the iteration runs in the thread, which does no collective.
 
     `counters` moves with the blocks taken, not with the blocks read: the thread counts into its own
@@ -173,7 +173,7 @@ class StepFeed:
 
     def __init__(self, blocks: Iterable[dict], *, per_step: int, seq_len: int, counters: DataCounters,
                  rank: int = 0, skip_blocks: int = 0, fingerprint: int | None = None,
-                 flag_device: torch.device | None = None, group: Any = None):
+                 flag_device: torch.device | None = None, group: Any = None, defer_replay: bool = False):
         self.per_step, self.seq_len, self.counters, self.rank = per_step, seq_len, counters, rank
         self.flag_device = flag_device or torch.device("cpu")
         self.group = group
@@ -181,7 +181,19 @@ class StepFeed:
         self._dry = False
         self.blocks_consumed = 0
         self.fingerprint = 0
-        self._replay(skip_blocks, fingerprint)
+        # `defer_replay`: replayed at the first `next_blocks` or `replayed()` (a loop that opens its data
+        # early checks its storage first)
+        self._pending: tuple[int, int | None] | None = (skip_blocks, fingerprint)
+        if not defer_replay:
+            self.replayed()
+
+    def replayed(self) -> "StepFeed":
+        """This feed with the blocks trained before the resume read past (at most once); returns self."""
+        if self._pending is not None:
+            n, expected = self._pending
+            self._pending = None
+            self._replay(n, expected)
+        return self
 
     def _replay(self, n: int, expected: int | None) -> None:
         """Read past the `n` blocks trained before the checkpoint, checking they are the same blocks."""
@@ -212,7 +224,7 @@ class StepFeed:
 
     def next_blocks(self) -> list[dict] | None:
         """The next step's `per_step` blocks (padded once this rank is dry), or None once every rank is."""
-        got = self._take()
+        got = self.replayed()._take()
         if not any_rank_has(len(got), self.flag_device, self.group):
             return None
         self.blocks_consumed += len(got)
@@ -382,7 +394,7 @@ class EpochFeeds:
             blocks = self.open_blocks(epoch, self.counters)
         return StepFeed(blocks, per_step=self.per_step, seq_len=self.seq_len,
                         counters=self.counters, rank=self.rank, skip_blocks=skip, fingerprint=fingerprint,
-                        group=self.group)
+                        group=self.group, defer_replay=bool(self.read_ahead))
 
     def next_blocks(self) -> list[dict] | None:
         """The next step's blocks, moving on to the next epoch when one ends; None after the last."""
@@ -392,7 +404,7 @@ class EpochFeeds:
                 self.steps_in_epoch += 1
                 return blocks
             self.epoch_steps.append(self.steps_in_epoch)
-            self.epoch_fingerprints.append(self.feed.fingerprint)
+            self.epoch_fingerprints.append(self.feed.replayed().fingerprint)
             if self.epoch + 1 >= self.epochs:
                 self.done = True
                 break
@@ -414,8 +426,9 @@ class EpochFeeds:
 
     def position(self) -> dict:
         """Where this rank stands in the data, for its checkpoint."""
-        return {"epoch": self.epoch, "blocks_consumed": self.feed.blocks_consumed,
-                "data_fingerprint": self.feed.fingerprint, "steps_in_epoch": self.steps_in_epoch,
+        feed = self.feed.replayed()
+        return {"epoch": self.epoch, "blocks_consumed": feed.blocks_consumed,
+                "data_fingerprint": feed.fingerprint, "steps_in_epoch": self.steps_in_epoch,
                 "epoch_steps": list(self.epoch_steps), "epoch_fingerprints": list(self.epoch_fingerprints),
                 "epoch_counters": [c.to_dict() for c in self.finished + [self.counters]],
                 "counters": self.total_counters().to_dict()}

@@ -78,8 +78,9 @@ def train_fsdp(config: dict) -> None:
         return
     ckpt_storage.start_attempt(rank, log.info)     # checkpoint folders of dead attempts off the storage
     jit = jit_cache.for_worker(recipe, device, log.info)   # before anything compiles
-    # the data starts flowing now, read ahead while the model is built, checked and compiled; after the
-    # model when the schedule's length takes a counting pass over the same shard first
+    # the data starts flowing now, read ahead while the model is built, checked and compiled (a resume's
+    # replay waits for the first step, after the storage check); after the model when the schedule's
+    # length takes a counting pass over the same shard first
     early = _checkpoint_position(rank)
     feed = None if needs_counting_pass(recipe, early) else _open_data(recipe, config, early, rank=rank,
                                                                       device=device, read_ahead=True)
