@@ -279,7 +279,9 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     summary.startup = {k[len("startup/"):]: float(v) for k, v in metrics.items() if k.startswith("startup/")}
 
     do_register = recipe.registry.enabled if register is None else register
-    status_tags = {"raytune.status": "trained", "raytune.checkpoint": ckpt_uri or ""}
+    # a run that ended without its final checkpoint (train.save_final=false) is resumed by a re-submit
+    status_tags = {"raytune.status": "trained", "raytune.checkpoint": ckpt_uri or "",
+                   tracking.FINAL_CHECKPOINT_TAG: "true" if meta.get("final") else "false"}
     if do_register:
         from raytune_ft.registry import find_registered_version, run_registration
         from raytune_ft.registry.base import RegistrationOutcome

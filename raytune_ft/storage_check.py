@@ -3,14 +3,15 @@
 Without this, wrong or missing S3 credentials, or an endpoint nobody answers at, surface only once Ray
 Train first writes to storage: a long pyarrow traceback that names no credential, after Ray has started
 and the MLflow run was opened (and stays RUNNING). `check_storage` runs first instead: one small probe
-object is written, read back and deleted, each request with short timeouts and no retries, the whole
-bounded by a deadline. A failure says which endpoint was tried, which environment variables were read
+object is written, read back and deleted, each request with short timeouts and no retries (the probe as
+a whole is tried again after a server error that says to try again), all bounded by a deadline. A failure says which endpoint was tried, which environment variables were read
 (their names, never their values), and which step failed. Local and shared folders are not probed.
 """
 from __future__ import annotations
 
 import os
 import threading
+import time
 import uuid
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,10 @@ _REFUSED = ("access_denied", "accessdenied", "invalidaccesskeyid", "signaturedoe
 _UNREACHABLE = ("network_connection", "curlcode", "could not connect", "timed out", "timeout",
                 "couldn't resolve", "could not resolve", "connection refused")
 _NO_BUCKET = ("nosuchbucket", "no_such_bucket", "bucket does not exist")
+# a server's passing trouble (S3's 500 InternalError, 503 SlowDown): the probe is tried again, not failed
+_TRANSIENT = ("internal_failure", "internalerror", "please try again", "slow_down", "slowdown",
+              "service_unavailable", "serviceunavailable", "http status 500", "http status 503")
+PROBE_ATTEMPTS = 3
 
 
 class StorageAccessError(RuntimeError):
@@ -91,13 +96,28 @@ def _what_failed(step: str, exc: BaseException) -> str:
     return f"{why}; {step} failed: {first}"
 
 
+def _transient(exc: BaseException) -> bool:
+    low = f"{type(exc).__name__}: {exc}".lower()
+    return any(t in low for t in _TRANSIENT) and not any(t in low for t in _REFUSED + _NO_BUCKET)
+
+
 def probe(st: storage.Storage, folder: str) -> None:
     """Write, read back and delete one small object under `folder` (a path on `st.fs`); raise
-    StorageAccessError naming what failed. Leaves nothing behind when the write went through."""
+    StorageAccessError naming what failed. Leaves nothing behind when the write went through. A server
+    error that says to try again is tried again (`PROBE_ATTEMPTS` in all, within the deadline)."""
     fs = _quick(st.fs)
     path = f"{folder.rstrip('/')}/.raytune_probe_{uuid.uuid4().hex}"
     payload = b"raytune_ft storage probe\n"
     outcome: dict = {}
+
+    def attempts():
+        for n in range(PROBE_ATTEMPTS):
+            outcome.pop("error", None)
+            attempt()
+            error = outcome.get("error")
+            if error is None or n == PROBE_ATTEMPTS - 1 or not _transient(error[1]):
+                return
+            time.sleep(1.0 + n)
 
     def attempt():
         step, written = f"writing {st.uri(path)}", False
@@ -119,7 +139,7 @@ def probe(st: storage.Storage, folder: str) -> None:
                 except OSError:
                     pass
 
-    worker = threading.Thread(target=attempt, name="raytune-storage-probe", daemon=True)
+    worker = threading.Thread(target=attempts, name="raytune-storage-probe", daemon=True)
     worker.start()
     worker.join(DEADLINE_S)
     if worker.is_alive():

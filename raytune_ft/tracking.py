@@ -24,6 +24,9 @@ TRAINING_PARAMS = ("job", "model.", "data.", "train.")
 TRAIN_CURVES = ("loss", "lr", "learning_rate", "grad_norm")
 _RENAMED_PREFIXES = (("eval/", "validation/"),)
 STARTUP_PARAM = "startup."
+# "false" on a finished run whose latest checkpoint is not a final one (train.save_final=false): a
+# re-submit resumes it from there, as the loops do, instead of handing back its weights
+FINAL_CHECKPOINT_TAG = "raytune.final_checkpoint"
 
 
 def mlflow_metric_name(key: str) -> str:
@@ -100,7 +103,8 @@ def run_tags(recipe: Recipe) -> dict[str, str]:
 
 def start_run(recipe: Recipe) -> str:
     """Create (or reopen, on a re-submit of the same run name) the MLflow run; return its id. A finished
-    run's re-submit gets the finished run's id (FinishedRunError when its training settings differ)."""
+    run's re-submit gets the finished run's id (FinishedRunError when its training settings differ); one
+    that finished without a final checkpoint is reopened, as the training loop resumes it."""
     import mlflow
 
     client = mlflow.MlflowClient(recipe.tracking_uri)
@@ -119,7 +123,8 @@ def start_run(recipe: Recipe) -> str:
         exp_id = client.create_experiment(recipe.tracking.experiment, artifact_location=location)
     found = client.search_runs([exp_id], filter_string=f"tags.`raytune.run_name` = '{recipe.tracking.run_name}'",
                                max_results=1, order_by=["attributes.start_time DESC"])
-    if found and found[0].info.status in ("RUNNING", "FAILED", "KILLED"):
+    resumable = found and found[0].data.tags.get(FINAL_CHECKPOINT_TAG) == "false"
+    if found and (found[0].info.status in ("RUNNING", "FAILED", "KILLED") or resumable):
         run_id = found[0].info.run_id
         client.update_run(run_id, status="RUNNING")
         client.set_tag(run_id, "raytune.resubmitted", "true")

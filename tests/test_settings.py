@@ -110,6 +110,7 @@ def _trl_step_grads(fixtures_blocks, max_grad_norm):
         trainer.raytune_eval_blocks = []
         trainer.raytune_recipe = r
         trainer.raytune_pause = {"s": 0.0}
+        trainer.raytune_steps = []             # as the loop sets them: each step's figures for MLflow
         trainer.train()
     release_facades()
     return seen["grads"]

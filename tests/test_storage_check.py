@@ -81,3 +81,39 @@ def test_usable_s3_storage_passes_and_the_probe_leaves_nothing(s3_env, tmp_path)
     bucket = s3_env.bucket()
     check_storage(_job_recipe("qwen27b_b300", True, [f"tracking.storage_path=s3://{bucket}/runs"]))
     assert _objects(s3_env, bucket) == []
+
+
+@pytest.mark.timeout(300)
+def test_a_server_error_that_says_try_again_is_tried_again(s3_env, monkeypatch):
+    """S3 answers 500 InternalError now and then (SeaweedFS did under load, in this suite): the probe
+    tries again instead of failing the job. The real server takes every request; only the first write is
+    made to fail here with S3's wording (a server cannot be told to fail once), and the write that
+    follows goes to the real server."""
+    from raytune_ft import storage, storage_check
+    from raytune_ft.cli import _job_recipe
+
+    real_write, calls = storage.write_bytes, []
+
+    def flaky_write(fs, path, data):
+        calls.append(path)
+        if len(calls) == 1:
+            raise OSError("When uploading part for key 'x': AWS Error INTERNAL_FAILURE during UploadPart "
+                          "operation: We encountered an internal error, please try again.")
+        return real_write(fs, path, data)
+
+    monkeypatch.setattr(storage_check.storage, "write_bytes", flaky_write)
+    bucket = s3_env.bucket()
+    storage_check.check_storage(_job_recipe("qwen27b_b300", True, [f"tracking.storage_path=s3://{bucket}/runs"]))
+    assert len(calls) == 2 and _objects(s3_env, bucket) == []
+
+    # refused credentials are not a passing trouble: one attempt, and the job stops
+    calls.clear()
+
+    def refused(fs, path, data):
+        calls.append(path)
+        raise OSError("AWS Error ACCESS_DENIED during PutObject operation: Access Denied, please try again")
+
+    monkeypatch.setattr(storage_check.storage, "write_bytes", refused)
+    with pytest.raises(storage_check.StorageAccessError, match="refused the credentials"):
+        storage_check.check_storage(_job_recipe("qwen27b_b300", True, [f"tracking.storage_path=s3://{bucket}/runs"]))
+    assert len(calls) == 1
