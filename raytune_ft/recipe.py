@@ -130,6 +130,10 @@ class TrainConfig:
     # the start-up kernel check on each GPU worker (models/kernel_check.py): "check" switches a failing
     # fast kernel off for the run and says so; "strict" stops the run instead; "off" skips the check
     kernels: Literal["check", "strict", "off"] = "check"
+    # the FSDP2 loop's data (and held-out rows) read by threads from before the model is built, so Ray Data's
+    # tasks run while the model is built and compiled: "auto" on GPU workers (a node's spare cores), "on",
+    # "off" (read when the first step asks, after the model)
+    read_ahead: Literal["auto", "on", "off"] = "auto"
     # each node's folder for the JIT caches (Triton, tilelang, FLA autotune, Inductor; train/jit_cache.py),
     # an absolute path or ~/...; None: ~/.cache/raytune_ft/jit. Also shared through the run's storage.
     cache_dir: str | None = None

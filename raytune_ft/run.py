@@ -40,12 +40,12 @@ class RunSummary:
     startup: dict = field(default_factory=dict)
 
     def lines(self) -> list[str]:
+        loop_rate = f"{self.tokens_per_s:,.0f} tokens/s over the training loop, saves and evals included"
         out = [f"job {self.job} (run {self.run_name}): {self.status}",
                f"  steps            {self.steps}",
-               f"  tokens           {self.tokens:,} ({self.tokens_per_s:,.0f} tokens/s end-to-end incl. start-up)"
-               if self.attempt_tokens == self.tokens else
+               f"  tokens           {self.tokens:,} ({loop_rate})" if self.attempt_tokens == self.tokens else
                f"  tokens           {self.tokens:,} ({self.run_tokens_per_s:,.0f} tokens/s over the run); "
-               f"this attempt {self.attempt_tokens:,} ({self.tokens_per_s:,.0f} tokens/s end-to-end incl. start-up)",
+               f"this attempt {self.attempt_tokens:,} ({loop_rate})",
                f"  final loss       {self.final_loss:.4f}" if self.final_loss is not None else "  final loss       n/a"]
         if self.steps_tokens_per_s:
             out.insert(3, f"  training steps   {self.steps_tokens_per_s:,.0f} tokens/s (the last logged steps)")

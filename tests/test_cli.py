@@ -188,7 +188,7 @@ def test_summary_labels_its_two_rates_and_spaces_the_data_row():
     s = RunSummary(job="j", run_name="r", status="trained", steps=20, tokens=20_000, attempt_tokens=20_000,
                    tokens_per_s=650.0, steps_tokens_per_s=4400.0, data={"rows_read": 512, "blocks": 40})
     text = "\n".join(s.lines())
-    assert "20,000 (650 tokens/s end-to-end incl. start-up)" in text
+    assert "20,000 (650 tokens/s over the training loop, saves and evals included)" in text
     assert "training steps   4,400 tokens/s" in text
     assert "512 rows read, 0 skipped, 40 blocks" in text
     s.data["rows_skipped_by_reason"] = {"no_assistant": 2}

@@ -110,7 +110,8 @@ def test_held_out_prompts_stop_before_the_last_answer():
 
 @pytest.fixture(scope="module")
 def watched_run(ray_local, tmp_path_factory):
-    """2 CPU workers, held-out loss every 2 steps, 2 sample prompts from a file, MLflow on."""
+    """2 CPU workers, held-out loss every 2 steps, 2 sample prompts from a file, MLflow on; the data and the
+    held-out rows read from before the model is built (train.read_ahead=on, the GPU workers' default)."""
     from raytune_ft import tracking
     from raytune_ft.train.launch import build_trainer
 
@@ -119,6 +120,7 @@ def watched_run(ray_local, tmp_path_factory):
     r.data.validation_fraction = 0.2
     r.train.eval_every, r.train.sample_max_new_tokens = 2, 10
     r.train.sample_prompts = write_prompts(tmp / "prompts.jsonl")
+    r.train.read_ahead = "on"
     r = validate(r)
     run_id = tracking.start_run(r)
     result = build_trainer(r, mlflow_run_id=run_id).fit()

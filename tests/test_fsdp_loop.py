@@ -92,13 +92,16 @@ def test_resume_gives_same_losses_as_uninterrupted(ray_local, tmp_path):
     """Stop after a checkpoint at step 4, re-submit the same run name: steps 5..8 match a straight run.
 
     The partial runs end without a final checkpoint (train.save_final=false), so their latest one is a
-    step-4 (then step-8) checkpoint to resume from; a finished run is not trained again."""
+    step-4 (then step-8) checkpoint to resume from; a finished run is not trained again. The straight run
+    reads its data when the loop asks (the CPU default), the others read it ahead from before the model
+    is built (train.read_ahead=on, the GPU default): the same steps either way."""
     straight = tiny_recipe(tmp_path, "straight", max_steps=8, checkpoint_every=4)
+    assert straight.train.read_ahead == "auto"
     _, full = fit(straight)
-    first = tiny_recipe(tmp_path, "resumed", max_steps=5, checkpoint_every=4, save_final=False)
+    first = tiny_recipe(tmp_path, "resumed", max_steps=5, checkpoint_every=4, save_final=False, read_ahead="on")
     _, part = fit(first)
     assert part["step"] == 4
-    again = tiny_recipe(tmp_path, "resumed", max_steps=9, checkpoint_every=4, save_final=False)
+    again = tiny_recipe(tmp_path, "resumed", max_steps=9, checkpoint_every=4, save_final=False, read_ahead="on")
     _, resumed = fit(again)
     assert resumed["step"] == 8 and resumed["resumed_from"] == [4]
     full_l = {h["step"]: h["loss"] for h in full["history"]}
@@ -107,7 +110,7 @@ def test_resume_gives_same_losses_as_uninterrupted(ray_local, tmp_path):
     for s in range(1, 9):
         assert res_l[s] == pytest.approx(full_l[s], rel=1e-5), (s, res_l, full_l)
     # a re-submit whose data no longer lays out the same blocks must not resume silently
-    changed = tiny_recipe(tmp_path, "resumed", max_steps=10, checkpoint_every=4)
+    changed = tiny_recipe(tmp_path, "resumed", max_steps=10, checkpoint_every=4, read_ahead="on")
     changed.data.pack_window = 100
     with pytest.raises(Exception, match="fingerprint mismatch"):
         fit(changed)

@@ -104,7 +104,7 @@ def test_local_job_console_is_the_project_s_lines_and_nothing_else(local_job):
     assert proc.returncode == 0, out[-4000:]
     assert "\x1b" not in out, [line for line in out.splitlines() if "\x1b" in line][:5]
     assert foreign_lines(out) == [], "\n".join(foreign_lines(out)[:40])
-    assert "tokens/s end-to-end incl. start-up" in out and "training steps " in out, out[-2000:]
+    assert "tokens/s over the training loop, saves and evals included" in out and "training steps " in out, out[-2000:]
     data = next(line for line in out.splitlines() if line.startswith("  data "))
     assert re.search(r"\d+ skipped, \d+ blocks", data), data
 

@@ -11,8 +11,9 @@ does not depend on how the blocks fell on the ranks.
 from __future__ import annotations
 
 import math
+import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,11 +55,38 @@ def held_out_loss(model, blocks: Sequence[dict], *, micro_batch_size: int, devic
 
 def held_out_rows(recipe: Recipe) -> list[dict]:
     """Every row of the held-out split as this worker receives it (the whole split: it is not sharded)."""
+    return start_reading_held_out(recipe, needed=True)()
+
+
+def start_reading_held_out(recipe: Recipe, needed: bool | None = None) -> Callable[[], list[dict]]:
+    """The held-out rows, read by a thread from now on (the loop starts it before building the model, so
+    Ray Data's tasks run meanwhile); the function returned waits for them and raises the read's error.
+    `needed` (default: when evaluation or held-out sample prompts ask for them): else [] at once."""
+    t = recipe.train
+    if not (needed if needed is not None else (t.eval_every or t.sample_count())):
+        return lambda: []
     import ray.train
 
     from raytune_ft.data.pipeline import read_rows
 
-    return read_rows(ray.train.get_dataset_shard("validation"))
+    shard = ray.train.get_dataset_shard("validation")     # in the caller's thread: Ray Train's context
+    out: dict = {}
+
+    def read() -> None:
+        try:
+            out["rows"] = read_rows(shard)
+        except BaseException as e:  # noqa: BLE001 - raised where the rows are asked for
+            out["error"] = e
+
+    thread = threading.Thread(target=read, name="raytune-held-out", daemon=True)
+    thread.start()
+
+    def rows() -> list[dict]:
+        thread.join()
+        if "error" in out:
+            raise out["error"]
+        return out["rows"]
+    return rows
 
 
 class EvalAndSamples:
@@ -71,13 +99,14 @@ class EvalAndSamples:
 
     @classmethod
     def open(cls, recipe: Recipe, tokenizer, *, rank: int, world: int, device: torch.device,
-             log) -> "EvalAndSamples":
+             log, held_out: Callable[[], list[dict]] | None = None) -> "EvalAndSamples":
+        """`held_out`: `start_reading_held_out(recipe)`'s answer, when the loop started the read early."""
         from raytune_ft.data.pipeline import iter_blocks
         from raytune_ft.train import sampling
 
         t = recipe.train
         n_held_out = t.sample_count()
-        rows = held_out_rows(recipe) if (t.eval_every or n_held_out) else []
+        rows = (held_out or (lambda: held_out_rows(recipe)))() if (t.eval_every or n_held_out) else []
         blocks = None
         if t.eval_every:
             every = list(iter_blocks(rows, recipe.data, counters=DataCounters()))

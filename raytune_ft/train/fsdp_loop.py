@@ -27,7 +27,7 @@ from raytune_ft.train import ckpt_storage, jit_cache
 from raytune_ft.train.batch import (EpochFeeds, StepBatch, count_run_steps, needs_counting_pass,
                                     run_schedule_steps, schedule_settings, worker_blocks)
 from raytune_ft.train.common import WorkerLog, lr_at, recipe_from_config, report
-from raytune_ft.train.evaluate import EvalAndSamples
+from raytune_ft.train.evaluate import EvalAndSamples, start_reading_held_out
 from raytune_ft.train.fp8 import precompute_fp8_scales
 from raytune_ft.train.fsdp_model import PackedCausalLM, build_fsdp_model, compile_pointwise, shard_packed_model
 
@@ -78,12 +78,17 @@ def train_fsdp(config: dict) -> None:
         return
     ckpt_storage.start_attempt(rank, log.info)     # checkpoint folders of dead attempts off the storage
     jit = jit_cache.for_worker(recipe, device, log.info)   # before anything compiles
-    # the data starts flowing now, read ahead while the model is built, checked and compiled (a resume's
-    # replay waits for the first step, after the storage check); after the model when the schedule's
-    # length takes a counting pass over the same shard first
+    # train.read_ahead: the data starts flowing now, read ahead while the model is built, checked and
+    # compiled (a resume's replay waits for the first step, after the storage check); after the model when
+    # the schedule's length takes a counting pass over the same shard first. Off on CPU workers: on a
+    # small machine the reading takes the cores the model build needs (bench/NOTES.md)
     early = _checkpoint_position(rank)
-    feed = None if needs_counting_pass(recipe, early) else _open_data(recipe, config, early, rank=rank,
-                                                                      device=device, read_ahead=True)
+    ahead = t_cfg.read_ahead == "on" or (t_cfg.read_ahead == "auto" and device.type == "cuda")
+    feed = held_out = None
+    if ahead:
+        if not needs_counting_pass(recipe, early):
+            feed = _open_data(recipe, config, early, rank=rank, device=device, read_ahead=True)
+        held_out = start_reading_held_out(recipe)       # the held-out rows, for evaluation and samples, too
 
     model, lm, tok = build_fsdp_model(recipe, device, log)
     log.startup.lap("model_build")
@@ -98,7 +103,8 @@ def train_fsdp(config: dict) -> None:
     feed = feed or _open_data(recipe, config, state, rank=rank, device=device)
     total_steps = _schedule_length(recipe, state, feed, log)
     with log.startup.phase("eval_setup"):      # 0 s with train.eval_every=0 and train.sample_prompts=0
-        probes = EvalAndSamples.open(recipe, tok, rank=rank, world=world, device=device, log=log)
+        probes = EvalAndSamples.open(recipe, tok, rank=rank, world=world, device=device, log=log,
+                                     held_out=held_out)
         log.log_metrics(probes.at_start(model, state), 0)     # the base model's samples, before any timing
     window = _Window(device, lm.config, world, state)
     log.mfu_basis(window.mfu_basis)
