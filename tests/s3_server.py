@@ -86,8 +86,10 @@ class S3Server:
                f"-filer.port={self.ports['filer']}", f"-filer.port.grpc={grpc['filer']}",
                "-s3", f"-s3.port={self.ports['s3']}", f"-s3.port.grpc={grpc['s3']}",
                "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={config}",
-               # small volumes: a test writes megabytes, and volume files are preallocated sparse
-               "-master.volumeSizeLimitMB=64", "-volume.max=64", "-volume.preStopSeconds=0"]
+               # small volumes: a test writes megabytes, and volume files are preallocated sparse. Each
+               # bucket takes a collection of several volumes of its own: 64 slots ran out at the 10th
+               # bucket (every later write failed with INTERNAL_FAILURE), and a suite makes dozens
+               "-master.volumeSizeLimitMB=64", "-volume.max=2000", "-volume.preStopSeconds=0"]
         self._grpc = grpc
         self._log = open(self.workdir / "weed.log", "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
