@@ -89,16 +89,12 @@ def _git_commit() -> str:
 
 
 def run_tags(recipe: Recipe) -> dict[str, str]:
-    import importlib.metadata as md
+    from raytune_ft.env import package_versions
 
     tags = {"raytune.job": recipe.job, "raytune.run_name": recipe.tracking.run_name,
             "raytune.git_commit": _git_commit(), "raytune.python": platform.python_version()}
-    for pkg in ("raytune-ft", "torch", "ray", "transformers", "trl", "peft", "mlflow"):
-        try:
-            tags[f"version.{pkg}"] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return tags
+    versions = package_versions(("raytune-ft", "torch", "ray", "transformers", "trl", "peft", "mlflow"), missing="")
+    return tags | {f"version.{pkg}": v for pkg, v in versions.items() if v}
 
 
 def start_run(recipe: Recipe) -> str:

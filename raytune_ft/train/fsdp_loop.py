@@ -82,10 +82,9 @@ def train_fsdp(config: dict) -> None:
     # compiled (a resume's replay waits for the first step, after the storage check); after the model when
     # the schedule's length takes a counting pass over the same shard first. Off on CPU workers: on a
     # small machine the reading takes the cores the model build needs (bench/NOTES.md)
-    early = _checkpoint_position(rank)
-    ahead = t_cfg.read_ahead == "on" or (t_cfg.read_ahead == "auto" and device.type == "cuda")
     feed = held_out = None
-    if ahead:
+    if t_cfg.read_ahead == "on" or (t_cfg.read_ahead == "auto" and device.type == "cuda"):
+        early = _checkpoint_position(rank)
         if not needs_counting_pass(recipe, early):
             feed = _open_data(recipe, config, early, rank=rank, device=device, read_ahead=True)
         held_out = start_reading_held_out(recipe)       # the held-out rows, for evaluation and samples, too
