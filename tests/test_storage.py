@@ -437,3 +437,34 @@ def test_the_attempt_start_room_check_asks_only_for_a_save_the_attempt_will_make
     guard.check_first(100, SimpleNamespace(checkpoint_every=50, max_steps=0, save_final=True))
     guard.check_first(100, SimpleNamespace(checkpoint_every=50, max_steps=1000, save_final=False))
     assert asked[1:] == [(150, False), (150, False)]
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_being_refreshed_is_never_read_half_written(tmp_path):
+    """The heartbeat rewrites the lease file every few seconds; a second job reading it mid-write must see
+    the owner, never nothing (a torn read looked like a free run folder, and a flaky test showed it)."""
+    import threading
+    import time
+
+    from raytune_ft import lease
+
+    st = storage.resolve(str(tmp_path / "runs"), create=True)
+    run = st.path("leased")
+    held = lease.Lease.acquire(st, run, settle_s=0)
+    stop, empty = threading.Event(), []
+
+    def beat():
+        while not stop.is_set():
+            held.beat()
+
+    writer = threading.Thread(target=beat, daemon=True)
+    writer.start()
+    deadline = time.time() + 3
+    reads = 0
+    while time.time() < deadline:
+        reads += 1
+        if lease.read(st.fs, run) is None:
+            empty.append(reads)
+    stop.set()
+    writer.join(timeout=5)
+    assert reads > 100 and not empty, f"{len(empty)} of {reads} reads found no lease"
