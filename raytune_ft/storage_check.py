@@ -4,8 +4,9 @@ Without this, wrong or missing S3 credentials, or an endpoint nobody answers at,
 Train first writes to storage: a long pyarrow traceback that names no credential, after Ray has started
 and the MLflow run was opened (and stays RUNNING). `check_storage` runs first instead: one small probe
 object is written, read back and deleted, each request with short timeouts and no retries (the probe as
-a whole is tried again after a server error that says to try again), all bounded by a deadline. A failure says which endpoint was tried, which environment variables were read
-(their names, never their values), and which step failed. Local and shared folders are not probed.
+a whole is tried again after a server error that says to try again), all bounded by a deadline. A
+failure says which endpoint was tried, which environment variables were read (their names, never their
+values), and which step failed. Local and shared folders are not probed.
 """
 from __future__ import annotations
 

@@ -74,8 +74,8 @@ class DataCounters:
         for f in dataclasses.fields(self):
             if f.name == "rows_skipped_by_reason":
                 for k, v in self.rows_skipped_by_reason.items():
-                    if v - earlier.rows_skipped_by_reason.get(k, 0):
-                        out.skip(k, v - earlier.rows_skipped_by_reason.get(k, 0))
+                    if n := v - earlier.rows_skipped_by_reason.get(k, 0):
+                        out.skip(k, n)
             else:
                 setattr(out, f.name, getattr(self, f.name) - getattr(earlier, f.name))
         return out

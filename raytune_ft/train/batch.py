@@ -40,8 +40,9 @@ class ReadAhead:
 
     The loop opens its data before it builds the model: Ray Data's tasks start, the tokenizer loads and
     the first packing window fills while the model is built, checked and compiled, instead of inside
-    the first step. (`EpochFeeds` then defers a resume's replay to the first step.) `open_blocks(counters)` is called here, in the caller's thread (it may look up the
-    Ray Train context); only the iteration runs in the thread, which does no collective.
+    the first step (`EpochFeeds` then defers a resume's replay to the first step). `open_blocks(counters)`
+    is called here, in the caller's thread (it may look up the Ray Train context); only the iteration runs
+    in the thread, which does no collective.
 
     `counters` moves with the blocks taken, not with the blocks read: the thread counts into its own
     counters and hands each block's share over with the block, so a checkpoint's counts are those of
@@ -328,7 +329,13 @@ def needs_counting_pass(recipe: Recipe, state: dict) -> bool:
     t = recipe.train
     if t.max_steps or t.schedule == "constant":
         return False
-    return not (state.get("counted_steps") and (state.get("counted_for") or {}) == schedule_settings(recipe))
+    return not _current_count(state, schedule_settings(recipe))
+
+
+def _current_count(state: dict, settings: dict[str, str]) -> int:
+    """The checkpoint's counted schedule length when it was counted under `settings`, else 0."""
+    saved = int(state.get("counted_steps") or 0)
+    return saved if saved and (state.get("counted_for") or {}) == settings else 0
 
 
 def run_schedule_steps(recipe: Recipe, state: dict, count: Callable[[], int], log: Callable[[str], None]) -> int:
@@ -337,9 +344,9 @@ def run_schedule_steps(recipe: Recipe, state: dict, count: Callable[[], int], lo
     pass per epoch), saying which setting changed. A re-submit with more epochs or other data runs the
     length it asks for; the LR schedule stretches (or shrinks) from the resumed step on."""
     settings = schedule_settings(recipe)
+    if current := _current_count(state, settings):
+        return current
     saved, saved_for = int(state.get("counted_steps") or 0), state.get("counted_for") or {}
-    if saved and saved_for == settings:
-        return saved
     total = count()
     if saved:
         changed = [k for k in settings if saved_for.get(k) != settings[k]]
@@ -404,7 +411,7 @@ class EpochFeeds:
                 self.steps_in_epoch += 1
                 return blocks
             self.epoch_steps.append(self.steps_in_epoch)
-            self.epoch_fingerprints.append(self.feed.replayed().fingerprint)
+            self.epoch_fingerprints.append(self.feed.fingerprint)   # its next_blocks() replayed it
             if self.epoch + 1 >= self.epochs:
                 self.done = True
                 break

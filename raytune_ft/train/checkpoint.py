@@ -41,13 +41,24 @@ def load_train_checkpoint(directory: str, model, optimizer, rank: int, *, fs: pa
     `directory` is a path on `fs` (default: the local filesystem), read where it lies: `.metadata`, this
     rank's shard file and its train-state file, nothing of the other ranks. `reads` gets the files opened.
     """
-    fs = fs or pafs.LocalFileSystem()
-    directory = directory if not isinstance(fs, pafs.LocalFileSystem) else os.path.abspath(directory)
+    fs, directory = _located(directory, fs)
     state = read_train_state(fs, directory, rank)
     opened = dcp_io.load(fs, directory, model, optimizer, rank)
     if reads is not None:
         reads.extend(opened + [train_state_path(directory, rank)])
     return state
+
+
+def checkpoint_train_state(directory: str, rank: int, *, fs: pafs.FileSystem | None = None) -> dict:
+    """This rank's train state in a checkpoint, without its weights (where the data stood, the counted
+    schedule): what `load_train_checkpoint` returns, read alone."""
+    return read_train_state(*_located(directory, fs), rank)
+
+
+def _located(directory: str, fs: pafs.FileSystem | None) -> tuple[pafs.FileSystem, str]:
+    """`fs` (default: the local filesystem) and `directory` on it, absolute when it is local."""
+    fs = fs or pafs.LocalFileSystem()
+    return fs, directory if not isinstance(fs, pafs.LocalFileSystem) else os.path.abspath(directory)
 
 
 def train_state_path(directory: str, rank: int) -> str:

@@ -55,15 +55,23 @@ def held_out_loss(model, blocks: Sequence[dict], *, micro_batch_size: int, devic
 
 def held_out_rows(recipe: Recipe) -> list[dict]:
     """Every row of the held-out split as this worker receives it (the whole split: it is not sharded)."""
-    return start_reading_held_out(recipe, needed=True)()
+    import ray.train
+
+    from raytune_ft.data.pipeline import read_rows
+
+    return read_rows(ray.train.get_dataset_shard("validation"))
 
 
-def start_reading_held_out(recipe: Recipe, needed: bool | None = None) -> Callable[[], list[dict]]:
+def _needs_held_out(recipe: Recipe) -> bool:
+    """Evaluation, or sample prompts cut from held-out conversations, read the held-out rows."""
+    return bool(recipe.train.eval_every or recipe.train.sample_count())
+
+
+def start_reading_held_out(recipe: Recipe) -> Callable[[], list[dict]]:
     """The held-out rows, read by a thread from now on (the loop starts it before building the model, so
     Ray Data's tasks run meanwhile); the function returned waits for them and raises the read's error.
-    `needed` (default: when evaluation or held-out sample prompts ask for them): else [] at once."""
-    t = recipe.train
-    if not (needed if needed is not None else (t.eval_every or t.sample_count())):
+    [] at once when nothing needs them."""
+    if not _needs_held_out(recipe):
         return lambda: []
     import ray.train
 
@@ -106,7 +114,7 @@ class EvalAndSamples:
 
         t = recipe.train
         n_held_out = t.sample_count()
-        rows = (held_out or (lambda: held_out_rows(recipe)))() if (t.eval_every or n_held_out) else []
+        rows = (held_out() if held_out else held_out_rows(recipe)) if _needs_held_out(recipe) else []
         blocks = None
         if t.eval_every:
             every = list(iter_blocks(rows, recipe.data, counters=DataCounters()))

@@ -15,7 +15,6 @@ import os
 import tempfile
 import time
 
-import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -161,11 +160,7 @@ def _checkpoint_position(rank: int) -> dict:
     import ray.train
 
     resume = ray.train.get_checkpoint()
-    if resume is None:
-        return {}
-    fs = resume.filesystem
-    path = os.path.abspath(resume.path) if isinstance(fs, pafs.LocalFileSystem) else resume.path
-    return ckpt_io.read_train_state(fs, path, rank)
+    return {} if resume is None else ckpt_io.checkpoint_train_state(resume.path, rank, fs=resume.filesystem)
 
 
 def _resume_state(model, opt, rank: int, log: WorkerLog) -> dict:
