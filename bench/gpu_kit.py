@@ -265,7 +265,7 @@ class Kit:
                   # run after the first does not spend its time limit compiling what an earlier one compiled
                   "--set", f"train.cache_dir={os.path.join(self.work, 'jit-cache')}"]
         if self.o.cpu_smoke:   # the same recipe's --local form: tiny qwen3_5, local Ray on CPU
-            return [PY, "jobs/qwen27b_b300.py", "--local", "--no-register", *common, *extra]
+            return [PY, "jobs/qwen27b_b300.py", "--local", "--no-register", *common, *extra, *self.user_settings()]
         n = self.n_gpus
         rows = max(800, 80 * n * steps)   # ~2,000 conversations fill 64 blocks of 32k: some to spare
         argv = [PY, "jobs/qwen27b_b300.py", "--no-register", "--set", f"model.name={self.model_dir()}",
@@ -276,7 +276,11 @@ class Kit:
             argv += ["--set", f"model.tokenizer={self.o.tokenizer}"]
         if self.o.chat_template:
             argv += ["--set", f"model.chat_template={self.o.chat_template}"]
-        return argv + extra
+        return argv + extra + self.user_settings()
+
+    def user_settings(self) -> list[str]:
+        """The command line's `--set KEY=VALUE`s, last, so they win over the kit's own."""
+        return [a for kv in self.o.set for a in ("--set", kv)]
 
     def recipe_run(self, bench: str, label: str, extra: list[str], read, steps: int | None = None,
                    env: dict | None = None) -> Part:
@@ -286,6 +290,9 @@ class Kit:
         if not self.o.cpu_smoke:
             info |= {"model": "Qwen3.8-27B config", "layers": self.layers(), "gpus": self.n_gpus, "seq_len": 32768,
                      "master_weights": "fp32", "init": "random"}
+        for kv in self.o.set:
+            key, _, value = kv.partition("=")
+            info["master_weights" if key == "train.master_weights" else key] = value
         return Part(label, self.job_argv(name, steps, extra), self.limit(bench), env=env or {},
                     read=lambda p, out, res: read(run_summary(self.storage, name)),
                     prepare=self.write_model_config, info=info)
@@ -434,6 +441,9 @@ def add_arguments(p) -> None:
     p.add_argument("--workdir", default=None, help="run storage, caches, model config, parity curves "
                    "(default: a new folder under the system's temporary folder)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers of the 27B cut (default 8 per GPU)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe setting for every recipe run, after the kit's own (e.g. --layers 16 --set "
+                        "train.master_weights=bf16 fits the 16-layer cut on one H200)")
     p.add_argument("--steps", type=int, default=8, help="steps of each recipe run (the first window is left out)")
     p.add_argument("--log-every", type=int, default=2)
     p.add_argument("--precisions", default="bf16,fp8", help="fp8: which runs of the pair (bf16, fp8 or both)")
