@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -315,23 +316,41 @@ class Kit:
 
     def startup(self) -> list[Part]:
         # the same storage and JIT/compile caches for both runs, each in a fresh process: the second finds
-        # what the first compiled
-        # the job's own cache folder (train.cache_dir), fresh for this bench: the cold run fills it
-        cache = ["--set", f"train.cache_dir={os.path.join(self.work, 'jit-cache-' + self.stamp)}"]
+        # what the first compiled. The job's own cache folder (train.cache_dir), fresh for this bench: the
+        # cold run fills it. `--part cold` and `--part warm` run one each, in two invocations with the same
+        # --workdir (the warm one reads the cold one's folder and summary there)
+        which = ("cold", "warm") if self.o.part == "all" else (self.o.part,)
+        if any(w not in ("cold", "warm") for w in which):
+            raise SystemExit(f"startup --part: cold, warm or all, not {self.o.part}")
+        folder = "jit-cache-" + (self.stamp if self.o.part == "all" else "startup")
+        cache = ["--set", f"train.cache_dir={os.path.join(self.work, folder)}"]
+        cold_file = os.path.join(self.work, "startup-cold.json")
         steps = min(self.o.steps, 4)
         runs = {}
 
-        def keep(which):
+        def prepare():
+            self.write_model_config()
+            if which == ("cold",):      # a cold run starts from an empty cache folder
+                shutil.rmtree(os.path.join(self.work, folder), ignore_errors=True)
+
+        def keep(label):
             def read(summary):
-                runs[which] = summary
-                if which == "cold":
+                runs[label] = summary
+                if label == "cold":
+                    with open(cold_file, "w") as f:
+                        json.dump(summary, f)
                     return {"startup": summary.get("startup")}
+                if "cold" not in runs and os.path.isfile(cold_file):
+                    with open(cold_file) as f:
+                        runs["cold"] = json.load(f)
                 return {"startup": summary.get("startup"),
                         "cold_vs_warm": startup_side_by_side(runs.get("cold", {}), summary)}
             return read
 
-        return [self.recipe_run("startup", "cold", cache, keep("cold"), steps=steps),
-                self.recipe_run("startup", "warm", cache, keep("warm"), steps=steps)]
+        parts = [self.recipe_run("startup", w, cache, keep(w), steps=steps) for w in which]
+        for p in parts:
+            p.prepare = prepare
+        return parts
 
     def eval(self) -> list[Part]:
         every = max(1, self.o.steps // 2)
@@ -344,6 +363,8 @@ class Kit:
     def suite(self) -> list[Part]:
         parts = []
         names = list(SUITE_PARTS) if self.o.part == "all" else [self.o.part]
+        if any(n not in SUITE_PARTS for n in names):
+            raise SystemExit(f"suite --part: {', '.join(SUITE_PARTS)} or all, not {self.o.part}")
         if self.o.cpu_smoke:   # on CPU every GPU test is skipped with its reason
             names = ["kernels"]
         for name in names:
@@ -448,7 +469,9 @@ def add_arguments(p) -> None:
     p.add_argument("--log-every", type=int, default=2)
     p.add_argument("--precisions", default="bf16,fp8", help="fp8: which runs of the pair (bf16, fp8 or both)")
     p.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "mxfp8"])
-    p.add_argument("--part", default="all", choices=["all", *SUITE_PARTS], help="suite: which files")
+    p.add_argument("--part", default="all", choices=["all", *SUITE_PARTS, "cold", "warm"],
+                   help="suite: which files (kernels, ray); startup: which run (cold, warm: two invocations with "
+                        "one --workdir)")
     p.add_argument("--parity-steps", type=int, default=300)
     p.add_argument("--assets", default=os.path.join(REPO, ".bench-assets"),
                    help="a folder with tokenizer/, chat_template.jinja and rows/*.jsonl for nodes without hub "

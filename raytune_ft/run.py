@@ -1,6 +1,7 @@
 """The order of a run: validate -> fit -> register. The only module that knows training and registry."""
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import sys
@@ -218,6 +219,17 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
         return _run(recipe, local=local, register=register, held=held)
 
 
+def _prepare_driver(recipe: Recipe):
+    """The driver's slow imports (the training loop Ray pickles by reference, transformers, Ray Data's
+    pipeline) and the recipe's tokenizer, in a thread beside Ray's start; returns the tokenizer."""
+    from raytune_ft.data import pipeline  # noqa: F401
+    from raytune_ft.models.build import tokenizer_for
+    from raytune_ft.train.launch import loop_function
+
+    loop_function(recipe)
+    return tokenizer_for(recipe.model)
+
+
 def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib.ExitStack) -> RunSummary:
     from raytune_ft import lease, storage, tracking
     from raytune_ft.storage_check import check_storage
@@ -237,13 +249,24 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     # is touched
     run_lease = held.enter_context(lease.hold(st, run_path))
     t0 = time.time()
-    ensure_ray(local)
+    # while Ray starts: the training loop's imports and the tokenizer, and, on a Ray this job starts (one
+    # node, so the node check below cannot fail), the MLflow run: none of them needs Ray
+    pool = held.enter_context(concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="raytune-start"))
+    tokenizer = pool.submit(_prepare_driver, recipe)
+    opened = pool.submit(tracking.start_run, recipe) if not os.environ.get("RAY_ADDRESS") else None
+    try:
+        ensure_ray(local)
+    except BaseException:
+        if opened is not None and opened.exception() is None:
+            tracking.end_run(recipe, opened.result(), status="FAILED",
+                             tags={"raytune.status": "failed", "raytune.error": "Ray did not start"})
+        raise
     marks = {"ray_start": time.time()}       # the start-up breakdown's driver side (train/common.DRIVER_MARKS)
     check_tracking_store(recipe, cluster_nodes(), "nodes of the Ray cluster it joined")
-    run_id = tracking.start_run(recipe)
+    run_id = opened.result() if opened is not None else tracking.start_run(recipe)
     marks["tracking"] = time.time()
     trainer = build_trainer(recipe, mlflow_run_id=run_id, lease_token=run_lease.token, job_start=t0,
-                            startup_marks=marks)
+                            startup_marks=marks, tokenizer=tokenizer.result())
     try:
         result = trainer.fit()
     except BaseException as e:

@@ -56,6 +56,26 @@ def test_startup_runs_twice_on_one_storage_and_cache_with_fresh_run_names(capsys
     assert "train.eval_every=0" in cold and "train.sample_prompts=0" in cold
 
 
+def test_startup_cold_and_warm_one_at_a_time_share_a_cache_folder(capsys, tmp_path):
+    work = str(tmp_path)
+    (cold,) = dry_run(capsys, "startup", "--part", "cold", "--gpus", "0", "--workdir", work)
+    (warm,) = dry_run(capsys, "startup", "--part", "warm", "--gpus", "0", "--workdir", work)
+    cache = re.compile(r"train.cache_dir=(\S+)")
+    assert cache.findall(cold)[-1] == cache.findall(warm)[-1] == os.path.join(work, "jit-cache-startup")
+    with pytest.raises(SystemExit, match="cold, warm or all"):
+        bench_main(["gpu", "startup", "--part", "kernels", "--dry-run", "--gpus", "0"])
+    with pytest.raises(SystemExit, match="kernels, ray or all"):
+        bench_main(["gpu", "suite", "--part", "warm", "--dry-run", "--gpus", "0"])
+
+
+def test_a_setting_of_the_command_line_reaches_every_recipe_run_last(capsys):
+    lines = dry_run(capsys, "fp8", "--gpus", "0", "--layers", "16", "--set", "train.master_weights=bf16")
+    assert len(lines) == 2
+    for line in lines:
+        assert "qwen3.8-27b-16layers" in line
+        assert line.split(" (limit ")[0].rstrip().endswith("--set train.master_weights=bf16")
+
+
 def test_eval_sets_eval_every_sample_prompts_and_validation_data(capsys):
     (line,) = dry_run(capsys, "eval", "--gpus", "0")
     # eval compiles nothing the kit's earlier runs compiled: their cache folder, not the default one

@@ -56,7 +56,7 @@ def test_local_job_mlflow_run_has_every_step_and_the_startup_breakdown(local_run
     assert json.load(open(data))["rows_read"] == summary["data"]["rows_read"] > 0
 
     startup = summary["startup"]
-    phases = {k: v for k, v in startup.items() if not k.startswith("ray_workers.")}
+    phases = {k: v for k, v in startup.items() if "." not in k}     # the phases, not their parts
     assert set(phases) == {"ray_workers_s", "model_build_s", "kernel_check_s", "compile_s", "eval_setup_s",
                            "first_step_s", "total_s"}
     assert startup["eval_setup_s"] > 0      # --local reads held-out rows and samples the base model
@@ -68,6 +68,12 @@ def test_local_job_mlflow_run_has_every_step_and_the_startup_breakdown(local_run
                                                               "worker_setup")}
     assert sum(ray_parts.values()) == pytest.approx(startup["ray_workers_s"], abs=0.05)
     assert startup["ray_workers.ray_start_s"] > 0 and startup["ray_workers.worker_setup_s"] > 0
+    # the model build split where the FSDP2 loop marks it
+    built = {k: v for k, v in startup.items() if k.startswith("model_build.")}
+    assert set(built) == {f"model_build.{p}_s" for p in ("setup", "tokenizer", "skeleton", "wrapping", "weights")}
+    assert sum(built.values()) == pytest.approx(startup["model_build_s"], abs=0.05)
+    assert startup["model_build.skeleton_s"] > 0 and startup["model_build.weights_s"] > 0
+    assert 0 <= startup["first_step.data_wait_s"] <= startup["first_step_s"] + startup["compile_s"]
     assert startup_from_params(client.get_run(run_id).data.params) == pytest.approx(startup, abs=1e-3)
     assert sum("start-up " in line and "first step" in line for line in out.splitlines()) == 1, out[-3000:]
     ui = f"mlflow ui --backend-store-uri {summary['tracking_uri']}"

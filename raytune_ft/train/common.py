@@ -99,6 +99,13 @@ STARTUP_METRICS = tuple(f"startup/{p}_s" for p in STARTUP_PHASES) + ("startup/to
 RAY_WORKERS_PARTS = {"ray_start": "Ray start", "tracking": "MLflow run", "datasets": "datasets and trainer",
                      "scheduling": "worker scheduling", "worker_setup": "worker imports and process group"}
 DRIVER_MARKS = ("ray_start", "tracking", "datasets")
+# `model_build` split where the worker marks it (`StartupClock.part`), each reported as
+# `startup/model_build.<part>_s`; a part the loop does not mark is left out
+MODEL_BUILD_PARTS = {"setup": "attempt set-up, JIT caches and data", "tokenizer": "tokenizer",
+                     "skeleton": "model code and skeleton", "wrapping": "compile set-up and sharding",
+                     "weights": "weights on the device"}
+# the first step's time spent waiting for its blocks (`StartupClock.note`), `startup/first_step.data_wait_s`
+PHASE_PARTS = {"model_build": MODEL_BUILD_PARTS, "first_step": {"data_wait": "waiting for data"}}
 
 
 def _ray_workers_parts(job_start: float, marks: dict | None, now: float) -> dict[str, float]:
@@ -143,6 +150,8 @@ class StartupClock:
         self.seconds["ray_workers"] = max(0.0, now - self.job_start)
         self.parts = _ray_workers_parts(self.job_start, marks, now) if job_start else {}
         self._mark, self._inner, self._compiled = now, 0.0, _compile_seconds()
+        self._part_mark, self._part_inner = now, 0.0
+        self.built: dict[str, float] = {}           # "<phase>.<part>": seconds (PHASE_PARTS)
         self.done: dict | None = None
 
     @contextlib.contextmanager
@@ -154,11 +163,26 @@ class StartupClock:
             dt = time.time() - t0
             self.seconds[name] += dt
             self._inner += dt
+            self._part_inner += dt
+
+    def part(self, name: str) -> None:
+        """End `name`, a part of the model build (MODEL_BUILD_PARTS): the time since the previous part or
+        lap, less what `phase()` blocks timed inside it."""
+        now = time.time()
+        self.note("model_build", name, max(0.0, now - self._part_mark - self._part_inner))
+        self._part_mark, self._part_inner = now, 0.0
+
+    def note(self, phase: str, name: str, seconds: float) -> None:
+        """Add `seconds` to `name`, a part of `phase` (PHASE_PARTS), before the clock finishes."""
+        if self.done is None:
+            key = f"{phase}.{name}"
+            self.built[key] = self.built.get(key, 0.0) + seconds
 
     def lap(self, name: str) -> None:
         now = time.time()
         self.seconds[name] += max(0.0, now - self._mark - self._inner)
         self._mark, self._inner, self._compiled = now, 0.0, _compile_seconds()
+        self._part_mark, self._part_inner = now, 0.0
 
     def finish(self) -> dict:
         """The start-up breakdown, `startup/<phase>_s` seconds (once: later calls return the first answer)."""
@@ -170,6 +194,7 @@ class StartupClock:
             self.done = {f"startup/{p}_s": self.seconds[p] for p in STARTUP_PHASES}
             self.done["startup/total_s"] = self._mark - self.job_start
             self.done |= {f"startup/ray_workers.{p}_s": v for p, v in self.parts.items()}
+            self.done |= {f"startup/{p}_s": v for p, v in self.built.items()}
         return self.done
 
     def line(self) -> str:
@@ -177,6 +202,10 @@ class StartupClock:
         parts = [f"{label} {m[f'startup/{p}_s']:.1f} s" for p, label in STARTUP_PHASES.items()]
         if self.parts:
             parts[0] += " (" + ", ".join(f"{RAY_WORKERS_PARTS[p]} {v:.1f}" for p, v in self.parts.items()) + ")"
+        for i, phase in enumerate(STARTUP_PHASES):
+            inner = [(k.split(".", 1)[1], v) for k, v in self.built.items() if k.startswith(phase + ".")]
+            if inner:
+                parts[i] += " (" + ", ".join(f"{PHASE_PARTS[phase][p]} {v:.1f}" for p, v in inner) + ")"
         return f"start-up {m['startup/total_s']:.1f} s to the end of the first step: {', '.join(parts)}"
 
 

@@ -88,6 +88,7 @@ def train_fsdp(config: dict) -> None:
             feed = _open_data(recipe, config, early, rank=rank, device=device, read_ahead=True)
         held_out = start_reading_held_out(recipe)       # the held-out rows, for evaluation and samples, too
 
+    log.startup.part("setup")
     model, lm, tok = build_fsdp_model(recipe, device, log)
     log.startup.lap("model_build")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -110,7 +111,9 @@ def train_fsdp(config: dict) -> None:
     step = state["step"]
     last_metrics: dict = {}
     while total_steps == 0 or step < total_steps:
+        waited = time.time()
         blocks = feed.next_blocks()
+        log.startup.note("first_step", "data_wait", time.time() - waited)   # kept until the first step ends
         if blocks is None:  # every rank's data is spent
             break
         mbs = t_cfg.micro_batch_size

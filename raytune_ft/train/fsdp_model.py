@@ -47,12 +47,14 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
 
         check_fp8_supported(device, fp8_recipe)
     tok = tokenizer_for(recipe.model)
+    log.startup.part("tokenizer")
     on_gpu = device.type == "cuda"
     compute_dtype = torch.bfloat16 if (on_gpu and recipe.model.dtype == "bfloat16") else torch.float32
     param_dtype = torch.float32 if recipe.train.master_weights == "fp32" else compute_dtype
     # Built on the meta device, sharded, then filled: each rank allocates and reads only its own
     # shard of the weights, so no rank ever holds the whole model in host or GPU memory.
     lm = load_causal_lm(recipe.model, tokenizer_vocab_size=len(tok), device="meta", dtype=param_dtype)
+    log.startup.part("skeleton")
     # every fast kernel proves itself on this GPU before the first step; a failing one is switched off
     with log.startup.phase("kernel_check"):
         check_on_worker(lm.config, device, mode=recipe.train.kernels, dtype=compute_dtype, log=log)
@@ -76,7 +78,9 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
         log.info("torch.compile: each decoder layer's MLP and RMSNorms")
     model = shard_packed_model(lm, device, compute_dtype=compute_dtype,
                                activation_checkpointing=recipe.train.activation_checkpointing)
+    log.startup.part("wrapping")
     materialize_model(lm, recipe.model, device, seed=recipe.train.seed)
+    log.startup.part("weights")
     return model, lm, tok
 
 

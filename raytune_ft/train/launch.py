@@ -84,21 +84,30 @@ def _trainer_class():
     return Trainer
 
 
+def loop_function(recipe: Recipe):
+    """The Ray Train worker entry point of the recipe's loop (its module's import is most of its cost)."""
+    if recipe.train.loop == "fsdp2":
+        from raytune_ft.train.fsdp_loop import train_fsdp
+
+        return train_fsdp
+    from raytune_ft.train.trl.loop import train_trl
+
+    return train_trl
+
+
 def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, blocks_by_rank: dict | None = None,
                   lease_token: str | None = None, job_start: float | None = None,
-                  startup_marks: dict | None = None):
+                  startup_marks: dict | None = None, tokenizer=None):
     """The TorchTrainer for `recipe`; re-running with the same run name resumes from its last checkpoint.
 
     `lease_token`: the run folder's lease this job holds (lease.py); each attempt's workers check it is
-    still theirs before they clear the checkpoints dead attempts left."""
+    still theirs before they clear the checkpoints dead attempts left. `tokenizer`: the recipe's, when the
+    caller loaded it already."""
     import ray.train
     from ray.train.torch import TorchConfig
 
     s = recipe.scaling
-    if recipe.train.loop == "fsdp2":
-        from raytune_ft.train.fsdp_loop import train_fsdp as loop
-    else:
-        from raytune_ft.train.trl.loop import train_trl as loop
+    loop = loop_function(recipe)
     backend = s.backend if s.backend != "auto" else ("nccl" if s.use_gpu else "gloo")
     resources = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
     if s.use_gpu:
@@ -130,7 +139,7 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, blocks_by_rank: 
         config["blocks_by_rank"] = blocks_by_rank
         datasets, dataset_config = None, None
     else:
-        datasets, dataset_config = build_datasets(recipe)
+        datasets, dataset_config = build_datasets(recipe, tokenizer)
     if startup_marks is not None:
         config["startup_marks"] = {**startup_marks, "datasets": time.time()}
     return _trainer_class()(loop, train_loop_config=config, scaling_config=scaling, run_config=run_config,
@@ -138,12 +147,12 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, blocks_by_rank: 
                         dataset_config=dataset_config)
 
 
-def build_datasets(recipe: Recipe):
+def build_datasets(recipe: Recipe, tokenizer=None):
     """The train (and validation) Ray Datasets: read, tokenize and mask lazily; split without dropping rows."""
     from raytune_ft.data.pipeline import build_dataset, train_data_config
     from raytune_ft.models.build import tokenizer_for
 
-    tok = tokenizer_for(recipe.model)
+    tok = tokenizer if tokenizer is not None else tokenizer_for(recipe.model)
     datasets = {"train": build_dataset(recipe.data, tok, split="train")}
     if recipe.data.validation_fraction > 0 or recipe.data.validation_split:
         datasets["validation"] = build_dataset(recipe.data, tok, split="validation")
