@@ -250,10 +250,12 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     run_lease = held.enter_context(lease.hold(st, run_path))
     t0 = time.time()
     # while Ray starts: the training loop's imports and the tokenizer, and, on a Ray this job starts (one
-    # node, so the node check below cannot fail), the MLflow run: none of them needs Ray
+    # node, so the node check below cannot fail), the MLflow run: none of them needs Ray. A cluster joined
+    # (RAY_ADDRESS, or a Ray this process is connected to already) is checked before the run opens
     pool = held.enter_context(concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="raytune-start"))
     tokenizer = pool.submit(_prepare_driver, recipe)
-    opened = pool.submit(tracking.start_run, recipe) if not os.environ.get("RAY_ADDRESS") else None
+    joins = bool(os.environ.get("RAY_ADDRESS")) or ("ray" in sys.modules and sys.modules["ray"].is_initialized())
+    opened = None if joins else pool.submit(tracking.start_run, recipe)
     try:
         ensure_ray(local)
     except BaseException:
