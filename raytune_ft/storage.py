@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import urllib.parse
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -210,11 +211,20 @@ def read_json(fs: pafs.FileSystem, path: str, default: Any = None) -> Any:
 
 
 def write_bytes(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    """Write `path` whole: a reader never sees it half-written (a torn lease read as no owner, and a second
+    job took a live run folder). On a file system the bytes go to a temporary file renamed over `path`; an
+    object store's PUT replaces the object whole."""
+    if not isinstance(fs, pafs.LocalFileSystem):
+        with fs.open_output_stream(path) as f:
+            f.write(data)
+        return
     parent = path.rsplit("/", 1)[0]
-    if isinstance(fs, pafs.LocalFileSystem) and parent and parent != path:
+    if parent and parent != path:
         fs.create_dir(parent)         # object stores need no folders (and may keep empty ones as markers)
-    with fs.open_output_stream(path) as f:
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+    with fs.open_output_stream(tmp) as f:
         f.write(data)
+    fs.move(tmp, path)
 
 
 def write_text(fs: pafs.FileSystem, path: str, text: str) -> None:
