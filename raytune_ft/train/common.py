@@ -105,7 +105,8 @@ MODEL_BUILD_PARTS = {"setup": "attempt set-up, JIT caches and data", "tokenizer"
                      "skeleton": "model code and skeleton", "wrapping": "compile set-up and sharding",
                      "weights": "weights on the device"}
 # the first step's time spent waiting for its blocks (`StartupClock.note`), `startup/first_step.data_wait_s`
-PHASE_PARTS = {"model_build": MODEL_BUILD_PARTS, "first_step": {"data_wait": "waiting for data"}}
+PHASE_PARTS = {"ray_workers": RAY_WORKERS_PARTS, "model_build": MODEL_BUILD_PARTS,
+               "first_step": {"data_wait": "waiting for data"}}
 
 
 def _ray_workers_parts(job_start: float, marks: dict | None, now: float) -> dict[str, float]:
@@ -148,10 +149,10 @@ class StartupClock:
         self.job_start = job_start or now
         self.seconds = dict.fromkeys(STARTUP_PHASES, 0.0)
         self.seconds["ray_workers"] = max(0.0, now - self.job_start)
-        self.parts = _ray_workers_parts(self.job_start, marks, now) if job_start else {}
+        ray_parts = _ray_workers_parts(self.job_start, marks, now) if job_start else {}
+        self.parts = {f"ray_workers.{p}": v for p, v in ray_parts.items()}   # "<phase>.<part>": seconds
         self._mark, self._inner, self._compiled = now, 0.0, _compile_seconds()
         self._part_mark, self._part_inner = now, 0.0
-        self.built: dict[str, float] = {}           # "<phase>.<part>": seconds (PHASE_PARTS)
         self.done: dict | None = None
 
     @contextlib.contextmanager
@@ -176,7 +177,7 @@ class StartupClock:
         """Add `seconds` to `name`, a part of `phase` (PHASE_PARTS), before the clock finishes."""
         if self.done is None:
             key = f"{phase}.{name}"
-            self.built[key] = self.built.get(key, 0.0) + seconds
+            self.parts[key] = self.parts.get(key, 0.0) + seconds
 
     def lap(self, name: str) -> None:
         now = time.time()
@@ -193,17 +194,14 @@ class StartupClock:
             self.lap("first_step")
             self.done = {f"startup/{p}_s": self.seconds[p] for p in STARTUP_PHASES}
             self.done["startup/total_s"] = self._mark - self.job_start
-            self.done |= {f"startup/ray_workers.{p}_s": v for p, v in self.parts.items()}
-            self.done |= {f"startup/{p}_s": v for p, v in self.built.items()}
+            self.done |= {f"startup/{p}_s": v for p, v in self.parts.items()}
         return self.done
 
     def line(self) -> str:
         m = self.finish()
         parts = [f"{label} {m[f'startup/{p}_s']:.1f} s" for p, label in STARTUP_PHASES.items()]
-        if self.parts:
-            parts[0] += " (" + ", ".join(f"{RAY_WORKERS_PARTS[p]} {v:.1f}" for p, v in self.parts.items()) + ")"
         for i, phase in enumerate(STARTUP_PHASES):
-            inner = [(k.split(".", 1)[1], v) for k, v in self.built.items() if k.startswith(phase + ".")]
+            inner = [(k.split(".", 1)[1], v) for k, v in self.parts.items() if k.startswith(phase + ".")]
             if inner:
                 parts[i] += " (" + ", ".join(f"{PHASE_PARTS[phase][p]} {v:.1f}" for p, v in inner) + ")"
         return f"start-up {m['startup/total_s']:.1f} s to the end of the first step: {', '.join(parts)}"
