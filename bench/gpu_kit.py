@@ -326,7 +326,6 @@ class Kit:
         cache = ["--set", f"train.cache_dir={os.path.join(self.work, folder)}"]
         cold_file = os.path.join(self.work, "startup-cold.json")
         steps = min(self.o.steps, 4)
-        runs = {}
 
         def prepare():
             self.write_model_config()
@@ -335,16 +334,15 @@ class Kit:
 
         def keep(label):
             def read(summary):
-                runs[label] = summary
-                if label == "cold":
+                if label == "cold":     # kept for the warm run, in this invocation or a later one
                     with open(cold_file, "w") as f:
                         json.dump(summary, f)
                     return {"startup": summary.get("startup")}
-                if "cold" not in runs and os.path.isfile(cold_file):
+                cold = {}
+                if os.path.isfile(cold_file):
                     with open(cold_file) as f:
-                        runs["cold"] = json.load(f)
-                return {"startup": summary.get("startup"),
-                        "cold_vs_warm": startup_side_by_side(runs.get("cold", {}), summary)}
+                        cold = json.load(f)
+                return {"startup": summary.get("startup"), "cold_vs_warm": startup_side_by_side(cold, summary)}
             return read
 
         parts = [self.recipe_run("startup", w, cache, keep(w), steps=steps) for w in which]
