@@ -41,12 +41,22 @@ QUIET_LOGGERS = {
 # torchao's source files: the module a compile-time warning names is its file's path less ".py"
 TORCHAO_SOURCES = r".*[/\\]torchao[/\\]"
 
-# A local Ray on one machine (--local): nothing preempts its workers (Ray Train's watcher for that logs
-# an error line from its actor's constructor), and it starts more worker processes than it has cores
-# (Ray Data's operators, the controller), which its raylet warns about at 4x the core count.
-def local_ray_env(num_cpus: int) -> dict[str, str]:
-    """Variables the raylet of a local Ray with `num_cpus` logical CPUs reads when it starts."""
-    return {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_worker_maximum_startup_concurrency": str(num_cpus)}
+# A Ray the job starts itself. Its raylet starts one idle Python worker per logical CPU when the first
+# driver connects; none is ever used (a job with a runtime_env, as every run has, and Ray Train's actors,
+# with env_vars of their own, need workers of their own), and on a GPU node they are dozens of Python
+# start-ups competing with the run's own for the first seconds (bench/NOTES.md, start-up).
+OWN_RAY_ENV = {"RAY_prestart_worker_first_driver": "0"}
+
+
+def own_ray_env(local_cpus: int | None = None) -> dict[str, str]:
+    """Variables the raylet of a Ray this job starts reads when it starts. `local_cpus`, for --local runs
+    on CPU (that many logical CPUs): nothing preempts the workers of a local Ray (Ray Train's watcher for
+    that logs an error line from its actor's constructor), and it starts more worker processes than it
+    has cores (Ray Data's operators, the controller), which its raylet warns about at 4x the core count."""
+    env = dict(OWN_RAY_ENV)
+    if local_cpus is not None:
+        env |= {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_worker_maximum_startup_concurrency": str(local_cpus)}
+    return env
 
 
 def _ray_report_logger() -> str | None:

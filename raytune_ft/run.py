@@ -84,7 +84,7 @@ def ensure_ray(local: bool) -> None:
 
     import ray
 
-    from raytune_ft.console import WORKER_SETUP_HOOK, is_terminal, local_ray_env, quiet_env
+    from raytune_ft.console import WORKER_SETUP_HOOK, is_terminal, own_ray_env, quiet_env
 
     if ray.is_initialized():
         return
@@ -100,9 +100,8 @@ def ensure_ray(local: bool) -> None:
         return
     # more logical CPUs than cores: Ray Data operators inside the trainer must not starve
     ncpu = max(8, 2 * (os.cpu_count() or 2)) if local else None
-    if local:
-        for k, v in local_ray_env(ncpu).items():
-            os.environ.setdefault(k, v)
+    for k, v in own_ray_env(ncpu if local else None).items():
+        os.environ.setdefault(k, v)
     ray.init(address="local", num_cpus=ncpu, include_dashboard=False, runtime_env=quiet,
              logging_level=logging.WARNING)
 

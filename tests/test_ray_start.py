@@ -1,0 +1,38 @@
+"""The Ray a job starts for itself: what its raylet starts before the run asks for anything."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from tests.conftest import REPO
+
+# a driver that starts its Ray as a job does, waits, and counts the Python workers its raylet started
+IDLE_WORKERS = """
+import time, psutil
+from raytune_ft.run import ensure_ray
+ensure_ray(local={local})
+time.sleep(6)
+# a Python worker names itself ray::IDLE once started (default_worker.py before)
+workers = [p for p in psutil.Process().children(recursive=True)
+           if " ".join(p.cmdline()).startswith("ray::IDLE") or any(a.endswith("default_worker.py") for a in p.cmdline())]
+print("idle workers", len(workers))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("local", [True, False])
+def test_a_ray_the_job_starts_starts_no_idle_workers(local):
+    """Ray starts one idle worker per logical CPU for the first driver; a run never uses them (its
+    runtime_env does not match theirs) and on a GPU node they are dozens of Python start-ups beside the
+    run's own, so a Ray the job starts has none."""
+    with tempfile.TemporaryDirectory(prefix="rtray", dir="/tmp") as ray_tmp:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_tmp}
+        proc = subprocess.run([sys.executable, "-c", IDLE_WORKERS.format(local=local)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "idle workers 0" in proc.stdout, proc.stdout[-2000:]
