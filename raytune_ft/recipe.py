@@ -64,6 +64,9 @@ class DataConfig:
     overlong: Literal["split", "drop"] = "split"
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     num_cpus_per_op: float = 0.25            # fractional CPUs for Ray Data operators (no deadlock on small hosts)
+    # processes tokenizing at once (None: one per training worker, at least 2); more replays a resumed
+    # pass's consumed blocks faster on a node with cores to spare
+    tokenize_workers: int | None = None
 
     def validate(self, model: ModelConfig) -> None:
         if not self.source.strip():
@@ -90,6 +93,8 @@ class DataConfig:
             check_range("data.validation_max_rows", self.validation_max_rows, 1)
         check_range("data.pack_window", self.pack_window, 1, 1_000_000)
         check_range("data.num_cpus_per_op", self.num_cpus_per_op, 0.0, 64, lo_open=True)
+        if self.tokenize_workers is not None:
+            check_range("data.tokenize_workers", self.tokenize_workers, 1, 4096)
 
 
 @dataclass

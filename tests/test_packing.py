@@ -167,3 +167,29 @@ def test_counters_count_only_the_blocks_taken():
     full = DataCounters()
     n_all = sum(1 for _ in pack_blocks(examples, 128, window=256, counters=full))
     assert full.blocks == n_all > 3 and full.conversations_packed == 200
+
+
+def test_the_first_block_leaves_after_the_first_small_window_not_the_whole_one():
+    """The windows ramp up from RAMP_FROM conversations: a run's first step waits for 64 conversations to
+    be tokenized, not `window` (2,048 by default); the layout stays deterministic and loses no tokens."""
+    from raytune_ft.data.packing import RAMP_FROM
+
+    rng = np.random.default_rng(3)
+    examples = [(rng.integers(1, 100, size=n), np.ones(n, dtype=bool)) for n in rng.integers(10, 60, size=600)]
+    read = []
+
+    def stream():
+        for e in examples:
+            read.append(1)
+            yield e
+
+    blocks = pack_blocks(stream(), 128, window=2048)
+    next(blocks)
+    assert len(read) == RAMP_FROM == 64
+    rest = list(blocks)
+    again = list(pack_blocks(examples, 128, window=2048))
+    assert len(again) == len(rest) + 1 and all((a["input_ids"] == b["input_ids"]).all()
+                                              for a, b in zip(again[1:], rest))
+    c = DataCounters()
+    list(pack_blocks(examples, 128, window=2048, counters=c))
+    assert c.real_tokens == sum(len(e[0]) for e in examples) and c.conversations_packed == 600

@@ -36,3 +36,38 @@ def test_a_ray_the_job_starts_starts_no_idle_workers(local):
                               capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "idle workers 0" in proc.stdout, proc.stdout[-2000:]
+
+
+# the train dataset a job builds, read whole
+TOKENIZING = """
+from raytune_ft.run import ensure_ray
+from raytune_ft.train.launch import build_datasets, tokenize_processes
+from tests.conftest import local_job_recipe
+ensure_ray(local=True)
+r = local_job_recipe([{settings}])
+r.data.source = "builtin:chat:3000"
+datasets, _ = build_datasets(r)
+assert len(datasets["train"].take_all()) == 3000
+print("tokenize processes", tokenize_processes(r))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("settings, expected", [("", 2), ("'data.tokenize_workers=3'", 3)])
+def test_tokenizing_runs_in_a_few_processes_not_one_per_free_cpu(settings, expected):
+    """Ray Data would tokenize in one new process per `num_cpus_per_op` of free CPU (32 on this local
+    Ray), each importing transformers while the model builds; a run tokenizes in one per training worker
+    (at least 2), or `data.tokenize_workers`. Counted from Ray's worker logs: the processes that ran a
+    tokenizing task (Ray may start a spare one that runs nothing)."""
+    import glob
+
+    with tempfile.TemporaryDirectory(prefix="rtray", dir="/tmp") as ray_tmp:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_tmp}
+        proc = subprocess.run([sys.executable, "-c", TOKENIZING.format(settings=settings)], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=200)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        logs = glob.glob(os.path.join(ray_tmp, "ray", "session_2*", "logs", "worker-*.out"))  # not session_latest
+        ran = [f for f in logs if ":task_name:MapBatches(fn)" in open(f, errors="replace").read()]
+    assert f"tokenize processes {expected}" in proc.stdout, proc.stdout[-2000:]
+    assert 1 <= len(ran) <= expected, (len(ran), len(logs))

@@ -42,6 +42,7 @@ BAD = [
     ("data.schema=sharegpt", "data.schema: 'sharegpt' is not one of"),
     ("data.overlong=truncate", "data.overlong"),
     ("data.num_cpus_per_op=0", "data.num_cpus_per_op"),
+    ("data.tokenize_workers=0", "data.tokenize_workers: 0 is out of range"),
     ("model.family=llama", "model.family: 'llama' is not one of"),
     ("model.name=", "model.name: must not be empty"),
     ("model.dtype=float16", "model.dtype"),

@@ -233,14 +233,18 @@ def _map_fn(tok_ref: _TokenizerRef, schema: str, template_kwargs: dict, fraction
     return fn
 
 
-def build_dataset(data, tokenizer, *, split: str = "train", chat_template: str | None = None):
+def build_dataset(data, tokenizer, *, split: str = "train", chat_template: str | None = None,
+                  processes: int | None = None):
     """A Ray Dataset of tokenized, masked conversations of `split` ("train" or "validation").
 
     Columns: `input_ids` list<int32>, `mask` list<bool>, `skip_reason` string ("" for a usable row;
     otherwise the reason, with empty ids). `tokenizer` is a fast tokenizer or a path to one (loaded
     once per Ray worker process); `chat_template` (text or a .jinja path) overrides its template.
+    `processes`: how many tokenizing tasks run at once (None: as many as Ray Data schedules).
     Lazy: nothing is read until the dataset is consumed.
     """
+    from ray.data import TaskPoolStrategy
+
     if split not in ("train", "validation"):
         raise ValueError(f"split={split!r}: expected 'train' or 'validation'")
     if split == "validation" and data.validation_split:
@@ -258,8 +262,12 @@ def build_dataset(data, tokenizer, *, split: str = "train", chat_template: str |
         ds = ds.limit(data.max_rows)
     fn = _map_fn(_TokenizerRef(tokenizer, chat_template), data.schema, dict(data.template_kwargs),
                  fraction, keep, data.seed)
+    # at most `processes` tokenizing tasks at a time (Ray reuses their worker processes): left to itself Ray
+    # Data runs one per `num_cpus_per_op` of free CPU, each a new process importing transformers and loading
+    # the tokenizer, and they take the node's cores from the model build while nothing waits for their rows
+    # but the first block (bench/NOTES.md, start-up)
     ds = ds.map_batches(fn, batch_format="pyarrow", batch_size=64, num_cpus=data.num_cpus_per_op,
-                        zero_copy_batch=True)
+                        zero_copy_batch=True, compute=TaskPoolStrategy(size=processes) if processes else None)
     if split == "validation" and data.validation_max_rows is not None:
         # after the carve-out: the first N held-out rows, the same ones at every evaluation
         ds = ds.limit(data.validation_max_rows)

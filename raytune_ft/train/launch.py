@@ -147,13 +147,20 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, blocks_by_rank: 
                         dataset_config=dataset_config)
 
 
+def tokenize_processes(recipe: Recipe) -> int:
+    """`data.tokenize_workers`, or one per training worker and at least 2: one process tokenizes
+    ~0.5M tokens/s (bench/NOTES.md), several times what a GPU trains on."""
+    return recipe.data.tokenize_workers or max(2, recipe.scaling.num_workers)
+
+
 def build_datasets(recipe: Recipe, tokenizer=None):
     """The train (and validation) Ray Datasets: read, tokenize and mask lazily; split without dropping rows."""
     from raytune_ft.data.pipeline import build_dataset, train_data_config
     from raytune_ft.models.build import tokenizer_for
 
     tok = tokenizer if tokenizer is not None else tokenizer_for(recipe.model)
-    datasets = {"train": build_dataset(recipe.data, tok, split="train")}
+    n = tokenize_processes(recipe)
+    datasets = {"train": build_dataset(recipe.data, tok, split="train", processes=n)}
     if recipe.data.validation_fraction > 0 or recipe.data.validation_split:
-        datasets["validation"] = build_dataset(recipe.data, tok, split="validation")
+        datasets["validation"] = build_dataset(recipe.data, tok, split="validation", processes=n)
     return datasets, train_data_config(("train",))
