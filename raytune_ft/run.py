@@ -218,9 +218,20 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
         return _run(recipe, local=local, register=register, held=held)
 
 
+def _process_start(default: float) -> float:
+    """When this process started (epoch seconds), or `default` where that cannot be read."""
+    try:
+        import psutil
+
+        return min(psutil.Process().create_time(), default)
+    except Exception:  # noqa: BLE001 - the start-up breakdown then starts at the run's own code
+        return default
+
+
 def _prepare_driver(recipe: Recipe):
     """The driver's slow imports (the training loop Ray pickles by reference, transformers, Ray Data's
-    pipeline) and the recipe's tokenizer, in a thread beside Ray's start; returns the tokenizer."""
+    pipeline) and the recipe's tokenizer, in a thread beside Ray's start: a tokenizer that cannot load
+    fails the job here, in the driver's words, before any Ray process tries it."""
     from raytune_ft.data import pipeline  # noqa: F401
     from raytune_ft.models.build import tokenizer_for
     from raytune_ft.train.launch import loop_function
@@ -248,6 +259,9 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     # is touched
     run_lease = held.enter_context(lease.hold(st, run_path))
     t0 = time.time()
+    # the start-up breakdown's driver side (train/common.DRIVER_MARKS), from this process's start: what a
+    # user waits for includes the imports and checks above
+    marks, job_start = {"driver": t0}, _process_start(t0)
     # while Ray starts: the training loop's imports and the tokenizer, and, on a Ray this job starts (one
     # node, so the node check below cannot fail), the MLflow run: none of them needs Ray. A cluster joined
     # (RAY_ADDRESS, or a Ray this process is connected to already) is checked before the run opens
@@ -262,12 +276,13 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
             tracking.end_run(recipe, opened.result(), status="FAILED",
                              tags={"raytune.status": "failed", "raytune.error": "Ray did not start"})
         raise
-    marks = {"ray_start": time.time()}       # the start-up breakdown's driver side (train/common.DRIVER_MARKS)
+    marks["ray_start"] = time.time()
     check_tracking_store(recipe, cluster_nodes(), "nodes of the Ray cluster it joined")
     run_id = opened.result() if opened is not None else tracking.start_run(recipe)
     marks["tracking"] = time.time()
-    trainer = build_trainer(recipe, mlflow_run_id=run_id, lease_token=run_lease.token, job_start=t0,
-                            startup_marks=marks, tokenizer=tokenizer.result())
+    tokenizer.result()
+    trainer = build_trainer(recipe, mlflow_run_id=run_id, lease_token=run_lease.token, job_start=job_start,
+                            startup_marks=marks)
     try:
         result = trainer.fit()
     except BaseException as e:
@@ -331,7 +346,7 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
             summary.registration_error = outcome.error
             summary.retry_command = outcome.retry_command
             status_tags.update({"raytune.status": "trained_not_registered"})
-    summary.seconds = time.time() - t0
+    summary.seconds = time.time() - job_start
     try:
         tracking.end_run(recipe, run_id, tags=status_tags,
                          metrics={"final_loss": summary.final_loss or float("nan"), "total_tokens": summary.tokens},

@@ -64,8 +64,9 @@ def test_local_job_mlflow_run_has_every_step_and_the_startup_breakdown(local_run
     assert parts == pytest.approx(startup["total_s"], abs=0.05) and 0 < startup["total_s"] < summary["seconds"]
     # "Ray and workers" split at the driver's steps and the worker process's start
     ray_parts = {k: v for k, v in startup.items() if k.startswith("ray_workers.")}
-    assert set(ray_parts) == {f"ray_workers.{p}_s" for p in ("ray_start", "tracking", "datasets", "scheduling",
-                                                              "worker_setup")}
+    assert set(ray_parts) == {f"ray_workers.{p}_s" for p in ("driver", "ray_start", "tracking", "datasets",
+                                                              "scheduling", "worker_setup")}
+    assert startup["ray_workers.driver_s"] > 0.5        # the job's process: Python, imports and checks
     assert sum(ray_parts.values()) == pytest.approx(startup["ray_workers_s"], abs=0.05)
     assert startup["ray_workers.ray_start_s"] > 0 and startup["ray_workers.worker_setup_s"] > 0
     # the model build split where the FSDP2 loop marks it

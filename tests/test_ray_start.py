@@ -71,3 +71,27 @@ def test_tokenizing_runs_in_a_few_processes_not_one_per_free_cpu(settings, expec
         ran = [f for f in logs if ":task_name:MapBatches(fn)" in open(f, errors="replace").read()]
     assert f"tokenize processes {expected}" in proc.stdout, proc.stdout[-2000:]
     assert 1 <= len(ran) <= expected, (len(ran), len(logs))
+
+
+@pytest.mark.timeout(180)
+def test_the_datasets_carry_the_tokenizer_settings_not_the_tokenizer(ray_local):
+    """The Train controller, the dataset manager and the split coordinator unpickle the datasets before
+    any row is read; a tokenizer object inside would make each import transformers and rebuild it. They
+    carry the model's tokenizer settings; the tokenizing tasks load it, and the rows are the same."""
+    import ray.cloudpickle
+
+    from raytune_ft.data.pipeline import build_dataset
+    from raytune_ft.models.build import tokenizer_for
+    from raytune_ft.train.launch import build_datasets
+    from tests.conftest import local_job_recipe
+
+    r = local_job_recipe([])
+    r.data.source = "builtin:chat:200"
+    datasets, _ = build_datasets(r)
+    carried = ray.cloudpickle.dumps(datasets["train"])
+    assert b"transformers" not in carried and b"tokenizers" not in carried
+    rows = datasets["train"].take_all()
+    same = build_dataset(r.data, tokenizer_for(r.model), split="train").take_all()
+    assert len(rows) == len(same) == 200
+    assert all(list(a["input_ids"]) == list(b["input_ids"]) and list(a["mask"]) == list(b["mask"])
+               for a, b in zip(rows, same))

@@ -75,13 +75,20 @@ def _read_template(template: str) -> str:
 
 
 class _TokenizerRef:
-    """What a Ray task carries to get the tokenizer: a path (loaded once per process) or the object."""
+    """What a Ray task carries to get the tokenizer: a path or a model's `TokenizerOf` (each loaded once
+    per process, so the processes that only pass the datasets on never import transformers), or the
+    object itself."""
 
     def __init__(self, tokenizer: Any, chat_template: str | None):
+        self.of = None
         if isinstance(tokenizer, (str, os.PathLike)):
             self.path, self.obj = os.fspath(tokenizer), None
             self.chat_template = chat_template
+        elif hasattr(tokenizer, "load") and not chat_template:     # raytune_ft.models.tokenizer.TokenizerOf
+            self.path, self.obj, self.of, self.chat_template = None, None, tokenizer, None
         else:
+            if hasattr(tokenizer, "load"):
+                tokenizer = tokenizer.load()
             self.path, self.obj = None, tokenizer
             if chat_template:                      # do not mutate the caller's tokenizer
                 import copy
@@ -90,6 +97,8 @@ class _TokenizerRef:
             self.chat_template = None
 
     def get(self):
+        if self.of is not None:
+            return self.of.load()
         return self.obj if self.obj is not None else _tokenizer_from_path(self.path, self.chat_template)
 
 
@@ -238,8 +247,8 @@ def build_dataset(data, tokenizer, *, split: str = "train", chat_template: str |
     """A Ray Dataset of tokenized, masked conversations of `split` ("train" or "validation").
 
     Columns: `input_ids` list<int32>, `mask` list<bool>, `skip_reason` string ("" for a usable row;
-    otherwise the reason, with empty ids). `tokenizer` is a fast tokenizer or a path to one (loaded
-    once per Ray worker process); `chat_template` (text or a .jinja path) overrides its template.
+    otherwise the reason, with empty ids). `tokenizer` is a fast tokenizer, a path to one or a model's
+    `raytune_ft.models.tokenizer.TokenizerOf` (the last two loaded once per Ray worker process); `chat_template` (text or a .jinja path) overrides its template.
     `processes`: how many tokenizing tasks run at once (None: as many as Ray Data schedules).
     Lazy: nothing is read until the dataset is consumed.
     """

@@ -26,37 +26,12 @@ import torch
 
 from raytune_ft.models.attention import ATTN_NAME
 from raytune_ft.models.gated_delta import base_model, enable_packing
-from raytune_ft.models.tiny import CHATML_TEMPLATE, local_tokenizer, real_config, tiny_config
+from raytune_ft.models.tiny import local_tokenizer, real_config, tiny_config
+from raytune_ft.models.tokenizer import tokenizer_for  # noqa: F401 - its home before tokenizer.py
 
 log = logging.getLogger(__name__)
 
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-# ----------------------------------------------------------------- tokenizer
-
-def tokenizer_for(model_cfg):
-    """The tokenizer of a recipe's model: the project's tiny one for local_tiny runs, else AutoTokenizer
-    from model_cfg.tokenizer (or name, at revision). model_cfg.chat_template (a jinja file) replaces the
-    tokenizer's template; a tokenizer without a template gets our ChatML one; a missing pad token becomes
-    <|endoftext|> when the vocabulary has it, else the eos token."""
-    if model_cfg.local_tiny:
-        tok = local_tokenizer()
-    else:
-        from transformers import AutoTokenizer
-
-        source = model_cfg.tokenizer or model_cfg.name
-        revision = model_cfg.revision if model_cfg.tokenizer in (None, model_cfg.name) else None
-        tok = AutoTokenizer.from_pretrained(source, revision=revision,
-                                            trust_remote_code=model_cfg.trust_remote_code)
-    if model_cfg.chat_template:
-        tok.chat_template = Path(os.path.expanduser(model_cfg.chat_template)).read_text()
-    elif not getattr(tok, "chat_template", None):
-        tok.chat_template = CHATML_TEMPLATE
-    if tok.pad_token is None:
-        vocab = tok.get_vocab()
-        tok.pad_token = "<|endoftext|>" if "<|endoftext|>" in vocab else tok.eos_token
-    return tok
 
 
 # ----------------------------------------------------------------- configs and checkpoints

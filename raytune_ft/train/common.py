@@ -95,10 +95,12 @@ STARTUP_PHASES = {"ray_workers": "Ray and workers", "model_build": "model build"
                   "first_step": "first step"}
 STARTUP_METRICS = tuple(f"startup/{p}_s" for p in STARTUP_PHASES) + ("startup/total_s",)
 # `ray_workers` split at the driver's marks (`startup_marks`: epoch seconds after each, in this order) and at
-# the start of the worker's process; each part is also reported, as `startup/ray_workers.<part>_s`
-RAY_WORKERS_PARTS = {"ray_start": "Ray start", "tracking": "MLflow run", "datasets": "datasets and trainer",
+# the start of the worker's process; each part is also reported, as `startup/ray_workers.<part>_s`. The job
+# starts when its driver process does (the user's command), not where the run's code begins
+RAY_WORKERS_PARTS = {"driver": "job process: imports and checks", "ray_start": "Ray start",
+                     "tracking": "MLflow run", "datasets": "datasets and trainer",
                      "scheduling": "worker scheduling", "worker_setup": "worker imports and process group"}
-DRIVER_MARKS = ("ray_start", "tracking", "datasets")
+DRIVER_MARKS = ("driver", "ray_start", "tracking", "datasets")
 # `model_build` split where the worker marks it (`StartupClock.part`), each reported as
 # `startup/model_build.<part>_s`; a part the loop does not mark is left out
 MODEL_BUILD_PARTS = {"setup": "attempt set-up, JIT caches and data", "tokenizer": "tokenizer",

@@ -156,9 +156,11 @@ def tokenize_processes(recipe: Recipe) -> int:
 def build_datasets(recipe: Recipe, tokenizer=None):
     """The train (and validation) Ray Datasets: read, tokenize and mask lazily; split without dropping rows."""
     from raytune_ft.data.pipeline import build_dataset, train_data_config
-    from raytune_ft.models.build import tokenizer_for
+    from raytune_ft.models.tokenizer import TokenizerOf
 
-    tok = tokenizer if tokenizer is not None else tokenizer_for(recipe.model)
+    # the model's tokenizer settings, not the object: every process the datasets pass through unpickles
+    # them, and only the tokenizing tasks need the tokenizer (models/tokenizer.py)
+    tok = tokenizer if tokenizer is not None else TokenizerOf.of(recipe.model)
     n = tokenize_processes(recipe)
     datasets = {"train": build_dataset(recipe.data, tok, split="train", processes=n)}
     if recipe.data.validation_fraction > 0 or recipe.data.validation_split:
