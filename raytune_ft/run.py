@@ -106,6 +106,22 @@ def ensure_ray(local: bool) -> None:
              logging_level=logging.WARNING)
 
 
+def start_train_helpers() -> None:
+    """Start the actor Ray Train's controller waits for when it starts: Ray Data's autoscaling coordinator,
+    asked for the workers' resources with a wait of up to 5 s (a detached actor, created on first use: a
+    new Python process, 4-5 s on a GPU node). Created as soon as Ray is up, it starts beside the MLflow
+    run and the datasets. A Ray without it (another version) leaves the controller to create it."""
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator)
+    except ImportError:
+        return
+    try:
+        get_or_create_autoscaling_coordinator()
+    except Exception as e:  # noqa: BLE001 - a head start only: the controller creates it otherwise
+        print(f"[raytune_ft] could not start Ray Data's autoscaling coordinator ahead: {type(e).__name__}")
+
+
 def cluster_nodes() -> int:
     """Alive nodes of the Ray cluster this process is connected to."""
     import ray
@@ -243,8 +259,6 @@ def _prepare_driver(recipe: Recipe):
 def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib.ExitStack) -> RunSummary:
     from raytune_ft import lease, storage, tracking
     from raytune_ft.storage_check import check_storage
-    from raytune_ft.train.checkpoint import read_meta_at
-    from raytune_ft.train.launch import build_trainer, unfixable_error
 
     # every local path absolute here, once: Ray workers resolve nothing against their own folders
     validate(absolute_local_paths(recipe))
@@ -277,10 +291,14 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
                              tags={"raytune.status": "failed", "raytune.error": "Ray did not start"})
         raise
     marks["ray_start"] = time.time()
+    start_train_helpers()
     check_tracking_store(recipe, cluster_nodes(), "nodes of the Ray cluster it joined")
     run_id = opened.result() if opened is not None else tracking.start_run(recipe)
     marks["tracking"] = time.time()
     tokenizer.result()
+    # imported by the thread beside Ray's start (torch, Ray Train): not on the way to it
+    from raytune_ft.train.launch import build_trainer, unfixable_error
+
     trainer = build_trainer(recipe, mlflow_run_id=run_id, lease_token=run_lease.token, job_start=job_start,
                             startup_marks=marks)
     try:
@@ -302,6 +320,8 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
         metrics = _last_logged_metrics(recipe, run_id) or metrics
     if ckpt is None and recipe.train.save_final:
         raise RuntimeError("training finished without a checkpoint")
+    from raytune_ft.train.checkpoint import read_meta_at
+
     meta, data, plots, ckpt_uri = {}, {}, [], None
     if ckpt is not None:   # the small files are read where the checkpoint lies: nothing else is fetched
         ckpt_uri = storage.open_checkpoint(ckpt.path, ckpt.filesystem)[2]

@@ -95,3 +95,25 @@ def test_the_datasets_carry_the_tokenizer_settings_not_the_tokenizer(ray_local):
     assert len(rows) == len(same) == 200
     assert all(list(a["input_ids"]) == list(b["input_ids"]) and list(a["mask"]) == list(b["mask"])
                for a, b in zip(rows, same))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_actor_ray_trains_controller_waits_for_is_started_with_ray():
+    """Ray Train's controller asks Ray Data's autoscaling coordinator for the workers' resources on its
+    start, waiting for that actor's new process; the job starts it as soon as its Ray is up, so it comes
+    up beside the MLflow run and the datasets, and the controller finds it running."""
+    code = """
+import ray
+from raytune_ft.run import ensure_ray, start_train_helpers
+ensure_ray(local=True)
+start_train_helpers()
+actor = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+print("coordinator", ray.get(actor.__ray_ready__.remote(), timeout=60))
+"""
+    with tempfile.TemporaryDirectory(prefix="rtray", dir="/tmp") as ray_tmp:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_tmp}
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "coordinator True" in proc.stdout, proc.stdout[-2000:]

@@ -75,9 +75,8 @@ def train_fsdp(config: dict) -> None:
     fp8_recipe = t_cfg.fp8_recipe if t_cfg.precision == "fp8" else None
     if ckpt_storage.report_if_finished(log):
         return
-    ckpt_storage.start_attempt(rank, log.info)     # checkpoint folders of dead attempts off the storage
-    jit = jit_cache.for_worker(recipe, device, log.info)   # before anything compiles
-    # train.read_ahead: the data starts flowing now, read ahead while the model is built, checked and
+    # train.read_ahead: the data starts flowing first (Ray Data's split coordinator and tokenizing processes
+    # start on the first read), read ahead while the attempt sets up and the model is built, checked and
     # compiled (a resume's replay waits for the first step, after the storage check); after the model when
     # the schedule's length takes a counting pass over the same shard first. Off on CPU workers: on a
     # small machine the reading takes the cores the model build needs (bench/NOTES.md)
@@ -88,6 +87,8 @@ def train_fsdp(config: dict) -> None:
             feed = _open_data(recipe, config, early, rank=rank, device=device, read_ahead=True)
         held_out = start_reading_held_out(recipe)       # the held-out rows, for evaluation and samples, too
 
+    ckpt_storage.start_attempt(rank, log.info)     # checkpoint folders of dead attempts off the storage
+    jit = jit_cache.for_worker(recipe, device, log.info)   # before anything compiles
     log.startup.part("setup")
     model, lm, tok = build_fsdp_model(recipe, device, log)
     log.startup.lap("model_build")
