@@ -245,14 +245,16 @@ def _process_start(default: float) -> float:
 
 
 def _prepare_driver(recipe: Recipe):
-    """The driver's slow imports (the training loop Ray pickles by reference, transformers, Ray Data's
-    pipeline) and the recipe's tokenizer, in a thread beside Ray's start: a tokenizer that cannot load
-    fails the job here, in the driver's words, before any Ray process tries it."""
-    from raytune_ft.data import pipeline  # noqa: F401
-    from raytune_ft.models.build import tokenizer_for
-    from raytune_ft.train.launch import loop_function
+    """The driver's slow imports (Ray Train's torch trainer, Ray Data's pipeline) and the recipe's tokenizer,
+    in a thread beside Ray's start: a tokenizer that cannot load fails the job here, in the driver's
+    words, before any Ray process tries it. The training loop's own modules (the model code) are imported
+    by the workers only (train/launch.loop_function)."""
+    import ray.train.torch  # noqa: F401
 
-    loop_function(recipe)
+    from raytune_ft.data import pipeline  # noqa: F401
+    from raytune_ft.models.tokenizer import tokenizer_for
+    from raytune_ft.train import launch  # noqa: F401
+
     return tokenizer_for(recipe.model)
 
 

@@ -84,15 +84,25 @@ def _trainer_class():
     return Trainer
 
 
-def loop_function(recipe: Recipe):
-    """The Ray Train worker entry point of the recipe's loop (its module's import is most of its cost)."""
-    if recipe.train.loop == "fsdp2":
-        from raytune_ft.train.fsdp_loop import train_fsdp
+def run_fsdp_loop(config: dict) -> None:
+    """The FSDP2 loop's Ray Train entry point. The loop's module (torch's distributed code, the model code,
+    transformers) is imported here, in the worker: the driver, which pickles this function by reference,
+    never imports it, and its start-up threads do not wait on those imports (bench/NOTES.md, start-up)."""
+    from raytune_ft.train.fsdp_loop import train_fsdp
 
-        return train_fsdp
+    train_fsdp(config)
+
+
+def run_trl_loop(config: dict) -> None:
+    """The TRL loop's Ray Train entry point, imported in the worker as `run_fsdp_loop`'s."""
     from raytune_ft.train.trl.loop import train_trl
 
-    return train_trl
+    train_trl(config)
+
+
+def loop_function(recipe: Recipe):
+    """The Ray Train worker entry point of the recipe's loop."""
+    return run_fsdp_loop if recipe.train.loop == "fsdp2" else run_trl_loop
 
 
 def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, blocks_by_rank: dict | None = None,
