@@ -97,6 +97,22 @@ def test_the_datasets_carry_the_tokenizer_settings_not_the_tokenizer(ray_local):
                for a, b in zip(rows, same))
 
 
+def test_the_tokenizer_settings_carry_the_chat_template_file_as_its_text(tmp_path, fixtures):
+    """A tokenizing task may run on a node without the recipe's template file: the settings hold its text."""
+    import pickle
+
+    from raytune_ft.models.tokenizer import TokenizerOf
+    from tests.conftest import local_job_recipe
+
+    template = tmp_path / "template.jinja"
+    template.write_text((fixtures / "templates" / "qwen3.8-27b.chat_template.jinja").read_text())
+    r = local_job_recipe([f"model.chat_template={template}"])
+    carried = pickle.dumps(TokenizerOf.of(r.model))
+    template.unlink()
+    tok = pickle.loads(carried).load()
+    assert tok.chat_template == (fixtures / "templates" / "qwen3.8-27b.chat_template.jinja").read_text()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_the_actor_ray_trains_controller_waits_for_is_started_with_ray():

@@ -21,6 +21,14 @@ def tokenizer_for(model_cfg):
     from model_cfg.tokenizer (or name, at revision). model_cfg.chat_template (a jinja file) replaces the
     tokenizer's template; a tokenizer without a template gets our ChatML one; a missing pad token becomes
     <|endoftext|> when the vocabulary has it, else the eos token."""
+    return _tokenizer(model_cfg, _template_text(model_cfg.chat_template))
+
+
+def _template_text(path: str | None) -> str | None:
+    return Path(os.path.expanduser(path)).read_text() if path else None
+
+
+def _tokenizer(model_cfg, template: str | None):
     if model_cfg.local_tiny:
         tok = local_tokenizer()
     else:
@@ -30,8 +38,8 @@ def tokenizer_for(model_cfg):
         revision = model_cfg.revision if model_cfg.tokenizer in (None, model_cfg.name) else None
         tok = AutoTokenizer.from_pretrained(source, revision=revision,
                                             trust_remote_code=model_cfg.trust_remote_code)
-    if model_cfg.chat_template:
-        tok.chat_template = Path(os.path.expanduser(model_cfg.chat_template)).read_text()
+    if template:
+        tok.chat_template = template
     elif not getattr(tok, "chat_template", None):
         tok.chat_template = CHATML_TEMPLATE
     if tok.pad_token is None:
@@ -42,18 +50,20 @@ def tokenizer_for(model_cfg):
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerOf:
-    """The tokenizer of a model's settings (a ModelConfig's tokenizer fields), loaded where it is used."""
+    """The tokenizer of a model's settings (a ModelConfig's tokenizer fields), loaded where it is used. The
+    chat template file (`model.chat_template`) travels as its text, read where the recipe was checked: a
+    tokenizing task may run on a node that does not have the file."""
     name: str
     tokenizer: str | None
     revision: str | None
     trust_remote_code: bool
-    chat_template: str | None
     local_tiny: bool
+    chat_template_text: str | None
 
     @classmethod
     def of(cls, model_cfg) -> "TokenizerOf":
         return cls(model_cfg.name, model_cfg.tokenizer, model_cfg.revision, bool(model_cfg.trust_remote_code),
-                   model_cfg.chat_template, bool(model_cfg.local_tiny))
+                   bool(model_cfg.local_tiny), _template_text(model_cfg.chat_template))
 
     def load(self):
         """This process's copy (loaded on the first call; callers must not change it)."""
@@ -62,4 +72,4 @@ class TokenizerOf:
 
 @functools.lru_cache(maxsize=4)
 def _loaded(ref: TokenizerOf):
-    return tokenizer_for(ref)
+    return _tokenizer(ref, ref.chat_template_text)
