@@ -20,6 +20,16 @@ from typing import Any, Iterable, Iterator
 SECRET_NAME = re.compile(r"token|secret|password|passwd|credential|api[_-]?key|access[_-]?key", re.IGNORECASE)
 
 
+def process_start() -> float | None:
+    """When this process started (epoch seconds), or None where that cannot be read."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - callers measure from their own start instead
+        return None
+
+
 def environ_snapshot() -> dict[str, str]:
     """A copy of the process environment that another thread changing it cannot break.
 

@@ -8,7 +8,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from raytune_ft.env import public_uri, redact_exception
+from raytune_ft.env import process_start, public_uri, redact_exception
 from raytune_ft.recipe import Recipe, absolute_local_paths, check_tracking_store, nodes_of, validate
 
 
@@ -234,16 +234,6 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
         return _run(recipe, local=local, register=register, held=held)
 
 
-def _process_start(default: float) -> float:
-    """When this process started (epoch seconds), or `default` where that cannot be read."""
-    try:
-        import psutil
-
-        return min(psutil.Process().create_time(), default)
-    except Exception:  # noqa: BLE001 - the start-up breakdown then starts at the run's own code
-        return default
-
-
 def _prepare_driver(recipe: Recipe):
     """The driver's slow imports (Ray Train's torch trainer, Ray Data's pipeline) and the recipe's tokenizer,
     in a thread beside Ray's start: a tokenizer that cannot load fails the job here, in the driver's
@@ -277,7 +267,7 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     t0 = time.time()
     # the start-up breakdown's driver side (train/common.DRIVER_MARKS), from this process's start: what a
     # user waits for includes the imports and checks above
-    marks, job_start = {"driver": t0}, _process_start(t0)
+    marks, job_start = {"driver": t0}, min(process_start() or t0, t0)
     # while Ray starts: the training loop's imports and the tokenizer, and, on a Ray this job starts (one
     # node, so the node check below cannot fail), the MLflow run: none of them needs Ray. A cluster joined
     # (RAY_ADDRESS, or a Ray this process is connected to already) is checked before the run opens

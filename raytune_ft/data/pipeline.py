@@ -248,7 +248,8 @@ def build_dataset(data, tokenizer, *, split: str = "train", chat_template: str |
 
     Columns: `input_ids` list<int32>, `mask` list<bool>, `skip_reason` string ("" for a usable row;
     otherwise the reason, with empty ids). `tokenizer` is a fast tokenizer, a path to one or a model's
-    `raytune_ft.models.tokenizer.TokenizerOf` (the last two loaded once per Ray worker process); `chat_template` (text or a .jinja path) overrides its template.
+    `raytune_ft.models.tokenizer.TokenizerOf` (the last two loaded once per Ray worker process);
+    `chat_template` (text or a .jinja path) overrides its template.
     `processes`: how many tokenizing tasks run at once (None: as many as Ray Data schedules).
     Lazy: nothing is read until the dataset is consumed.
     """

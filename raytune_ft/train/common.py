@@ -115,11 +115,10 @@ def _ray_workers_parts(job_start: float, marks: dict | None, now: float) -> dict
     """Seconds of each `RAY_WORKERS_PARTS` part, or {} without the driver's marks or the process's start."""
     if not marks or any(k not in marks for k in DRIVER_MARKS):
         return {}
-    try:
-        import psutil
+    from raytune_ft.env import process_start
 
-        created = psutil.Process().create_time()
-    except Exception:  # noqa: BLE001 - the parts are a diagnosis; the phase itself stays measured
+    created = process_start()
+    if created is None:         # the parts are a diagnosis; the phase itself stays measured
         return {}
     points = [job_start] + [float(marks[k]) for k in DRIVER_MARKS]
     # a process Ray had started before the job asked for it counts as scheduled at once

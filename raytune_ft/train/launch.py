@@ -107,12 +107,11 @@ def loop_function(recipe: Recipe):
 
 def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, blocks_by_rank: dict | None = None,
                   lease_token: str | None = None, job_start: float | None = None,
-                  startup_marks: dict | None = None, tokenizer=None):
+                  startup_marks: dict | None = None):
     """The TorchTrainer for `recipe`; re-running with the same run name resumes from its last checkpoint.
 
     `lease_token`: the run folder's lease this job holds (lease.py); each attempt's workers check it is
-    still theirs before they clear the checkpoints dead attempts left. `tokenizer`: the recipe's, when the
-    caller loaded it already."""
+    still theirs before they clear the checkpoints dead attempts left."""
     import ray.train
     from ray.train.torch import TorchConfig
 
@@ -149,7 +148,7 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, blocks_by_rank: 
         config["blocks_by_rank"] = blocks_by_rank
         datasets, dataset_config = None, None
     else:
-        datasets, dataset_config = build_datasets(recipe, tokenizer)
+        datasets, dataset_config = build_datasets(recipe)
     if startup_marks is not None:
         config["startup_marks"] = {**startup_marks, "datasets": time.time()}
     return _trainer_class()(loop, train_loop_config=config, scaling_config=scaling, run_config=run_config,
@@ -163,14 +162,14 @@ def tokenize_processes(recipe: Recipe) -> int:
     return recipe.data.tokenize_workers or max(2, recipe.scaling.num_workers)
 
 
-def build_datasets(recipe: Recipe, tokenizer=None):
+def build_datasets(recipe: Recipe):
     """The train (and validation) Ray Datasets: read, tokenize and mask lazily; split without dropping rows."""
     from raytune_ft.data.pipeline import build_dataset, train_data_config
     from raytune_ft.models.tokenizer import TokenizerOf
 
     # the model's tokenizer settings, not the object: every process the datasets pass through unpickles
     # them, and only the tokenizing tasks need the tokenizer (models/tokenizer.py)
-    tok = tokenizer if tokenizer is not None else TokenizerOf.of(recipe.model)
+    tok = TokenizerOf.of(recipe.model)
     n = tokenize_processes(recipe)
     datasets = {"train": build_dataset(recipe.data, tok, split="train", processes=n)}
     if recipe.data.validation_fraction > 0 or recipe.data.validation_split:
