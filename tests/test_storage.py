@@ -247,10 +247,10 @@ def _dcp_worker(rank: int, world: int, port: int, local_dir: str, s3_dir: str, o
                    "train_state": train_state,
                    "steps": steps, "same_after_step": same_after_step, "params_local": n_params}, f)
     dist.destroy_process_group()
-    # Out without the interpreter's teardown. Once in CI (and in none of 60 runs of this test
-    # alone under load here) a worker aborted with "terminate called without an active exception", most often the
-    # mark of a native thread still running when the process's static objects are destroyed (pyarrow's S3
-    # client and gloo both run such threads). What the test checks is in the file written above.
+    # Out without the interpreter's teardown. Once in CI (and in none of 60 runs of this test alone
+    # under load here) a worker aborted with "terminate called without an active exception", most often
+    # the mark of a native thread still running when the process's static objects are destroyed
+    # (pyarrow's S3 client and gloo both run such threads). What the test checks is in the file above.
     import sys
     sys.stdout.flush()
     sys.stderr.flush()
