@@ -133,3 +133,89 @@ print("coordinator", ray.get(actor.__ray_ready__.remote(), timeout=60))
                               timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "coordinator True" in proc.stdout, proc.stdout[-2000:]
+
+
+# a tokenizing process: the carried settings in, the rows it makes and whether it imported torch out
+TOKENIZING_PROCESS = """
+import json, pickle, sys
+ref = pickle.loads(bytes.fromhex(sys.argv[1]))
+from raytune_ft.data.pipeline import tokenize_rows
+tok = ref.load()
+cols = tokenize_rows(open(sys.argv[2]).read().splitlines(), tok)
+print(json.dumps({"torch": "torch" in sys.modules, "class": type(tok).__name__, "ids": cols["input_ids"],
+                  "mask": cols["mask"]}))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tokenizer, data, template", [
+    ("qwen3", "ultrachat_200k_train_sft_first16.jsonl", True),
+    ("qwen2-0.5b", "capybara_ldjnr_first16.jsonl", False),
+])
+def test_a_tokenizing_process_loads_the_class_the_driver_chose_without_torch(fixtures, tokenizer, data,
+                                                                              template):
+    """AutoTokenizer reads the model config through transformers' configuration code, which imports torch:
+    seconds of each tokenizing process's start before its first row, on the way to the first step. The
+    driver loads the tokenizer through AutoTokenizer; the settings carry the class it chose, and a
+    tokenizing process loads that class alone: no torch, the same class, the same rows."""
+    import json
+    import pickle
+
+    from raytune_ft.data.pipeline import tokenize_rows
+    from raytune_ft.models.tokenizer import TokenizerOf, tokenizer_for
+    from tests.conftest import local_job_recipe
+
+    settings = [f"model.name={fixtures / 'tokenizers' / tokenizer}", "model.local_tiny=false"]
+    if template:
+        settings.append(f"model.chat_template={fixtures / 'templates' / 'qwen3.8-27b.chat_template.jinja'}")
+    r = local_job_recipe(settings)
+    assert TokenizerOf.of(r.model).tokenizer_class is None      # nothing loaded here yet: AutoTokenizer decides
+    driver = tokenizer_for(r.model)                              # what the driver does beside Ray's start
+    carried = TokenizerOf.of(r.model)
+    assert carried.tokenizer_class == f"{type(driver).__module__}.{type(driver).__qualname__}"
+    rows = fixtures / "data" / data
+    proc = subprocess.run([sys.executable, "-c", TOKENIZING_PROCESS, pickle.dumps(carried).hex(), str(rows)],
+                          cwd=REPO, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["torch"] is False
+    assert out["class"] == type(driver).__name__
+    expected = tokenize_rows(rows.read_text().splitlines(), driver)
+    assert sum(map(len, out["ids"])) > 1000 and sum(map(sum, out["mask"])) > 100
+    assert out["ids"] == expected["input_ids"] and out["mask"] == expected["mask"]
+
+
+@pytest.mark.timeout(180)
+def test_the_worker_reads_the_first_tokenized_batch_before_the_next_is_made(ray_local, tmp_path):
+    """The tokenizing map makes blocks of 64 rows, the first packing window; the worker takes each block
+    as it comes. Here the batches after the first wait (up to 30 s) for the worker to have read a row:
+    read in batches of 256, the worker would wait for them and they for it."""
+    import numpy as np
+    import pyarrow as pa
+    import ray
+
+    from raytune_ft.data.pipeline import _iter_rows
+
+    read, waited_out = tmp_path / "read", tmp_path / "waited_out"
+
+    def tokenize(batch: pa.Table) -> pa.Table:
+        import time
+
+        if batch.column("id")[0].as_py() >= 64:          # not the first batch: wait for the worker's first read
+            deadline = time.time() + 30
+            while not read.exists() and time.time() < deadline:
+                time.sleep(0.1)
+            if not read.exists():
+                waited_out.touch()
+        n = batch.num_rows
+        return pa.table({"input_ids": [np.arange(4) for _ in range(n)], "mask": [np.ones(4, np.int8)] * n,
+                         "skip_reason": [""] * n})
+
+    ds = ray.data.range(256, override_num_blocks=4).map_batches(tokenize, batch_format="pyarrow", batch_size=64)
+    rows = 0
+    for ids, mask, reason in _iter_rows(ds.iterator()):
+        if rows == 0:
+            read.touch()
+        rows += 1
+    assert rows == 256
+    assert not waited_out.exists(), "the worker waited for more than the first tokenized batch"

@@ -286,10 +286,16 @@ def build_dataset(data, tokenizer, *, split: str = "train", chat_template: str |
 
 # ---------------------------------------------------------------- worker side
 
-def _iter_rows(shard: Any, batch_size: int = 256) -> Iterator[tuple[Any, Any, str]]:
-    """(ids, mask, skip_reason) from a DataIterator / Dataset shard, or an iterable of row dicts."""
+def _iter_rows(shard: Any, batch_size: int | None = None) -> Iterator[tuple[Any, Any, str]]:
+    """(ids, mask, skip_reason) from a DataIterator / Dataset shard, or an iterable of row dicts.
+
+    Blocks are passed on as they come (`batch_size=None`, `prefetch_batches=0`): the tokenizing map makes
+    them 64 rows, the first packing window's size, so the first block packs from the first tokenizing batch.
+    Ray Data's prefetching (its default) holds each batch back until the next one's blocks exist: the first
+    rows came after eight tokenizing batches (bench/NOTES.md, start-up). Reading ahead is the loop's
+    (`train.read_ahead`, a thread that keeps two steps' blocks ready)."""
     if hasattr(shard, "iter_batches"):
-        for batch in shard.iter_batches(batch_size=batch_size, batch_format="pyarrow"):
+        for batch in shard.iter_batches(batch_size=batch_size, batch_format="pyarrow", prefetch_batches=0):
             ids_col, mask_col = batch.column("input_ids"), batch.column("mask")
             reasons = batch.column("skip_reason").to_pylist()
             for i, reason in enumerate(reasons):

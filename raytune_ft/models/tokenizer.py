@@ -28,16 +28,39 @@ def _template_text(path: str | None) -> str | None:
     return Path(os.path.expanduser(path)).read_text() if path else None
 
 
-def _tokenizer(model_cfg, template: str | None):
+# the tokenizer class AutoTokenizer chose for a (source, revision), by module and name: set where a
+# tokenizer was loaded through it (the driver), carried by `TokenizerOf.of`
+_CHOSEN: dict[tuple[str, str | None], str] = {}
+
+
+def _source(model_cfg) -> tuple[str, str | None]:
+    """(where the tokenizer files are, at which revision)."""
+    revision = model_cfg.revision if model_cfg.tokenizer in (None, model_cfg.name) else None
+    return model_cfg.tokenizer or model_cfg.name, revision
+
+
+def _tokenizer(model_cfg, template: str | None, chosen: str | None = None):
     if model_cfg.local_tiny:
         tok = local_tokenizer()
+    elif chosen:
+        # the class AutoTokenizer chose in the driver, loaded the way AutoTokenizer ends: its from_pretrained.
+        # AutoTokenizer itself would first read the model config through transformers' configuration
+        # code, which imports torch (seconds of a tokenizing process's start, before its first row)
+        import importlib
+
+        module, _, name = chosen.rpartition(".")
+        source, revision = _source(model_cfg)
+        tok = getattr(importlib.import_module(module), name).from_pretrained(source, revision=revision)
     else:
         from transformers import AutoTokenizer
 
-        source = model_cfg.tokenizer or model_cfg.name
-        revision = model_cfg.revision if model_cfg.tokenizer in (None, model_cfg.name) else None
+        source, revision = _source(model_cfg)
         tok = AutoTokenizer.from_pretrained(source, revision=revision,
                                             trust_remote_code=model_cfg.trust_remote_code)
+        cls = type(tok)
+        # transformers' own classes only: a class of the model's remote code is loaded through AutoTokenizer
+        if cls.__module__.startswith("transformers.") and not model_cfg.trust_remote_code:
+            _CHOSEN[(source, revision)] = f"{cls.__module__}.{cls.__qualname__}"
     if template:
         tok.chat_template = template
     elif not getattr(tok, "chat_template", None):
@@ -59,11 +82,15 @@ class TokenizerOf:
     trust_remote_code: bool
     local_tiny: bool
     chat_template_text: str | None
+    # "module.Class" of the tokenizer AutoTokenizer chose where the settings were taken, if it loaded one
+    # there: the tokenizing processes then load that class without AutoTokenizer's model config (and torch)
+    tokenizer_class: str | None = None
 
     @classmethod
     def of(cls, model_cfg) -> "TokenizerOf":
+        chosen = None if model_cfg.local_tiny else _CHOSEN.get(_source(model_cfg))
         return cls(model_cfg.name, model_cfg.tokenizer, model_cfg.revision, bool(model_cfg.trust_remote_code),
-                   bool(model_cfg.local_tiny), _template_text(model_cfg.chat_template))
+                   bool(model_cfg.local_tiny), _template_text(model_cfg.chat_template), chosen)
 
     def load(self):
         """This process's copy (loaded on the first call; callers must not change it)."""
@@ -72,4 +99,4 @@ class TokenizerOf:
 
 @functools.lru_cache(maxsize=4)
 def _loaded(ref: TokenizerOf):
-    return _tokenizer(ref, ref.chat_template_text)
+    return _tokenizer(ref, ref.chat_template_text, ref.tokenizer_class)
