@@ -37,9 +37,7 @@ class PackedCausalLM(nn.Module):
 
 def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
     """Build (or load) the model, install the packed-sequence paths, and shard it with FSDP2."""
-    from raytune_ft.models.attention import select_attention_backend
-    from raytune_ft.models.build import load_causal_lm, materialize_model, tokenizer_for
-    from raytune_ft.models.kernel_check import check_on_worker
+    from raytune_ft.models.tokenizer import tokenizer_for
 
     fp8_recipe = recipe.train.fp8_recipe if recipe.train.precision == "fp8" else None
     if fp8_recipe:   # this worker's own device decides; refused before anything is loaded
@@ -48,6 +46,11 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
         check_fp8_supported(device, fp8_recipe)
     tok = tokenizer_for(recipe.model)
     log.startup.part("tokenizer")
+    # the model code's imports (transformers' modelling, the kernels) count as the model code's part
+    from raytune_ft.models.attention import select_attention_backend
+    from raytune_ft.models.build import load_causal_lm, materialize_model
+    from raytune_ft.models.kernel_check import check_on_worker
+
     on_gpu = device.type == "cuda"
     compute_dtype = torch.bfloat16 if (on_gpu and recipe.model.dtype == "bfloat16") else torch.float32
     param_dtype = torch.float32 if recipe.train.master_weights == "fp32" else compute_dtype
