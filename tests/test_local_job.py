@@ -116,6 +116,21 @@ def test_local_job_console_is_the_project_s_lines_and_nothing_else(local_job):
     assert re.search(r"\d+ skipped, \d+ blocks", data), data
 
 
+def test_the_tokenizing_tasks_run_in_the_processes_the_driver_started_ahead(local_job):
+    """The driver starts the tokenizing processes (loading the tokenizer) once its own tokenizer is loaded,
+    long before a training worker's first read reaches Ray Data; the map's tasks run in them. Read from
+    Ray's worker logs: each process's log names the tasks it ran."""
+    import glob
+
+    proc = local_job["proc"]
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]
+    logs = glob.glob(str(local_job["ray_tmp"] / "ray" / "session_2*" / "logs" / "worker-*.out"))
+    texts = [open(f, errors="replace").read() for f in logs]
+    warm = [t for t in texts if ":task_name:_load_tokenizer_here" in t]
+    assert 1 <= len(warm) <= 2, len(warm)          # one task per training worker, at least 2 (data.tokenize_workers)
+    assert any(":task_name:MapBatches(fn)" in t for t in warm), "no tokenizing task ran in a process started ahead"
+
+
 @pytest.mark.timeout(120)
 def test_registration_names_the_logged_model_after_the_run_and_tags_its_version_once(local_run):
     import mlflow

@@ -242,6 +242,43 @@ def _map_fn(tok_ref: _TokenizerRef, schema: str, template_kwargs: dict, fraction
     return fn
 
 
+def _load_tokenizer_here(tokenizer) -> int:
+    _TokenizerRef(tokenizer, None).get()
+    return os.getpid()
+
+
+def _train_controller_env() -> dict | None:
+    """The runtime environment Ray Train's controller runs in (its `env_vars`), which the dataset manager,
+    Ray Data's split coordinator and the tokenizing tasks inherit; None where this Ray has no such names."""
+    try:
+        from ray.train.v2._internal.constants import (DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+                                                      RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
+                                                      get_env_vars_to_propagate)
+    except ImportError:
+        return None
+    env_vars = get_env_vars_to_propagate()
+    env_vars.setdefault(RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
+                        DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
+    return {"env_vars": env_vars}
+
+
+def start_tokenizing_processes(tokenizer, processes: int, num_cpus: float) -> list:
+    """Start `processes` Ray worker processes that load `tokenizer` (a `TokenizerOf`) ahead of the datasets.
+
+    The tokenizing map's first tasks start only when a training worker first reads, at the end of a chain of
+    new processes (Ray Train's controller, its dataset manager, Ray Data's split coordinator), and each then
+    starts a Python process and loads the tokenizer before its first row: the first step waited 7-10 s for
+    its data on the GPU node (bench/NOTES.md, start-up). Ray hands a finished task's idle process to the
+    job's next task of the same runtime environment, so these run in the one the map's tasks inherit from
+    Ray Train's controller; the tokenizer, loaded once per process, is there when they come. A head start
+    only: nothing waits for these tasks. Returns their refs (each its process id)."""
+    import ray
+
+    task = ray.remote(num_cpus=num_cpus, max_retries=0,
+                      runtime_env=_train_controller_env())(_load_tokenizer_here)
+    return [task.remote(tokenizer) for _ in range(processes)]
+
+
 def build_dataset(data, tokenizer, *, split: str = "train", chat_template: str | None = None,
                   processes: int | None = None):
     """A Ray Dataset of tokenized, masked conversations of `split` ("train" or "validation").
