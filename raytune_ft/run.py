@@ -289,14 +289,11 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     marks["tracking"] = time.time()
     tokenizer.result()
     # imported by the thread beside Ray's start (torch, Ray Train): not on the way to it
-    from raytune_ft.data.pipeline import start_tokenizing_processes
-    from raytune_ft.models.tokenizer import TokenizerOf
-    from raytune_ft.train.launch import build_trainer, tokenize_processes, unfixable_error
+    from raytune_ft.train.launch import build_trainer, start_tokenizing, unfixable_error
 
     # the tokenizing processes start now, beside Ray Train's, and have the tokenizer loaded (the driver's
     # choice of class) when the first read reaches them
-    start_tokenizing_processes(TokenizerOf.of(recipe.model), tokenize_processes(recipe),
-                               recipe.data.num_cpus_per_op)
+    start_tokenizing(recipe)
 
     trainer = build_trainer(recipe, mlflow_run_id=run_id, lease_token=run_lease.token, job_start=job_start,
                             startup_marks=marks)

@@ -242,9 +242,8 @@ def _map_fn(tok_ref: _TokenizerRef, schema: str, template_kwargs: dict, fraction
     return fn
 
 
-def _load_tokenizer_here(tokenizer) -> int:
-    _TokenizerRef(tokenizer, None).get()
-    return os.getpid()
+def _load_tokenizer_here(tokenizer) -> None:
+    tokenizer.load()
 
 
 def _train_controller_env() -> dict | None:
@@ -262,7 +261,7 @@ def _train_controller_env() -> dict | None:
     return {"env_vars": env_vars}
 
 
-def start_tokenizing_processes(tokenizer, processes: int, num_cpus: float) -> list:
+def start_tokenizing_processes(tokenizer, processes: int, num_cpus: float) -> None:
     """Start `processes` Ray worker processes that load `tokenizer` (a `TokenizerOf`) ahead of the datasets.
 
     The tokenizing map's first tasks start only when a training worker first reads, at the end of a chain of
@@ -271,12 +270,13 @@ def start_tokenizing_processes(tokenizer, processes: int, num_cpus: float) -> li
     its data on the GPU node (bench/NOTES.md, start-up). Ray hands a finished task's idle process to the
     job's next task of the same runtime environment, so these run in the one the map's tasks inherit from
     Ray Train's controller; the tokenizer, loaded once per process, is there when they come. A head start
-    only: nothing waits for these tasks. Returns their refs (each its process id)."""
+    only: nothing waits for these tasks."""
     import ray
 
     task = ray.remote(num_cpus=num_cpus, max_retries=0,
                       runtime_env=_train_controller_env())(_load_tokenizer_here)
-    return [task.remote(tokenizer) for _ in range(processes)]
+    for _ in range(processes):
+        task.remote(tokenizer)
 
 
 def build_dataset(data, tokenizer, *, split: str = "train", chat_template: str | None = None,
@@ -323,7 +323,7 @@ def build_dataset(data, tokenizer, *, split: str = "train", chat_template: str |
 
 # ---------------------------------------------------------------- worker side
 
-def _iter_rows(shard: Any, batch_size: int | None = None) -> Iterator[tuple[Any, Any, str]]:
+def _iter_rows(shard: Any) -> Iterator[tuple[Any, Any, str]]:
     """(ids, mask, skip_reason) from a DataIterator / Dataset shard, or an iterable of row dicts.
 
     Blocks are passed on as they come (`batch_size=None`, `prefetch_batches=0`): the tokenizing map makes
@@ -332,7 +332,7 @@ def _iter_rows(shard: Any, batch_size: int | None = None) -> Iterator[tuple[Any,
     rows came after eight tokenizing batches (bench/NOTES.md, start-up). Reading ahead is the loop's
     (`train.read_ahead`, a thread that keeps two steps' blocks ready)."""
     if hasattr(shard, "iter_batches"):
-        for batch in shard.iter_batches(batch_size=batch_size, batch_format="pyarrow", prefetch_batches=0):
+        for batch in shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0):
             ids_col, mask_col = batch.column("input_ids"), batch.column("mask")
             reasons = batch.column("skip_reason").to_pylist()
             for i, reason in enumerate(reasons):

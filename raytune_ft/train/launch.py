@@ -162,6 +162,15 @@ def tokenize_processes(recipe: Recipe) -> int:
     return recipe.data.tokenize_workers or max(2, recipe.scaling.num_workers)
 
 
+def start_tokenizing(recipe: Recipe) -> None:
+    """Start the processes `build_datasets`' tokenizing tasks will run in, with the same tokenizer settings,
+    number and CPUs (data/pipeline.start_tokenizing_processes)."""
+    from raytune_ft.data.pipeline import start_tokenizing_processes
+    from raytune_ft.models.tokenizer import TokenizerOf
+
+    start_tokenizing_processes(TokenizerOf.of(recipe.model), tokenize_processes(recipe), recipe.data.num_cpus_per_op)
+
+
 def build_datasets(recipe: Recipe):
     """The train (and validation) Ray Datasets: read, tokenize and mask lazily; split without dropping rows."""
     from raytune_ft.data.pipeline import build_dataset, train_data_config
