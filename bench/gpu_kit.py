@@ -51,6 +51,7 @@ class Part:
     env: dict = dataclasses.field(default_factory=dict)
     read: Callable[["Part", str, list[dict]], dict] | None = None   # (part, output, RESULT dicts) -> figures
     prepare: Callable[[], None] | None = None                       # runs just before the part (not in --dry-run)
+    cleanup: Callable[[], None] | None = None                       # runs after it, however it ended
     info: dict = dataclasses.field(default_factory=dict)           # settings recorded with the figures
     bench: str = ""                                                 # the subcommand it belongs to
 
@@ -122,10 +123,14 @@ def run_parts(bench: str, parts: list[Part], opts) -> list[dict]:
               flush=True)
         if opts.dry_run:
             continue
-        if part.prepare:
-            part.prepare()
-        t0 = time.time()
-        code, output = run_process(part.argv, part_env(opts.gpus, part.env), part.timeout_s)
+        try:
+            if part.prepare:
+                part.prepare()
+            t0 = time.time()
+            code, output = run_process(part.argv, part_env(opts.gpus, part.env), part.timeout_s)
+        finally:
+            if part.cleanup:
+                part.cleanup()
         figures: dict = {}
         try:
             figures = part.read(part, output, result_lines(output)) if part.read else {}
@@ -315,13 +320,15 @@ class Kit:
         return parts
 
     def startup(self) -> list[Part]:
+        if self.o.part == "resubmit":
+            return self.resubmit()
         # the same storage and JIT/compile caches for both runs, each in a fresh process: the second finds
         # what the first compiled. The job's own cache folder (train.cache_dir), fresh for this bench: the
         # cold run fills it. `--part cold` and `--part warm` run one each, in two invocations with the same
         # --workdir (the warm one reads the cold one's folder and summary there)
         which = ("cold", "warm") if self.o.part == "all" else (self.o.part,)
         if any(w not in ("cold", "warm") for w in which):
-            raise SystemExit(f"startup --part: cold, warm or all, not {self.o.part}")
+            raise SystemExit(f"startup --part: cold, warm, resubmit or all, not {self.o.part}")
         folder = "jit-cache-" + (self.stamp if self.o.part == "all" else "startup")
         cache = ["--set", f"train.cache_dir={os.path.join(self.work, folder)}"]
         cold_file = os.path.join(self.work, "startup-cold.json")
@@ -348,6 +355,52 @@ class Kit:
         parts = [self.recipe_run("startup", w, cache, keep(w), steps=steps) for w in which]
         for p in parts:
             p.prepare = prepare
+        return parts
+
+    def resubmit(self) -> list[Part]:
+        """The warm start as a user re-submits a job: a Ray head started once (`ray start --head`, its
+        dashboard on loopback), then two `ray job submit --working-dir . -- python jobs/qwen27b_b300.py` on it,
+        with the start-up pair's JIT cache folder (run `--part cold` first, with the same --workdir). The
+        figures: the run's breakdown (from Ray's acceptance of the submission) and `submit_to_first_step_s`,
+        from the moment `ray job submit` is started."""
+        # on CPU, logical CPUs above the cores (as the job's --local Ray has): two training workers and Ray
+        # Data's tasks on a 2-core machine
+        cpus = max(8, 2 * (os.cpu_count() or 2)) if self.o.cpu_smoke else None
+        head = RayHead(os.path.join(self.work, "rayhead"), self.n_gpus, cpus)
+        cache = ["--set", f"train.cache_dir={os.path.join(self.work, 'jit-cache-startup')}"]
+        steps = min(self.o.steps, 4)
+        parts = []
+        for i in (1, 2):
+            label = f"resubmit-{i}"
+            part = self.recipe_run("startup", label, cache, lambda summary: {}, steps=steps)
+            sid = f"{part.info['run_name']}"
+            part.argv = [PY, "-m", "ray.scripts.scripts", "job", "submit", "--address", head.address,
+                         "--submission-id", sid, "--working-dir", REPO, "--", *part.argv]
+            part.env = {"RAY_AUTH_MODE": "token"}
+            submitted: dict = {}
+
+            def prepare(first=(i == 1), submitted=submitted):
+                self.write_model_config()
+                if first:
+                    head.start(part_env(self.o.gpus, {"RAY_AUTH_MODE": "token"}))
+                submitted["cli"] = time.time()
+
+            def read(p, out, res, name=part.info["run_name"], sid=sid, submitted=submitted):
+                summary = run_summary(self.storage, name)
+                startup = summary.get("startup") or {}
+                fig = {"startup": startup, "submission_id": sid}
+                accepted = head.job_start_time(sid)
+                if accepted is not None and "total_s" in startup:
+                    # `ray job submit`'s own start (its imports, the working directory's upload) is the gap
+                    # between the command's start and Ray's acceptance; the run counts from the acceptance
+                    fig["submit_command_s"] = round(accepted - submitted["cli"], 3)
+                    fig["submit_to_first_step_s"] = round(accepted - submitted["cli"] + startup["total_s"], 3)
+                return fig
+
+            part.prepare, part.read = prepare, read
+            if i == 2:
+                part.cleanup = head.stop
+            parts.append(part)
         return parts
 
     def eval(self) -> list[Part]:
@@ -413,6 +466,83 @@ class Kit:
         return parts
 
 
+class RayHead:
+    """A Ray head of the bench's own (`ray start --head`, token authentication as Ray sets it, dashboard and
+    job server on loopback, free ports, its temp folder under the work folder), stopped by its processes
+    (`ray stop` would stop every Ray of the machine)."""
+
+    def __init__(self, temp: str, gpus: int, cpus: int | None = None):
+        import socket
+
+        def free() -> int:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                return s.getsockname()[1]
+
+        self.temp, self.gpus, self.cpus = temp, gpus, cpus
+        self.ports = {k: free() for k in ("port", "dashboard-port", "dashboard-agent-listen-port",
+                                         "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port")}
+        self.address = f"http://127.0.0.1:{self.ports['dashboard-port']}"
+
+    def start(self, env: dict) -> None:
+        os.makedirs(self.temp, exist_ok=True)
+        argv = [PY, "-m", "ray.scripts.scripts", "start", "--head", "--node-ip-address=127.0.0.1",
+                "--dashboard-host=127.0.0.1", "--disable-usage-stats", f"--temp-dir={self.temp}",
+                *(f"--{k}={v}" for k, v in self.ports.items())]
+        if self.gpus:
+            argv.append(f"--num-gpus={self.gpus}")
+        if self.cpus:
+            argv.append(f"--num-cpus={self.cpus}")
+        print("=== ray head: " + shlex.join(argv), flush=True)
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        if out.returncode != 0:
+            raise RuntimeError(f"ray start failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")
+        self._wait_for_job_agent(env)
+
+    def _wait_for_job_agent(self, env: dict, timeout_s: float = 120) -> None:
+        """The job agent comes up after `ray start` returns; a submit before it answers "No available agent"."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            out = subprocess.run([PY, "-m", "ray.scripts.scripts", "job", "list", "--address", self.address],
+                                 env=env, capture_output=True, text=True, timeout=120)
+            if out.returncode == 0:
+                return
+            time.sleep(2)
+        print("=== ray head: the job server did not answer `ray job list` in time; submitting anyway", flush=True)
+
+    def job_start_time(self, submission_id: str) -> float | None:
+        """When Ray accepted the submission (epoch seconds), from its job server."""
+        try:
+            os.environ.setdefault("RAY_AUTH_MODE", "token")
+            from ray.job_submission import JobSubmissionClient
+
+            info = JobSubmissionClient(self.address).get_job_info(submission_id)
+            return info.start_time / 1000.0 if info.start_time else None
+        except Exception as e:  # noqa: BLE001 - the run's own breakdown still stands
+            print(f"=== ray head: could not read job {submission_id}: {type(e).__name__}: {e}", flush=True)
+            return None
+
+    def stop(self) -> None:
+        import psutil
+
+        mine = {}
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if any(self.temp in arg for arg in (p.info["cmdline"] or [])):
+                    # Ray's workers retitle themselves (`ray::...`): they are found as the raylet's children
+                    mine.update({q.pid: q for q in [p, *p.children(recursive=True)]})
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        mine = list(mine.values())
+        for p in mine:
+            try:
+                p.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        for p in psutil.wait_procs(mine, timeout=20)[1]:
+            p.kill()
+
+
 def junit_counts(path: str, results: list[dict]) -> dict:
     """passed / failed / errors / skipped from pytest's junit report, and the tests' own RESULT lines."""
     import xml.etree.ElementTree as ET
@@ -467,9 +597,9 @@ def add_arguments(p) -> None:
     p.add_argument("--log-every", type=int, default=2)
     p.add_argument("--precisions", default="bf16,fp8", help="fp8: which runs of the pair (bf16, fp8 or both)")
     p.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "mxfp8"])
-    p.add_argument("--part", default="all", choices=["all", *SUITE_PARTS, "cold", "warm"],
+    p.add_argument("--part", default="all", choices=["all", *SUITE_PARTS, "cold", "warm", "resubmit"],
                    help="suite: which files (kernels, ray); startup: which run (cold, warm: two invocations with "
-                        "one --workdir)")
+                        "one --workdir; resubmit: after cold, two `ray job submit`s on a Ray head it starts)")
     p.add_argument("--parity-steps", type=int, default=300)
     p.add_argument("--assets", default=os.path.join(REPO, ".bench-assets"),
                    help="a folder with tokenizer/, chat_template.jinja and rows/*.jsonl for nodes without hub "

@@ -122,6 +122,30 @@ def start_train_helpers() -> None:
         print(f"[raytune_ft] could not start Ray Data's autoscaling coordinator ahead: {type(e).__name__}")
 
 
+def submitted_at() -> float | None:
+    """When Ray accepted this job's submission (epoch seconds), for a driver started by `ray job submit`
+    and connected to its cluster; else None. The time between it and this process's start (Ray's job
+    supervisor, the working directory's upload and unpacking, the job's process) is part of the wait."""
+    from raytune_ft.lease import job_id
+
+    submission = job_id()
+    if not submission:
+        return None
+    try:   # Ray's own job table in the cluster's key-value store: private names, so any failure is None
+        import json
+
+        from ray.dashboard.modules.job.common import JobInfoStorageClient
+        from ray.experimental.internal_kv import _internal_kv_get
+        from ray._private import ray_constants
+
+        raw = _internal_kv_get(JobInfoStorageClient.JOB_DATA_KEY.format(job_id=submission),
+                               namespace=ray_constants.KV_NAMESPACE_JOB)
+        start_ms = (json.loads(raw) if raw else {}).get("start_time")
+        return float(start_ms) / 1000.0 if start_ms else None
+    except Exception:  # noqa: BLE001 - the breakdown then counts from the job's process, as without Ray
+        return None
+
+
 def cluster_nodes() -> int:
     """Alive nodes of the Ray cluster this process is connected to."""
     import ray
@@ -283,6 +307,10 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
                              tags={"raytune.status": "failed", "raytune.error": "Ray did not start"})
         raise
     marks["ray_start"] = time.time()
+    submitted = submitted_at() if joins else None
+    if submitted is not None:   # `ray job submit`: the wait starts at the submission (the process's start
+        # time has a resolution of 10 ms: a driver Ray started at once may seem to start before it)
+        marks["process"], job_start = job_start, min(submitted, job_start)
     start_train_helpers()
     check_tracking_store(recipe, cluster_nodes(), "nodes of the Ray cluster it joined")
     run_id = opened.result() if opened is not None else tracking.start_run(recipe)

@@ -62,7 +62,7 @@ def test_startup_cold_and_warm_one_at_a_time_share_a_cache_folder(capsys, tmp_pa
     (warm,) = dry_run(capsys, "startup", "--part", "warm", "--gpus", "0", "--workdir", work)
     cache = re.compile(r"train.cache_dir=(\S+)")
     assert cache.findall(cold)[-1] == cache.findall(warm)[-1] == os.path.join(work, "jit-cache-startup")
-    with pytest.raises(SystemExit, match="cold, warm or all"):
+    with pytest.raises(SystemExit, match="cold, warm, resubmit or all"):
         bench_main(["gpu", "startup", "--part", "kernels", "--dry-run", "--gpus", "0"])
     with pytest.raises(SystemExit, match="kernels, ray or all"):
         bench_main(["gpu", "suite", "--part", "warm", "--dry-run", "--gpus", "0"])
@@ -124,6 +124,18 @@ def test_throughput_figures_leave_out_the_first_window(tmp_path):
                                       "final_loss": 13.0})
     assert fig["tok_s_windows"] == [9000, 11000] and fig["tok_s"] == 10000 and fig["tok_s_per_gpu"] == 5000
     assert fig["mfu"] == 0.5 and fig["peak_gib"] == 78.9
+
+
+def test_startup_resubmit_is_two_ray_job_submits_with_the_start_up_pairs_cache(capsys, tmp_path):
+    work = str(tmp_path)
+    first, second = dry_run(capsys, "startup", "--part", "resubmit", "--gpus", "0", "--workdir", work)
+    for line in (first, second):
+        assert "-m ray.scripts.scripts job submit --address http://127.0.0.1:" in line
+        assert f"--working-dir {REPO}" in line and " -- " in line and "jobs/qwen27b_b300.py" in line
+        assert "RAY_AUTH_MODE=token" in line
+        assert re.findall(r"train.cache_dir=(\S+)", line)[-1] == os.path.join(work, "jit-cache-startup")
+    ids = [re.search(r"--submission-id (\S+)", line).group(1) for line in (first, second)]
+    assert ids[0] != ids[1] and all(i in line for i, line in zip(ids, (first, second)))
 
 
 def test_startup_figures_cold_and_warm_side_by_side():

@@ -85,6 +85,13 @@ def test_ray_job_submit_runs_the_local_job_on_the_cluster(ray_head, tmp_path):
     assert summary["steps"] == 6
     assert summary["registered_name"] == "main.default.qwen27b_local"
     assert "registered       main.default.qwen27b_local version 1" in log
+    # the start-up breakdown counts from Ray's acceptance of the submission: its first part is the wait for
+    # Ray's job supervisor, the working directory and the job's process; the parts still add up to the phase
+    startup = summary["startup"]
+    assert startup["ray_workers.submission_s"] > 0, startup
+    ray_parts = [v for k, v in startup.items() if k.startswith("ray_workers.")]
+    assert sum(ray_parts) == pytest.approx(startup["ray_workers_s"], abs=0.05)
+    assert "job submission" in log
 
 
 def test_submit_without_token_is_refused(ray_head):

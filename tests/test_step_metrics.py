@@ -100,6 +100,30 @@ def test_startup_breakdown_sums_to_the_time_since_the_job_started():
     assert clock.finish() == m                       # the first step ends once
 
 
+@pytest.mark.parametrize("submitted", [False, True])
+def test_the_ray_workers_parts_follow_the_drivers_marks_from_the_submission_when_there_is_one(submitted):
+    """A driver of `ray job submit` counts from Ray's acceptance and marks its own process's start."""
+    from raytune_ft.env import process_start
+
+    # this process plays the worker: its start is the end of the driver's part of the wait
+    now = time.time()
+    created = process_start()
+    marks = {"driver": created - 4.0, "ray_start": created - 3.0, "tracking": created - 2.0,
+             "datasets": created - 1.0}
+    job_start = created - 6.0
+    if submitted:
+        marks["process"] = created - 5.0
+    clock = StartupClock(job_start, marks)
+    parts = {k.split(".", 1)[1]: v for k, v in clock.parts.items()}
+    expected = ["driver", "ray_start", "tracking", "datasets", "scheduling", "worker_setup"]
+    assert list(parts) == (["submission"] + expected if submitted else expected)
+    assert parts["driver"] == pytest.approx(1.0 if submitted else 2.0, abs=1e-6)
+    assert parts.get("submission", 1.0) == pytest.approx(1.0, abs=1e-6)
+    assert parts["scheduling"] == pytest.approx(1.0, abs=1e-6)
+    assert sum(parts.values()) == pytest.approx(clock.seconds["ray_workers"], abs=1e-6)
+    assert clock.seconds["ray_workers"] >= now - job_start - 1e-3
+
+
 def test_first_step_prints_one_breakdown_line_and_logs_it(mlflow_run):
     import torch
 

@@ -96,9 +96,11 @@ STARTUP_PHASES = {"ray_workers": "Ray and workers", "model_build": "model build"
 STARTUP_METRICS = tuple(f"startup/{p}_s" for p in STARTUP_PHASES) + ("startup/total_s",)
 # `ray_workers` split at the driver's marks (`startup_marks`: epoch seconds after each, in this order) and at
 # the start of the worker's process; each part is also reported, as `startup/ray_workers.<part>_s`. The job
-# starts when its driver process does (the user's command), not where the run's code begins
-RAY_WORKERS_PARTS = {"driver": "job process: imports and checks", "ray_start": "Ray start",
-                     "tracking": "MLflow run", "datasets": "datasets and trainer",
+# starts when its driver process does (the user's command), not where the run's code begins, or, under
+# `ray job submit`, when Ray accepted the submission: then `submission` (to the driver's process start,
+# the driver's mark "process") comes first
+RAY_WORKERS_PARTS = {"submission": "job submission", "driver": "job process: imports and checks",
+                     "ray_start": "Ray start", "tracking": "MLflow run", "datasets": "datasets and trainer",
                      "scheduling": "worker scheduling", "worker_setup": "worker imports and process group"}
 DRIVER_MARKS = ("driver", "ray_start", "tracking", "datasets")
 # `model_build` split where the worker marks it (`StartupClock.part`), each reported as
@@ -120,10 +122,12 @@ def _ray_workers_parts(job_start: float, marks: dict | None, now: float) -> dict
     created = process_start()
     if created is None:         # the parts are a diagnosis; the phase itself stays measured
         return {}
-    points = [job_start] + [float(marks[k]) for k in DRIVER_MARKS]
+    names = [p for p in RAY_WORKERS_PARTS if p != "submission" or "process" in marks]
+    points = [job_start] + ([float(marks["process"])] if "process" in marks else [])
+    points += [float(marks[k]) for k in DRIVER_MARKS]
     # a process Ray had started before the job asked for it counts as scheduled at once
     points += [min(max(created, points[-1]), now), now]
-    return {part: max(0.0, b - a) for part, a, b in zip(RAY_WORKERS_PARTS, points, points[1:])}
+    return {part: max(0.0, b - a) for part, a, b in zip(names, points, points[1:])}
 
 
 def _compile_seconds() -> float:
