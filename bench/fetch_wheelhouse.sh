@@ -2,7 +2,8 @@
 # Build a wheelhouse for an air-gapped GPU node, on a machine that can reach PyPI: the packages the
 # project's GPU runs and the GPU test suite need beyond a PyTorch image (torch, transformers, peft,
 # accelerate, pyarrow, pandas, numpy present), as wheels for CPython 3.12 on x86-64 Linux, plus Ray as
-# a trimmed tarball (its Java jars, RLlib and the dashboard's web build left out: ~30 MB, not 79).
+# a trimmed tarball (its Java jars, RLlib and the dashboard's web build left out: ~30 MB, not 79; the job
+# server runs without the web pages).
 # bench/install_wheelhouse.sh installs them on the node.
 #
 #   bash bench/fetch_wheelhouse.sh DIR                 # everything in DIR
@@ -34,8 +35,12 @@ get "$work/all" --no-deps trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==
   jsonschema jsonschema-specifications referencing rpds-py tensorboardX 'pydantic>=2.5,<3' pydantic-core \
   typing-inspection annotated-types
 # Resolved with their needs (nothing here asks for torch): MLflow's client and its sqlite store
-# (sqlalchemy, alembic), the registry store's cryptography, pytest for the GPU suite.
-get "$work/all" mlflow-skinny==3.17.2 sqlalchemy alembic cryptography pytest pytest-timeout
+# (sqlalchemy, alembic), the registry store's cryptography, pytest for the GPU suite, and what Ray's
+# dashboard needs to serve `ray job submit` (ray[default]'s extras; resolved together with MLflow's so that
+# both get one set of opentelemetry packages).
+get "$work/all" mlflow-skinny==3.17.2 sqlalchemy alembic cryptography pytest pytest-timeout \
+  aiohttp aiohttp-cors colorful smart-open opencensus opentelemetry-exporter-prometheus prometheus-client \
+  virtualenv py-spy grpcio
 
 # what a PyTorch image with transformers already holds: left out so the node keeps its own builds
 have='^(torch|triton|nvidia_.*|transformers|tokenizers|huggingface_hub|hf_xet|safetensors|numpy|pyarrow|pandas|peft|accelerate|filelock|typing_extensions|sympy|mpmath|networkx|jinja2|markupsafe|pyyaml|regex|requests|urllib3|idna|certifi|charset_normalizer|tqdm|packaging|psutil|python_dateutil|pytz|tzdata|six|setuptools|protobuf)-'

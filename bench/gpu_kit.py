@@ -123,19 +123,19 @@ def run_parts(bench: str, parts: list[Part], opts) -> list[dict]:
               flush=True)
         if opts.dry_run:
             continue
+        figures: dict = {}
         try:
             if part.prepare:
                 part.prepare()
             t0 = time.time()
             code, output = run_process(part.argv, part_env(opts.gpus, part.env), part.timeout_s)
-        finally:
+            try:
+                figures = part.read(part, output, result_lines(output)) if part.read else {}
+            except Exception as e:   # a run that ended early leaves less to read; the record says so
+                figures = {"unreadable": f"{type(e).__name__}: {e}"}
+        finally:   # after the figures are read (a Ray head the reading asks)
             if part.cleanup:
                 part.cleanup()
-        figures: dict = {}
-        try:
-            figures = part.read(part, output, result_lines(output)) if part.read else {}
-        except Exception as e:   # a run that ended early leaves less to read; the record says so
-            figures = {"unreadable": f"{type(e).__name__}: {e}"}
         rec = {"bench": bench, "label": part.label, "exit": code, "seconds": round(time.time() - t0, 1),
                "gpus": opts.gpus, "command": cmd, "env": part.env, "settings": part.info, "figures": figures}
         path = records.append(opts.results, rec)

@@ -42,6 +42,12 @@ for d in "$@"; do
     # daemons lose their exec bit in the tarball's round trip
     tar xJf "$d/ray.tar.xz" -C "$site"
     chmod +x "$site/ray/core/src/ray/raylet/raylet" "$site/ray/core/src/ray/gcs/gcs_server"
+    # the dashboard (and with it the job server `ray job submit` talks to) refuses to start without a web
+    # build folder: an empty page stands in for the pages left out
+    mkdir -p "$site/ray/dashboard/client/build/static"
+    [[ -f $site/ray/dashboard/client/build/index.html ]] || \
+      echo '<html><body>Ray dashboard pages not installed (bench/install_wheelhouse.sh)</body></html>' \
+        > "$site/ray/dashboard/client/build/index.html"
     echo "installed: Ray (from $d/ray.tar.xz) into $site"
   fi
 done
@@ -49,8 +55,16 @@ done
 if [[ ${#wheels[@]} -gt 0 ]]; then
   args=(-q --no-index --no-compile "${links[@]}")
   [[ $deps == 1 ]] || args+=(--no-deps)
-  [[ -z $target ]] || args+=(--target "$target" --upgrade)
-  $PY -m pip install "${args[@]}" "${wheels[@]}"
+  if [[ -z $target ]]; then
+    $PY -m pip install "${args[@]}" "${wheels[@]}"
+  else
+    # pip's --target --upgrade replaces a top-level folder whole: a namespace package split over two
+    # wheelhouses (opentelemetry, google) would lose the first one's half. Installed apart, then merged
+    fresh=$(mktemp -d "$target/.install.XXXXXX")
+    $PY -m pip install "${args[@]}" --target "$fresh" "${wheels[@]}"
+    cp -a "$fresh"/. "$target"/
+    rm -rf "$fresh"
+  fi
   echo "installed: ${#wheels[@]} wheels from $* into $site"
 fi
 [[ -z $target ]] || echo "now: export PYTHONPATH=$target:\$PWD"

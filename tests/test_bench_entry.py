@@ -147,10 +147,11 @@ def test_startup_figures_cold_and_warm_side_by_side():
     assert "note" in gpu_kit.startup_side_by_side({}, {})
 
 
-def _wheel(folder: Path, name: str) -> Path:
-    """A minimal pure-Python wheel, written as the wheel format lays it out."""
+def _wheel(folder: Path, name: str, package: str | None = None) -> Path:
+    """A minimal pure-Python wheel, written as the wheel format lays it out (`package`: its folder, e.g.
+    "ns/part" for a part of the namespace package "ns")."""
     path = folder / f"{name}-1.0-py3-none-any.whl"
-    files = {f"{name}/__init__.py": "VALUE = 42\n",
+    files = {f"{package or name}/__init__.py": "VALUE = 42\n",
              f"{name}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
              f"{name}-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
     record = "".join(f"{k},,\n" for k in files) + f"{name}-1.0.dist-info/RECORD,,\n"
@@ -186,6 +187,27 @@ def test_install_from_a_wheelhouse_installs_each_folder_and_ray(tmp_path):
     assert out.stdout.strip() == "42", out.stderr
     for rel in daemons:
         assert (site / rel).stat().st_mode & stat.S_IXUSR
+    # Ray's job server starts only with a web build folder; the tarball leaves the pages out
+    assert (site / "ray/dashboard/client/build/index.html").is_file()
+
+
+@pytest.mark.timeout(120)
+def test_a_namespace_package_split_over_two_wheelhouses_keeps_both_halves(tmp_path):
+    """opentelemetry and google arrive in parts from two folders installed one at a time: the second
+    install must not replace the first one's half of the shared top-level folder."""
+    one, two, site = tmp_path / "wh-1", tmp_path / "wh-2", tmp_path / "site"
+    one.mkdir(), two.mkdir()
+    _wheel(one, "nsdemo_api", "nsdemo/api")
+    _wheel(two, "nsdemo_exporter", "nsdemo/exporter")
+    for folder in (one, two):
+        proc = subprocess.run(["bash", "bench/install_wheelhouse.sh", "--target", str(site), str(folder)],
+                              cwd=REPO, capture_output=True, text=True, timeout=100)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = subprocess.run([sys.executable, "-c", "import nsdemo.api, nsdemo.exporter; print(nsdemo.api.VALUE)"],
+                         env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True, cwd=tmp_path,
+                         timeout=60)
+    assert out.stdout.strip() == "42", out.stderr
+    assert not [p for p in site.iterdir() if p.name.startswith(".install")]
 
 
 # ---------------------------------------------------------------- the kit's docs and files
