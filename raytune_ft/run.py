@@ -292,13 +292,14 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     # the start-up breakdown's driver side (train/common.DRIVER_MARKS), from this process's start: what a
     # user waits for includes the imports and checks above
     marks, job_start = {"driver": t0}, min(process_start() or t0, t0)
-    # while Ray starts: the training loop's imports and the tokenizer, and, on a Ray this job starts (one
-    # node, so the node check below cannot fail), the MLflow run: none of them needs Ray. A cluster joined
-    # (RAY_ADDRESS, or a Ray this process is connected to already) is checked before the run opens
-    pool = held.enter_context(concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="raytune-start"))
+    # while Ray starts: the driver's imports and the tokenizer (a thread), and, on a Ray this job starts (one
+    # node, so the node check below cannot fail), the MLflow run (a process of its own: tracking.RunOpening):
+    # none of them needs Ray. A cluster joined (RAY_ADDRESS, or a Ray this process is connected to already)
+    # is checked before the run opens
+    pool = held.enter_context(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raytune-start"))
     tokenizer = pool.submit(_prepare_driver, recipe)
     joins = bool(os.environ.get("RAY_ADDRESS")) or ("ray" in sys.modules and sys.modules["ray"].is_initialized())
-    opened = None if joins else pool.submit(tracking.start_run, recipe)
+    opened = None if joins else tracking.RunOpening(recipe)
     try:
         ensure_ray(local)
     except BaseException:
@@ -313,7 +314,7 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
         marks["process"], job_start = job_start, min(submitted, job_start)
     start_train_helpers()
     check_tracking_store(recipe, cluster_nodes(), "nodes of the Ray cluster it joined")
-    run_id = opened.result() if opened is not None else tracking.start_run(recipe)
+    run_id = (opened or tracking.RunOpening(recipe)).result()
     marks["tracking"] = time.time()
     tokenizer.result()
     # imported by the thread beside Ray's start (torch, Ray Train): not on the way to it

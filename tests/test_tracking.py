@@ -47,3 +47,33 @@ def test_finished_run_with_another_registry_name_says_which_weights_it_registers
     said = capsys.readouterr().out
     assert "/runs/x/checkpoint_1" in said and "main.default.renamed" in said and "nothing is trained" in said
     assert [r.info.run_id for r in _runs(client)] == [run_id]
+
+
+def test_the_driver_opens_the_run_in_a_process_of_its_own_with_start_runs_answers(tmp_path, capfd):
+    """RunOpening: the run id start_run would give, its errors as the same exceptions, and no MLflow in the
+    driver's process (a fresh Python that opens a run has not imported it: the GIL stays with the driver)."""
+    import json
+    import subprocess
+    import sys
+
+    from raytune_ft.tracking import FinishedRunError, RunOpening
+
+    run_id, client = _finished(tmp_path)
+    assert RunOpening(_recipe(tmp_path)).result() == run_id           # the finished run's own id, as start_run
+    assert f"finished already (MLflow run {run_id})" in capfd.readouterr().out   # its note, on the console
+    opening = RunOpening(_recipe(tmp_path, "train.max_steps=7"))
+    assert isinstance(opening.exception(), FinishedRunError)
+    with pytest.raises(FinishedRunError, match=r"train\.max_steps") as caught:
+        opening.result()
+    assert run_id in str(caught.value)
+    assert [r.info.run_id for r in _runs(client)] == [run_id]
+
+    code = ("import json, sys; from raytune_ft.cli import _job_recipe; from raytune_ft.tracking import RunOpening; "
+            f"r = _job_recipe('qwen27b_b300', True, ['tracking.storage_path={tmp_path / 'fresh'}']); "
+            "rid = RunOpening(r).result(); print(json.dumps([rid, 'mlflow' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rid, driver_imported_mlflow = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not driver_imported_mlflow
+    fresh = _recipe(tmp_path / "x", f"tracking.storage_path={tmp_path / 'fresh'}")
+    assert MlflowClient(fresh.tracking_uri).get_run(rid).info.status == "RUNNING"
