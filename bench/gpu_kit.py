@@ -366,7 +366,7 @@ class Kit:
         # on CPU, logical CPUs above the cores (as the job's --local Ray has): two training workers and Ray
         # Data's tasks on a 2-core machine
         cpus = max(8, 2 * (os.cpu_count() or 2)) if self.o.cpu_smoke else None
-        head = RayHead(os.path.join(self.work, "rayhead"), self.n_gpus, cpus)
+        head = RayHead(self.n_gpus, cpus)
         cache = ["--set", f"train.cache_dir={os.path.join(self.work, 'jit-cache-startup')}"]
         steps = min(self.o.steps, 4)
         parts = []
@@ -468,10 +468,10 @@ class Kit:
 
 class RayHead:
     """A Ray head of the bench's own (`ray start --head`, token authentication as Ray sets it, dashboard and
-    job server on loopback, free ports, its temp folder under the work folder), stopped by its processes
-    (`ray stop` would stop every Ray of the machine)."""
+    job server on loopback, free ports, a temp folder of its own), stopped by its processes (`ray stop` would
+    stop every Ray of the machine)."""
 
-    def __init__(self, temp: str, gpus: int, cpus: int | None = None):
+    def __init__(self, gpus: int, cpus: int | None = None):
         import socket
 
         def free() -> int:
@@ -479,13 +479,15 @@ class RayHead:
                 s.bind(("127.0.0.1", 0))
                 return s.getsockname()[1]
 
-        self.temp, self.gpus, self.cpus = temp, gpus, cpus
+        # Ray's sockets live in its temp folder and a socket path has at most 107 bytes: a short folder of
+        # its own under the system's temporary folder, not the (maybe long) work folder
+        self.temp, self.gpus, self.cpus = "", gpus, cpus
         self.ports = {k: free() for k in ("port", "dashboard-port", "dashboard-agent-listen-port",
                                          "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port")}
         self.address = f"http://127.0.0.1:{self.ports['dashboard-port']}"
 
     def start(self, env: dict) -> None:
-        os.makedirs(self.temp, exist_ok=True)
+        self.temp = tempfile.mkdtemp(prefix="raytune-head-")
         argv = [PY, "-m", "ray.scripts.scripts", "start", "--head", "--node-ip-address=127.0.0.1",
                 "--dashboard-host=127.0.0.1", "--disable-usage-stats", f"--temp-dir={self.temp}",
                 *(f"--{k}={v}" for k, v in self.ports.items())]
@@ -524,6 +526,9 @@ class RayHead:
 
     def stop(self) -> None:
         import psutil
+
+        if not self.temp:
+            return
 
         mine = {}
         for p in psutil.process_iter(["cmdline"]):

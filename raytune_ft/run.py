@@ -312,9 +312,10 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     if submitted is not None:   # `ray job submit`: the wait starts at the submission (the process's start
         # time has a resolution of 10 ms: a driver Ray started at once may seem to start before it)
         marks["process"], job_start = job_start, min(submitted, job_start)
-    start_train_helpers()
     check_tracking_store(recipe, cluster_nodes(), "nodes of the Ray cluster it joined")
-    run_id = (opened or tracking.RunOpening(recipe)).result()
+    opened = opened or tracking.RunOpening(recipe)
+    start_train_helpers()
+    run_id = opened.result()
     marks["tracking"] = time.time()
     tokenizer.result()
     # imported by the thread beside Ray's start (torch, Ray Train): not on the way to it

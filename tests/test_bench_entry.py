@@ -108,6 +108,34 @@ def test_cpu_smoke_of_the_suite_writes_a_dated_record(tmp_path):
     assert "RESULT " in proc.stdout
 
 
+@pytest.mark.timeout(900)
+def test_cpu_smoke_of_the_resubmit_bench_submits_twice_to_its_own_head_and_stops_it(tmp_path):
+    """`startup --part resubmit --cpu-smoke`: a real Ray head (`ray start --head`, token authentication,
+    dashboard and job server on loopback), two real `ray job submit`s of the local job; the records hold the
+    run's breakdown from Ray's acceptance and the time from the submit command, and the head is gone after."""
+    import psutil
+
+    results, work = tmp_path / "results", tmp_path / "work"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    proc = subprocess.run([sys.executable, "-m", "bench", "gpu", "startup", "--part", "resubmit", "--cpu-smoke",
+                           "--results", str(results), "--workdir", str(work)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=880)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    recs = [json.loads(line) for line in next(results.glob("*.jsonl")).read_text().splitlines()]
+    assert [r["label"] for r in recs] == ["resubmit-1", "resubmit-2"]
+    for rec in recs:
+        fig = rec["figures"]
+        assert "job submit" in rec["command"] and fig["submission_id"] in rec["command"]
+        assert fig["startup"]["ray_workers.submission_s"] >= 0 and fig["startup"]["ray_workers.ray_start_s"] < 5
+        assert 0 < fig["submit_command_s"] < 60
+        assert fig["submit_to_first_step_s"] == pytest.approx(fig["submit_command_s"] + fig["startup"]["total_s"],
+                                                             abs=0.01)
+    head = re.search(r"=== ray head: .* --temp-dir=(\S+)", proc.stdout).group(1)
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if any(head in a for a in (p.info["cmdline"] or []))]
+    assert not left, left
+
+
 @pytest.mark.timeout(120)
 def test_throughput_figures_leave_out_the_first_window(tmp_path):
     """A real MLflow sqlite store with the metrics a run logs (steps 2, 4, 6; the final report repeats 6)."""
