@@ -501,10 +501,18 @@ class RayHead:
             raise RuntimeError(f"ray start failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")
         self._wait_for_job_agent(env)
 
-    def _wait_for_job_agent(self, env: dict, timeout_s: float = 120) -> None:
-        """The job agent comes up after `ray start` returns; a submit before it answers "No available agent"."""
+    def _wait_for_job_agent(self, env: dict, timeout_s: float = 180) -> None:
+        """The job server and the node's job agent come up after `ray start` returns; a submit before the agent
+        listens answers "No available agent to submit job"."""
+        import socket
+
         deadline = time.time() + timeout_s
         while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.ports["dashboard-agent-listen-port"]), timeout=2).close()
+            except OSError:
+                time.sleep(1)
+                continue
             out = subprocess.run([PY, "-m", "ray.scripts.scripts", "job", "list", "--address", self.address],
                                  env=env, capture_output=True, text=True, timeout=120)
             if out.returncode == 0:
