@@ -373,7 +373,7 @@ class Kit:
         for i in (1, 2):
             label = f"resubmit-{i}"
             part = self.recipe_run("startup", label, cache, lambda summary: {}, steps=steps)
-            sid = f"{part.info['run_name']}"
+            sid = part.info['run_name']
             part.argv = [PY, "-m", "ray.scripts.scripts", "job", "submit", "--address", head.address,
                          "--submission-id", sid, "--working-dir", REPO, "--", *part.argv]
             part.env = {"RAY_AUTH_MODE": "token"}
