@@ -159,10 +159,6 @@ class StartupClock:
         self._mark, self._inner, self._compiled = now, 0.0, _compile_seconds()
         self._part_mark, self._part_inner = now, 0.0
         self.done: dict | None = None
-        # seconds the thread that began the loop's imports with the worker's process took, from the
-        # process's set-up hook to its last import (train/preload.py): overlaps `ray_workers` and the model
-        # build, so not a part of either
-        self.preload_s: float | None = None
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -204,8 +200,6 @@ class StartupClock:
             self.done = {f"startup/{p}_s": self.seconds[p] for p in STARTUP_PHASES}
             self.done["startup/total_s"] = self._mark - self.job_start
             self.done |= {f"startup/{p}_s": v for p, v in self.parts.items()}
-            if self.preload_s is not None:      # beside the phases, not one of them (train/preload.py)
-                self.done["startup/preload_s"] = self.preload_s
         return self.done
 
     def line(self) -> str:
@@ -228,12 +222,11 @@ class WorkerLog:
     """
 
     def __init__(self, rank: int, recipe: Recipe, run_id: str | None = None, stream=None,
-                 job_start: float | None = None, startup_marks: dict | None = None, preloaded: dict | None = None):
+                 job_start: float | None = None, startup_marks: dict | None = None):
         self.rank = rank
         self.recipe = recipe
         self.mlflow = None
         self.startup = StartupClock(job_start, startup_marks)
-        self.startup.preload_s = (preloaded or {}).get("seconds")
         self._stream = stream
         self._live = False           # a redrawn progress line is on screen (terminal only)
         run_id = run_id or os.environ.get("RAYTUNE_MLFLOW_RUN_ID")

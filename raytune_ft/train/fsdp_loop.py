@@ -70,7 +70,7 @@ def train_fsdp(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = _device()
     log = WorkerLog(rank, recipe, config.get("mlflow_run_id"), job_start=config.get("job_start"),
-                    startup_marks=config.get("startup_marks"), preloaded=config.get("preloaded"))
+                    startup_marks=config.get("startup_marks"))
     t_cfg = recipe.train
     fp8_recipe = t_cfg.fp8_recipe if t_cfg.precision == "fp8" else None
     if ckpt_storage.report_if_finished(log):

@@ -28,21 +28,6 @@ def _worker_env() -> dict[str, str]:
     return {k: os.environ[k] for k in keep if k in os.environ}
 
 
-def _preload_env(recipe: Recipe) -> dict[str, str]:
-    """The env vars that start the loop's imports with each worker's process (train/preload.py), in place
-    of the job's own worker set-up hook where that is the console's (preload's hook runs it too)."""
-    import ray
-
-    from raytune_ft.train import preload
-
-    try:
-        job_env = ray.get_runtime_context().runtime_env or {}
-        hook = job_env.get("worker_process_setup_hook")
-    except Exception:  # noqa: BLE001 - not connected (a trainer built outside a job): no hook of the job's
-        hook = None
-    return preload.runtime_env_vars(recipe, hook)
-
-
 def unfixable_error(exc: BaseException | None) -> BaseException | None:
     """The error in `exc` (a worker's, however Ray wrapped it) that a retry cannot fix, or None."""
     from raytune_ft.models.kernel_check import KernelCheckError
@@ -103,22 +88,16 @@ def run_fsdp_loop(config: dict) -> None:
     """The FSDP2 loop's Ray Train entry point. The loop's module (torch's distributed code, the model code,
     transformers) is imported here, in the worker: the driver, which pickles this function by reference,
     never imports it, and its start-up threads do not wait on those imports (bench/NOTES.md, start-up)."""
-    from raytune_ft.train import preload
-
-    preloaded = preload.wait()      # the imports the process's start began (preload.py)
     from raytune_ft.train.fsdp_loop import train_fsdp
 
-    train_fsdp({**config, "preloaded": preloaded})
+    train_fsdp(config)
 
 
 def run_trl_loop(config: dict) -> None:
     """The TRL loop's Ray Train entry point, imported in the worker as `run_fsdp_loop`'s."""
-    from raytune_ft.train import preload
-
-    preloaded = preload.wait()
     from raytune_ft.train.trl.loop import train_trl
 
-    train_trl({**config, "preloaded": preloaded})
+    train_trl(config)
 
 
 def loop_function(recipe: Recipe):
@@ -153,8 +132,7 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, blocks_by_rank: 
         name=recipe.tracking.run_name, storage_path=st.root, storage_filesystem=st.fs,
         failure_config=ray.train.FailureConfig(max_failures=s.max_failures),
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=recipe.train.keep_checkpoints),
-        worker_runtime_env={"env_vars": {**_worker_env(), **_preload_env(recipe),
-                                         **({TOKEN_ENV: lease_token} if lease_token else {})}},
+        worker_runtime_env={"env_vars": {**_worker_env(), **({TOKEN_ENV: lease_token} if lease_token else {})}},
         # Ray Train's own progress lines ("Requesting resources", "Checkpoint successfully created at ...")
         # stay in its log files; its warnings and errors still reach the console
         logging_config=ray.train.LoggingConfig(log_level="WARNING"),

@@ -41,7 +41,7 @@ def train_trl(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     log = WorkerLog(rank, recipe, config.get("mlflow_run_id"), job_start=config.get("job_start"),
-                    startup_marks=config.get("startup_marks"), preloaded=config.get("preloaded"))
+                    startup_marks=config.get("startup_marks"))
     from raytune_ft.train.ckpt_storage import SaveGuard, model_checkpoint_bytes, report_if_finished, start_attempt
 
     if report_if_finished(log):   # the final checkpoint is the latest: it stays the run's result
