@@ -315,18 +315,21 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     check_tracking_store(recipe, cluster_nodes(), "nodes of the Ray cluster it joined")
     opened = opened or tracking.RunOpening(recipe)
     start_train_helpers()
-    run_id = opened.result()
-    marks["tracking"] = time.time()
     tokenizer.result()
     # imported by the thread beside Ray's start (torch, Ray Train): not on the way to it
-    from raytune_ft.train.launch import build_trainer, start_tokenizing, unfixable_error
+    from raytune_ft.train.launch import build_datasets, build_trainer, start_tokenizing, unfixable_error
 
     # the tokenizing processes start now, beside Ray Train's, and have the tokenizer loaded (the driver's
     # choice of class) when the first read reaches them
     start_tokenizing(recipe)
-
+    # the datasets while the MLflow run opens in its own process: the trainer waits for the run id only
+    # (under `ray job submit` the run opens after the cluster's check, with nothing else to hide it)
+    datasets = build_datasets(recipe)
+    marks["datasets"] = time.time()
+    run_id = opened.result()
+    marks["tracking"] = time.time()
     trainer = build_trainer(recipe, mlflow_run_id=run_id, lease_token=run_lease.token, job_start=job_start,
-                            startup_marks=marks)
+                            startup_marks=marks, datasets=datasets)
     try:
         result = trainer.fit()
     except BaseException as e:

@@ -100,9 +100,10 @@ STARTUP_METRICS = tuple(f"startup/{p}_s" for p in STARTUP_PHASES) + ("startup/to
 # `ray job submit`, when Ray accepted the submission: then `submission` (to the driver's process start,
 # the driver's mark "process") comes first
 RAY_WORKERS_PARTS = {"submission": "job submission", "driver": "job process: imports and checks",
-                     "ray_start": "Ray start", "tracking": "MLflow run", "datasets": "datasets and trainer",
-                     "scheduling": "worker scheduling", "worker_setup": "worker imports and process group"}
-DRIVER_MARKS = ("driver", "ray_start", "tracking", "datasets")
+                     "ray_start": "Ray start", "datasets": "driver imports and datasets",
+                     "tracking": "MLflow run", "scheduling": "trainer and worker scheduling",
+                     "worker_setup": "worker imports and process group"}
+DRIVER_MARKS = ("driver", "ray_start", "datasets", "tracking")
 # `model_build` split where the worker marks it (`StartupClock.part`), each reported as
 # `startup/model_build.<part>_s`; a part the loop does not mark is left out
 MODEL_BUILD_PARTS = {"setup": "attempt set-up, JIT caches and data", "tokenizer": "tokenizer",
