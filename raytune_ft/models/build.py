@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from raytune_ft.models.attention import ATTN_NAME
-from raytune_ft.models.gated_delta import base_model, enable_packing
+from raytune_ft.models.gated_delta import base_model, enable_packing, import_fla_ops_only
 from raytune_ft.models.tiny import local_tokenizer, real_config, tiny_config
 from raytune_ft.models.tokenizer import tokenizer_for  # noqa: F401 - its home before tokenizer.py
 
@@ -151,6 +151,8 @@ def load_causal_lm(model_cfg, *, tokenizer_vocab_size: int | None = None, device
 
 
 def _from_config(config, device: torch.device, dtype: torch.dtype, trust_remote_code: bool):
+    if torch.cuda.is_available():    # transformers' Qwen3.5 code imports fla with itself there
+        import_fla_ops_only()
     from transformers import AutoModelForCausalLM
 
     config.use_cache = False

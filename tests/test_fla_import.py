@@ -1,0 +1,66 @@
+"""flash-linear-attention's ops imported without its package __init__ (gated_delta.import_fla_ops_only).
+
+flash-linear-attention is a GPU-only package (the [gpu] extra) and breaks the Qwen3.5 layers on a CPU
+machine, so these tests run a stand-in package of the same layout in a fresh process: an __init__ that,
+like fla's, imports its heavy layer and model modules and re-exports them, and ops modules that either
+need nothing of the __init__ (fla 0.6) or something only it defines (a release this must not break).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from tests.conftest import REPO
+
+PROBE = textwrap.dedent("""
+    import json, sys
+    from raytune_ft.models.gated_delta import import_fla_ops_only, _fla_chunk_gated_delta_rule
+    light = import_fla_ops_only()
+    fn = _fla_chunk_gated_delta_rule()
+    import fla
+    print(json.dumps({"light": light, "init_ran": "fla.layers" in sys.modules, "version": fla.__version__,
+                      "op": fn(3) if fn else None, "fla_modules": "fla.modules" in sys.modules}))
+""")
+
+
+def _stand_in(root: Path, *, op_needs_init: bool) -> None:
+    pkg = root / "fla"
+    for sub in ("ops/gated_delta_rule", "modules", "layers"):
+        (pkg / sub).mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text(
+        "from pkgutil import extend_path\n__path__ = extend_path(__path__, __name__)\n__version__ = '0.6.0'\n"
+        "import fla.layers\nFROM_INIT = 2\n")
+    (pkg / "layers" / "__init__.py").write_text("HEAVY = True\n")
+    (pkg / "ops" / "__init__.py").write_text("")
+    (pkg / "modules" / "__init__.py").write_text("class FusedRMSNormGated: pass\n")
+    body = "from fla import FROM_INIT\n" if op_needs_init else "FROM_INIT = 2\n"
+    (pkg / "ops" / "gated_delta_rule" / "__init__.py").write_text(
+        body + "def chunk_gated_delta_rule(x):\n    return x * FROM_INIT\n")
+    dist = root / "fla_core-0.6.0.dist-info"
+    dist.mkdir(exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fla-core\nVersion: 0.6.0\n")
+
+
+def _probe(root: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_ops_import_without_the_package_init(tmp_path):
+    _stand_in(tmp_path, op_needs_init=False)
+    got = _probe(tmp_path)
+    assert got == {"light": True, "init_ran": False, "version": "0.6.0", "op": 6, "fla_modules": True}
+
+
+def test_ops_that_need_the_package_init_get_it(tmp_path):
+    """A release whose ops import a name of the package's __init__: the partial package goes, fla imports
+    whole, and the op works as it did before."""
+    _stand_in(tmp_path, op_needs_init=True)
+    got = _probe(tmp_path)
+    assert got == {"light": False, "init_ran": True, "version": "0.6.0", "op": 6, "fla_modules": False}
