@@ -259,11 +259,11 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
 
 
 def _prepare_driver(recipe: Recipe):
-    """The driver's slow imports (Ray Train's torch trainer, Ray Data's pipeline) and the recipe's tokenizer,
+    """The driver's slow imports (Ray Train's trainer, Ray Data's pipeline) and the recipe's tokenizer,
     in a thread beside Ray's start: a tokenizer that cannot load fails the job here, in the driver's
     words, before any Ray process tries it. The training loop's own modules (the model code) are imported
-    by the workers only (train/launch.loop_function)."""
-    import ray.train.torch  # noqa: F401
+    by the workers only (train/launch.loop_function), and torch by neither (train/backend.py)."""
+    import ray.train.v2.api.data_parallel_trainer  # noqa: F401
 
     from raytune_ft.data import pipeline  # noqa: F401
     from raytune_ft.models.tokenizer import tokenizer_for

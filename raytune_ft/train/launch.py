@@ -1,4 +1,5 @@
-"""Launch a recipe's training loop on Ray Train: one TorchTrainer, N workers, the recipe's scaling.
+"""Launch a recipe's training loop on Ray Train: one trainer with the torch backend (Ray's TorchTrainer in
+all but the class: train/backend.py), N workers, the recipe's scaling.
 
 Ray's FailureConfig retries every worker error up to `scaling.max_failures` times, each retry training
 again from the last checkpoint. Some errors come back on every retry (storage full, a bad recipe, data
@@ -70,11 +71,12 @@ class RaiseUnfixable(FailurePolicy):
 
 
 def _trainer_class():
-    from ray.train.torch import TorchTrainer
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-    class Trainer(TorchTrainer):
-        """TorchTrainer with RaiseUnfixable as its failure policy (Ray builds the default one in `fit`, from the
-        FailureConfig alone, and hands it to the controller it starts here)."""
+    class Trainer(DataParallelTrainer):
+        """Ray Train's data-parallel trainer with the torch backend (train/backend.py: what TorchTrainer is,
+        without torch in this process) and RaiseUnfixable as its failure policy (Ray builds the default one
+        in `fit`, from the FailureConfig alone, and hands it to the controller it starts here)."""
 
         def _initialize_and_run_controller(self, **controller_init_kwargs):
             controller_init_kwargs["failure_policy"] = RaiseUnfixable(self.run_config.failure_config)
@@ -107,13 +109,14 @@ def loop_function(recipe: Recipe):
 def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, blocks_by_rank: dict | None = None,
                   lease_token: str | None = None, job_start: float | None = None,
                   startup_marks: dict | None = None, datasets: tuple | None = None):
-    """The TorchTrainer for `recipe`; re-running with the same run name resumes from its last checkpoint.
+    """The Ray Train trainer for `recipe`; re-running with the same run name resumes from its last checkpoint.
 
     `lease_token`: the run folder's lease this job holds (lease.py); each attempt's workers check it is
     still theirs before they clear the checkpoints dead attempts left. `datasets`: `build_datasets(recipe)`'s
     answer, where the caller built them already (run.py, while the MLflow run opens)."""
     import ray.train
-    from ray.train.torch import TorchConfig
+
+    from raytune_ft.train.backend import TorchBackendConfig
 
     s = recipe.scaling
     loop = loop_function(recipe)
@@ -152,7 +155,7 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, blocks_by_rank: 
     if startup_marks is not None:
         config["startup_marks"] = dict(startup_marks)
     return _trainer_class()(loop, train_loop_config=config, scaling_config=scaling, run_config=run_config,
-                        torch_config=TorchConfig(backend=backend), datasets=datasets,
+                        backend_config=TorchBackendConfig(backend=backend), datasets=datasets,
                         dataset_config=dataset_config)
 
 

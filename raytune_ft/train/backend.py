@@ -1,0 +1,115 @@
+"""Ray Train's torch backend (the workers' process group, their CUDA device), with torch imported where it
+is used and not before.
+
+`ray.train.torch.TorchTrainer` and `TorchConfig` live in a module that imports torch, so the driver that
+builds the trainer and Ray Train's controller that unpickles it import torch before either does anything
+else: seconds of one core each on a GPU node, one after the other on the way to the first step
+(bench/NOTES.md, start-up). `TorchBackendConfig` is Ray's `TorchConfig` (same fields, same meaning) in a
+module without torch: its backend hands each call to Ray's own torch backend, imported in a thread of
+the controller's as the controller unpickles it, while it places and starts the workers, which need a
+few seconds before the process group is asked of them; the train function's context (the CUDA device of
+the worker's training thread) is Ray's too, imported in the worker. The trainer is Ray's
+`DataParallelTrainer` with this config, which is all `TorchTrainer` adds (launch.py).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+from ray.train.backend import Backend, BackendConfig
+
+_import_lock = threading.Lock()
+_import_thread: threading.Thread | None = None
+
+
+def _import_ray_torch_backend() -> None:
+    try:
+        import ray.train.torch.config  # noqa: F401
+    except Exception:  # noqa: BLE001 - the first call through the backend raises it, in its place
+        pass
+
+
+def _start_importing() -> None:
+    """Start importing Ray's torch backend (and torch) in a thread of this process, once."""
+    global _import_thread
+    with _import_lock:
+        if _import_thread is None:
+            _import_thread = threading.Thread(target=_import_ray_torch_backend, daemon=True,
+                                              name="raytune-torch-backend")
+            _import_thread.start()
+
+
+def _unpickled_backend() -> "TorchBackend":
+    _start_importing()
+    return TorchBackend()
+
+
+class TorchBackend(Backend):
+    """Ray's `_TorchBackend`, imported at its first call; unpickling one (in Ray Train's controller)
+    starts that import in a thread."""
+
+    # workers on one node see each other's GPUs (NCCL's peer-to-peer paths), as Ray's torch backend does
+    share_cuda_visible_devices: bool = True
+
+    def __init__(self):
+        self._ray_backend = None
+
+    def __reduce__(self):
+        return _unpickled_backend, ()
+
+    def _ray(self):
+        if self._ray_backend is None:
+            from ray.train.torch.config import _TorchBackend
+
+            self._ray_backend = _TorchBackend()
+        return self._ray_backend
+
+    def on_start(self, worker_group, backend_config):
+        return self._ray().on_start(worker_group, backend_config)
+
+    def on_training_start(self, worker_group, backend_config):
+        return self._ray().on_training_start(worker_group, backend_config)
+
+    def on_shutdown(self, worker_group, backend_config):
+        return self._ray().on_shutdown(worker_group, backend_config)
+
+
+class TrainThreadDevice:
+    """The train function's context on each worker: Ray's torch one (sets the training thread's CUDA device)."""
+
+    def __enter__(self):
+        from ray.train.torch.config import TorchConfigContextManager
+
+        self._inner = TorchConfigContextManager()
+        return self._inner.__enter__()
+
+    def __exit__(self, *exc):
+        return self._inner.__exit__(*exc)
+
+
+@dataclass
+class TorchBackendConfig(BackendConfig):
+    """`ray.train.torch.TorchConfig`'s fields: backend (None: nccl with GPUs, else gloo), init_method ("env"
+    or "tcp"), timeout_s of the process group's operations."""
+
+    backend: Optional[str] = None
+    init_method: str = "env"
+    timeout_s: int = 1800
+
+    @property
+    def backend_cls(self):
+        return TorchBackend
+
+    @property
+    def train_func_context(self):
+        return TrainThreadDevice
+
+    @property
+    def framework(self):
+        from ray.train.v2._internal.util import TrainingFramework
+
+        return TrainingFramework.TORCH
+
+    def to_dict(self) -> dict:
+        return {"backend": self.backend, "init_method": self.init_method, "timeout_s": self.timeout_s}

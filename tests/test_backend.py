@@ -1,0 +1,70 @@
+"""The trainer's torch backend without torch where it is not used (train/backend.py): the driver builds the
+trainer without importing torch, the controller's copy of the backend starts importing Ray's torch
+backend as it is unpickled, and the backend is Ray's torch one in what it does (every Ray Train test of
+the loops runs through it: gloo process groups of 2 workers, on one node and on two)."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from raytune_ft.train.backend import TorchBackend, TorchBackendConfig
+from tests.conftest import REPO
+
+DRIVER = textwrap.dedent("""
+    import json, sys
+    import ray
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
+    from raytune_ft.cli import _job_recipe
+    from raytune_ft.train.launch import build_trainer
+    recipe = _job_recipe("qwen27b_b300", True, ["tracking.storage_path=" + sys.argv[1]])
+    trainer = build_trainer(recipe, mlflow_run_id=None)
+    print(json.dumps({"torch": "torch" in sys.modules, "backend": type(trainer.backend_config).__name__,
+                      "nccl_free": trainer.backend_config.backend}))
+""")
+
+
+@pytest.mark.timeout(300)
+def test_the_driver_builds_the_trainer_without_importing_torch(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path / "runs")], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"torch": False, "backend": "TorchBackendConfig", "nccl_free": "gloo"}
+
+
+UNPICKLE = textwrap.dedent("""
+    import pickle, sys, threading, time
+    backend = pickle.loads(sys.stdin.buffer.read())
+    started = "raytune-torch-backend" in [t.name for t in threading.enumerate()]
+    deadline = time.time() + 120
+    while "ray.train.torch.config" not in sys.modules and time.time() < deadline:
+        time.sleep(0.05)
+    print(started, "ray.train.torch.config" in sys.modules, backend.share_cuda_visible_devices)
+""")
+
+
+def test_unpickling_the_backend_starts_importing_ray_s_torch_backend():
+    """What Ray Train's controller does with the trainer's callbacks: the import starts there, in a thread."""
+    blob = pickle.dumps(TorchBackend())
+    out = subprocess.run([sys.executable, "-c", UNPICKLE], input=blob, capture_output=True, timeout=200,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
+    assert out.returncode == 0, out.stderr[-3000:].decode(errors="replace")
+    assert out.stdout.decode().split() == ["True", "True", "True"]
+
+
+def test_the_config_reads_as_ray_s_torch_config():
+    from ray.train.torch.config import TorchConfig
+    from ray.train.v2._internal.util import TrainingFramework
+
+    ours, ray_s = TorchBackendConfig(backend="nccl", timeout_s=60), TorchConfig(backend="nccl", timeout_s=60)
+    assert ours.to_dict() == ray_s.to_dict() and ours.framework is ray_s.framework is TrainingFramework.TORCH
+    assert TorchBackend.share_cuda_visible_devices == ray_s.backend_cls.share_cuda_visible_devices is True
+    assert TorchBackend.has_replica_groups == ray_s.backend_cls.has_replica_groups
