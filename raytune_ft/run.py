@@ -329,7 +329,7 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     run_id = opened.result()
     marks["tracking"] = time.time()
     trainer = build_trainer(recipe, mlflow_run_id=run_id, lease_token=run_lease.token, job_start=job_start,
-                            startup_marks=marks, datasets=datasets)
+                            startup_marks=marks, prebuilt=datasets)
     try:
         result = trainer.fit()
     except BaseException as e:

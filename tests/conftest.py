@@ -48,6 +48,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+def env_with_path(*folders, drop: tuple = ()) -> dict[str, str]:
+    """This process's environment for a child Python, `folders` first on its PYTHONPATH, `drop` left out."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, folders), env.get("PYTHONPATH", "")])
+    return env
+
+
 @pytest.fixture(scope="session")
 def fixtures() -> Path:
     if not FIXTURES.is_dir():

@@ -5,7 +5,6 @@ the loops runs through it: gloo process groups of 2 workers, on one node and on 
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import textwrap
 import pytest
 
 from raytune_ft.train.backend import TorchBackend, TorchBackendConfig
-from tests.conftest import REPO
+from tests.conftest import REPO, env_with_path
 
 DRIVER = textwrap.dedent("""
     import json, sys
@@ -31,9 +30,8 @@ DRIVER = textwrap.dedent("""
 
 @pytest.mark.timeout(300)
 def test_the_driver_builds_the_trainer_without_importing_torch(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path / "runs")], env=env, cwd=tmp_path,
+    out = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path / "runs")], cwd=tmp_path,
+                         env=env_with_path(REPO, drop=("RAY_ADDRESS",)),
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
@@ -55,7 +53,7 @@ def test_unpickling_the_backend_starts_importing_ray_s_torch_backend():
     """What Ray Train's controller does with the trainer's callbacks: the import starts there, in a thread."""
     blob = pickle.dumps(TorchBackend())
     out = subprocess.run([sys.executable, "-c", UNPICKLE], input=blob, capture_output=True, timeout=200,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
+                         env=env_with_path(REPO))
     assert out.returncode == 0, out.stderr[-3000:].decode(errors="replace")
     assert out.stdout.decode().split() == ["True", "True", "True"]
 

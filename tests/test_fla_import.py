@@ -8,13 +8,12 @@ need nothing of the __init__ (fla 0.6) or something only it defines (a release t
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.conftest import REPO, env_with_path
 
 PROBE = textwrap.dedent("""
     import json, sys
@@ -46,8 +45,8 @@ def _stand_in(root: Path, *, op_needs_init: bool) -> None:
 
 
 def _probe(root: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env_with_path(root, REPO), capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

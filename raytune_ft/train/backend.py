@@ -13,14 +13,12 @@ the worker's training thread) is Ray's too, imported in the worker. The trainer 
 """
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Optional
 
 from ray.train.backend import Backend, BackendConfig
-
-_import_lock = threading.Lock()
-_import_thread: threading.Thread | None = None
 
 
 def _import_ray_torch_backend() -> None:
@@ -30,14 +28,11 @@ def _import_ray_torch_backend() -> None:
         pass
 
 
+@functools.cache
 def _start_importing() -> None:
-    """Start importing Ray's torch backend (and torch) in a thread of this process, once."""
-    global _import_thread
-    with _import_lock:
-        if _import_thread is None:
-            _import_thread = threading.Thread(target=_import_ray_torch_backend, daemon=True,
-                                              name="raytune-torch-backend")
-            _import_thread.start()
+    """Start importing Ray's torch backend (and torch) in a thread of this process, once (the controller
+    unpickles two of these backends, the accelerator set-up's and the process group's)."""
+    threading.Thread(target=_import_ray_torch_backend, daemon=True, name="raytune-torch-backend").start()
 
 
 def _unpickled_backend() -> "TorchBackend":

@@ -108,11 +108,11 @@ def loop_function(recipe: Recipe):
 
 def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, blocks_by_rank: dict | None = None,
                   lease_token: str | None = None, job_start: float | None = None,
-                  startup_marks: dict | None = None, datasets: tuple | None = None):
+                  startup_marks: dict | None = None, prebuilt: tuple | None = None):
     """The Ray Train trainer for `recipe`; re-running with the same run name resumes from its last checkpoint.
 
     `lease_token`: the run folder's lease this job holds (lease.py); each attempt's workers check it is
-    still theirs before they clear the checkpoints dead attempts left. `datasets`: `build_datasets(recipe)`'s
+    still theirs before they clear the checkpoints dead attempts left. `prebuilt`: `build_datasets(recipe)`'s
     answer, where the caller built them already (run.py, while the MLflow run opens)."""
     import ray.train
 
@@ -151,7 +151,7 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, blocks_by_rank: 
         config["blocks_by_rank"] = blocks_by_rank
         datasets, dataset_config = None, None
     else:
-        datasets, dataset_config = datasets or build_datasets(recipe)
+        datasets, dataset_config = prebuilt or build_datasets(recipe)
     if startup_marks is not None:
         config["startup_marks"] = dict(startup_marks)
     return _trainer_class()(loop, train_loop_config=config, scaling_config=scaling, run_config=run_config,
