@@ -258,18 +258,32 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
         return _run(recipe, local=local, register=register, held=held)
 
 
-def _prepare_driver(recipe: Recipe):
+def tokenizer_memo(recipe: Recipe) -> str:
+    """The file that remembers which class AutoTokenizer chose for a tokenizer (models/tokenizer.recall_class):
+    beside the JIT caches, `train.cache_dir` or the per-user default."""
+    from raytune_ft.models.tokenizer import MEMO_NAME
+    from raytune_ft.train.jit_cache import DEFAULT_ROOT
+
+    return os.path.join(recipe.train.cache_dir or DEFAULT_ROOT, MEMO_NAME)
+
+
+def _prepare_driver(recipe: Recipe) -> None:
     """The driver's slow imports (Ray Train's trainer, Ray Data's pipeline) and the recipe's tokenizer,
     in a thread beside Ray's start: a tokenizer that cannot load fails the job here, in the driver's
-    words, before any Ray process tries it. The training loop's own modules (the model code) are imported
-    by the workers only (train/launch.loop_function), and torch by neither (train/backend.py)."""
+    words, before any Ray process tries it. A tokenizer an earlier run loaded from the same files is not
+    loaded again: its class is remembered (through AutoTokenizer, the load imports torch, which under `ray
+    job submit` nothing hides). The training loop's own modules (the model code) are imported by the
+    workers only (train/launch.loop_function), and torch by neither (train/backend.py)."""
     import ray.train.v2.api.data_parallel_trainer  # noqa: F401
 
     from raytune_ft.data import pipeline  # noqa: F401
-    from raytune_ft.models.tokenizer import tokenizer_for
+    from raytune_ft.models.tokenizer import recall_class, remember_class, tokenizer_for
     from raytune_ft.train import launch  # noqa: F401
 
-    return tokenizer_for(recipe.model)
+    memo = tokenizer_memo(recipe)
+    if not recall_class(recipe.model, memo):
+        tokenizer_for(recipe.model)
+        remember_class(recipe.model, memo)
 
 
 def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib.ExitStack) -> RunSummary:
@@ -297,7 +311,7 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     # none of them needs Ray. A cluster joined (RAY_ADDRESS, or a Ray this process is connected to already)
     # is checked before the run opens
     pool = held.enter_context(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raytune-start"))
-    tokenizer = pool.submit(_prepare_driver, recipe)
+    prepared = pool.submit(_prepare_driver, recipe)
     joins = bool(os.environ.get("RAY_ADDRESS")) or ("ray" in sys.modules and sys.modules["ray"].is_initialized())
     opened = None if joins else tracking.RunOpening(recipe)
     try:
@@ -315,7 +329,7 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     check_tracking_store(recipe, cluster_nodes(), "nodes of the Ray cluster it joined")
     opened = opened or tracking.RunOpening(recipe)
     start_train_helpers()
-    tokenizer.result()
+    prepared.result()
     # imported by the thread beside Ray's start (torch, Ray Train): not on the way to it
     from raytune_ft.train.launch import build_datasets, build_trainer, start_tokenizing, unfixable_error
 

@@ -185,6 +185,49 @@ def test_a_tokenizing_process_loads_the_class_the_driver_chose_without_torch(fix
     assert out["ids"] == expected["input_ids"] and out["mask"] == expected["mask"]
 
 
+# the driver's work beside Ray's start, in a fresh process: whether it imported torch, and the class carried
+DRIVER_PREPARES = """
+import json, sys
+from raytune_ft.run import _prepare_driver
+from raytune_ft.models.tokenizer import TokenizerOf
+from tests.conftest import local_job_recipe
+r = local_job_recipe(sys.argv[1:])
+_prepare_driver(r)
+print(json.dumps({"torch": "torch" in sys.modules, "class": TokenizerOf.of(r.model).tokenizer_class}))
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_driver_loads_a_tokenizer_once_then_remembers_the_class_autotokenizer_chose(fixtures, tmp_path):
+    """Through AutoTokenizer a tokenizer's load imports torch (5-10 s on a GPU node), which under `ray job
+    submit` nothing hides: the first driver loads it (the check in its words) and remembers the class
+    AutoTokenizer chose, beside the JIT caches; a later driver with the same files carries that class and
+    imports no torch; a changed file makes the next driver load it again."""
+    import json
+    import shutil
+
+    tok = tmp_path / "tokenizer"
+    shutil.copytree(fixtures / "tokenizers" / "qwen3", tok)
+    settings = [f"model.name={tok}", "model.local_tiny=false", f"train.cache_dir={tmp_path / 'cache'}",
+                f"model.chat_template={fixtures / 'templates' / 'qwen3.8-27b.chat_template.jinja'}"]
+
+    def driver() -> dict:
+        proc = subprocess.run([sys.executable, "-c", DRIVER_PREPARES, *settings], cwd=REPO, capture_output=True,
+                              text=True, timeout=100)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    first = driver()
+    assert first["torch"] is True and first["class"].startswith("transformers.")
+    memo = json.loads((tmp_path / "cache" / "tokenizer_classes.json").read_text())
+    assert list(memo.values()) == [first["class"]]
+    assert driver() == {"torch": False, "class": first["class"]}
+    with open(tok / "vocab.json", "a") as f:      # the folder changed: loaded (and checked) again
+        f.write("\n")
+    assert driver()["torch"] is True
+    assert len(json.loads((tmp_path / "cache" / "tokenizer_classes.json").read_text())) == 2
+
+
 @pytest.mark.timeout(180)
 def test_the_worker_reads_the_first_tokenized_batch_before_the_next_is_made(ray_local, tmp_path):
     """The tokenizing map makes blocks of 64 rows, the first packing window; the worker takes each block

@@ -100,3 +100,87 @@ class TokenizerOf:
 @functools.lru_cache(maxsize=4)
 def _loaded(ref: TokenizerOf):
     return _tokenizer(ref, ref.chat_template_text, ref.tokenizer_class)
+
+
+# ---------------------------------------------------------------- the class AutoTokenizer chose, remembered
+
+MEMO_NAME = "tokenizer_classes.json"
+_MEMO_FILES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+_MEMO_ENTRIES = 64
+
+
+def _identity(model_cfg) -> str:
+    """What decides the class AutoTokenizer picks: the source and revision, and for a local folder the name,
+    size and time of each of its tokenizer and config files (a changed folder is loaded again)."""
+    import json
+
+    source, revision = _source(model_cfg)
+    folder = Path(os.path.expanduser(source))
+    files = []
+    if folder.is_dir():
+        source = str(folder.resolve())
+        for p in sorted(folder.iterdir()):
+            if p.suffix in _MEMO_FILES and p.is_file():
+                st = p.stat()
+                files.append([p.name, st.st_size, st.st_mtime_ns])
+    return json.dumps([source, revision, bool(model_cfg.trust_remote_code), files])
+
+
+def _read_memo(path: str) -> dict:
+    import json
+
+    try:
+        with open(os.path.expanduser(path)) as f:
+            memo = json.load(f)
+        return memo if isinstance(memo, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def recall_class(model_cfg, memo_path: str) -> bool:
+    """Take the class AutoTokenizer chose for this tokenizer in an earlier run of this user's (the memo at
+    `memo_path`) as chosen here, as if `tokenizer_for` had loaded it; True when the memo had it.
+
+    Loading a tokenizer through AutoTokenizer imports transformers' configuration code and torch: 5-10 s on
+    a GPU node, on the way to the first step wherever nothing hides it (under `ray job submit`). The files
+    the class was chosen from are the same (names, sizes and times), so it loaded then and is the class the
+    tokenizing processes load now (bench/NOTES.md, start-up)."""
+    if model_cfg.local_tiny:
+        return False
+    chosen = _read_memo(memo_path).get(_identity(model_cfg))
+    if not isinstance(chosen, str) or not chosen.startswith("transformers."):
+        return False
+    _CHOSEN[_source(model_cfg)] = chosen
+    return True
+
+
+def remember_class(model_cfg, memo_path: str) -> None:
+    """After `tokenizer_for` loaded the model's tokenizer in this process: keep the class AutoTokenizer chose in
+    the memo at `memo_path`, for `recall_class`. A memo only saves time: a failure to write it is ignored."""
+    import json
+    import tempfile
+
+    chosen = None if model_cfg.local_tiny else _CHOSEN.get(_source(model_cfg))
+    if chosen is None:
+        return
+    path = os.path.expanduser(memo_path)
+    try:
+        memo = _read_memo(path)
+        key = _identity(model_cfg)
+        if memo.get(key) == chosen:
+            return
+        memo.pop(key, None)
+        memo[key] = chosen
+        for old in list(memo)[:-_MEMO_ENTRIES]:     # the oldest go first
+            del memo[old]
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tokenizer_classes.")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(memo, f, indent=1)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError:
+        pass
