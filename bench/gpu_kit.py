@@ -467,7 +467,7 @@ class Kit:
 
 
 class RayHead:
-    """A Ray head of the bench's own (`ray start --head`, token authentication as Ray sets it, dashboard and
+    """A Ray head of the bench's own (`ray start --head`, token authentication with the user's token, dashboard and
     job server on loopback, free ports, a temp folder of its own), stopped by its processes (`ray stop` would
     stop every Ray of the machine)."""
 
@@ -488,6 +488,10 @@ class RayHead:
 
     def start(self, env: dict) -> None:
         self.temp = tempfile.mkdtemp(prefix="raytune-head-")
+        # as the README's cluster commands: with RAY_AUTH_MODE=token `ray start` needs a token and makes none;
+        # this makes ~/.ray/auth_token where there is none (a fresh node) and prints it, so not to the log
+        subprocess.run([PY, "-m", "ray.scripts.scripts", "get-auth-token", "--generate"], env=env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120, check=False)
         argv = [PY, "-m", "ray.scripts.scripts", "start", "--head", "--node-ip-address=127.0.0.1",
                 "--dashboard-host=127.0.0.1", "--disable-usage-stats", f"--temp-dir={self.temp}",
                 *(f"--{k}={v}" for k, v in self.ports.items())]

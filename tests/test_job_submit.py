@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -24,8 +25,13 @@ BIN = Path(sys.executable).parent
 def ray_head(tmp_path_factory):
     temp = tmp_path_factory.mktemp("rayhead")
     gcs, dash, agent, agent_grpc, metrics, renv = (free_port() for _ in range(6))
-    # the cluster's processes (and so the job's `python`) use this virtualenv, as on a user's node
-    env = dict(os.environ, RAY_AUTH_MODE="token", PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    # the cluster's processes (and so the job's `python`) use this virtualenv, as on a user's node. With
+    # RAY_AUTH_MODE=token `ray start` needs a token and makes none (on a fresh machine the README's `ray
+    # get-auth-token --generate` does, in ~/.ray): the head's own, in a file of its own
+    token = temp / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token),
+               PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     env.pop("RAY_ADDRESS", None)
     start = subprocess.run(
         [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
@@ -97,7 +103,7 @@ def test_ray_job_submit_runs_the_local_job_on_the_cluster(ray_head, tmp_path):
 def test_submit_without_token_is_refused(ray_head):
     """Token authentication stays on: a client without the token cannot list jobs."""
     address, env = ray_head
-    bare = {k: v for k, v in env.items() if k not in ("RAY_AUTH_MODE",)}
+    bare = {k: v for k, v in env.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
     bare["HOME"] = "/nonexistent-home"  # no ~/.ray/auth_token to fall back on
     bare["RAY_AUTH_MODE"] = "token"
     out = subprocess.run([str(BIN / "ray"), "job", "list", "--address", address], env=bare,

@@ -40,6 +40,8 @@ SKIPPED = {
         "the full 27B recipe: GPUs",
     "python jobs/qwen27b_b300.py --set 'data.template_kwargs={\"reasoning_effort\": \"low\"}'":
         "the full 27B recipe: GPUs",
+    "ray get-auth-token --generate > /dev/null": "writes the user's ~/.ray/auth_token; tests/test_job_submit.py "
+                                                 "gives its head a token file of its own",
     "ray start --head": "a Ray cluster (tests/test_job_submit.py starts one on loopback)",
     "export RAY_AUTH_MODE=token": "a Ray cluster",
     "ray job submit --working-dir . -- python jobs/qwen27b_b300.py": "a Ray cluster and GPUs",
