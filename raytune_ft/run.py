@@ -336,17 +336,24 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     # the tokenizing processes start now, beside Ray Train's, and have the tokenizer loaded (the driver's
     # choice of class) when the first read reaches them
     start_tokenizing(recipe)
-    # the datasets while the MLflow run opens in its own process: the trainer waits for the run id only
-    # (under `ray job submit` the run opens after the cluster's check, with nothing else to hide it)
+    # the datasets while the MLflow run opens in its own process. A run still opening (under `ray job
+    # submit` it opens after the cluster's check, with nothing else to hide it) is not waited for: its id
+    # reaches rank 0 through Ray's key-value store, long before the workers first log
     datasets = build_datasets(recipe)
     marks["datasets"] = time.time()
-    run_id = opened.result()
+    run_id = handoff = None
+    if opened.done():
+        run_id = opened.result()
+    else:
+        handoff = held.enter_context(tracking.RunIdHandoff(opened, run_lease.token))
     marks["tracking"] = time.time()
-    trainer = build_trainer(recipe, mlflow_run_id=run_id, lease_token=run_lease.token, job_start=job_start,
-                            startup_marks=marks, prebuilt=datasets)
+    trainer = build_trainer(recipe, mlflow_run_id=run_id, mlflow_run_key=handoff and handoff.key,
+                            lease_token=run_lease.token, job_start=job_start, startup_marks=marks, prebuilt=datasets)
     try:
         result = trainer.fit()
     except BaseException as e:
+        # a run that did not open stops here, in its own words (FinishedRunError, the store's error)
+        run_id = run_id or opened.result()
         # an error no retry can fix (storage full, ...) is said in plain words, not as Ray's wrapping of it
         unfixable = unfixable_error(e)
         shown = unfixable or e
@@ -355,6 +362,7 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
         if unfixable is not None:
             raise unfixable from e
         raise
+    run_id = run_id or opened.result()
     ckpt = result.checkpoint
     metrics = result.metrics or {}
     if not recipe.train.save_final:

@@ -152,9 +152,12 @@ class RunOpening:
         import sys
         import tempfile
 
+        import threading
+
         self._result: str | None = None
         self._error: BaseException | None = None
         self._thread = None
+        self._lock = threading.Lock()      # the driver's main thread and RunIdHandoff's may both wait
         fd, self._path = tempfile.mkstemp(prefix="raytune_run_", suffix=".pickle")
         os.close(fd)
         package_root = str(Path(__file__).resolve().parents[1])
@@ -178,10 +181,21 @@ class RunOpening:
         except BaseException as e:  # noqa: BLE001 - handed to result()
             self._error = e
 
+    def done(self) -> bool:
+        """Whether the run is open (or failed to open), without waiting."""
+        if self._thread is not None:
+            return not self._thread.is_alive()
+        proc = self._proc
+        return proc is None or proc.poll() is not None
+
     def _wait(self) -> None:
         if self._thread is not None:
             self._thread.join()
             return
+        with self._lock:
+            self._wait_for_process()
+
+    def _wait_for_process(self) -> None:
         if self._proc is None:
             return
         import pickle
@@ -207,6 +221,72 @@ class RunOpening:
         if self._error is not None:
             raise self._error
         return self._result
+
+
+class RunNotOpened(RecipeError):
+    """The driver's MLflow run did not open: the worker that waited for it stops the attempt (no retry)."""
+
+
+# Ray's key-value store: the namespace the run ids travel in
+RUN_KEY_NAMESPACE = "raytune_ft"
+
+
+class RunIdHandoff:
+    """The MLflow run's id handed to the workers through Ray's key-value store, once `opened` (a RunOpening)
+    has it, so that the trainer need not wait for it: under `ray job submit` nothing else hides the 5-6 s the
+    run takes to open (an H200 node, bench/NOTES.md), and the workers first log 20-30 s after their start.
+    The driver keeps `opened` for its own use; an opening that failed hands over its words, and the worker
+    waiting for the id (`await_run_id`) stops the attempt. A context manager: the key is deleted at the end."""
+
+    def __init__(self, opened: RunOpening, token: str):
+        import threading
+
+        self.key = f"mlflow_run/{token}"
+        self._opened = opened
+        self._thread = threading.Thread(target=self._hand_over, name="raytune-run-handoff", daemon=True)
+        self._thread.start()
+
+    def _hand_over(self) -> None:
+        import json
+
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        from raytune_ft.env import redact_exception
+
+        error = self._opened.exception()
+        value = {"error": redact_exception(error)[:2000]} if error is not None else {"run_id": self._opened.result()}
+        _internal_kv_put(self.key, json.dumps(value), overwrite=True, namespace=RUN_KEY_NAMESPACE)
+
+    def __enter__(self) -> "RunIdHandoff":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._thread.join(timeout=60)
+        with contextlib.suppress(Exception):  # the job's Ray may be gone already
+            from ray.experimental.internal_kv import _internal_kv_del
+
+            _internal_kv_del(self.key, namespace=RUN_KEY_NAMESPACE)
+
+
+def await_run_id(key: str, timeout_s: float = 600.0, poll_s: float = 0.2) -> str:
+    """In a worker: the run id `RunIdHandoff` hands over under `key`, waiting for it up to `timeout_s`; raises
+    RunNotOpened with the driver's words when the run did not open."""
+    import json
+    import time
+
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    deadline = time.time() + timeout_s
+    while True:
+        raw = _internal_kv_get(key, namespace=RUN_KEY_NAMESPACE)
+        if raw is not None:
+            value = json.loads(raw)
+            if "run_id" in value:
+                return value["run_id"]
+            raise RunNotOpened(f"the MLflow run did not open: {value.get('error')}")
+        if time.time() > deadline:
+            raise RunNotOpened(f"the MLflow run did not open within {timeout_s:.0f} s of the trainer's start")
+        time.sleep(poll_s)
 
 
 def _open_run_here(result_path: str) -> None:

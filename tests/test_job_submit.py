@@ -98,6 +98,12 @@ def test_ray_job_submit_runs_the_local_job_on_the_cluster(ray_head, tmp_path):
     ray_parts = [v for k, v in startup.items() if k.startswith("ray_workers.")]
     assert sum(ray_parts) == pytest.approx(startup["ray_workers_s"], abs=0.05)
     assert "job submission" in log
+    # rank 0 logged every step to the job's MLflow run, whether the run was open when the trainer started or
+    # its id came later through Ray's key-value store (tracking.RunIdHandoff)
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{storage / 'qwen27b-local' / 'mlflow.db'}")
+    assert [m.step for m in client.get_metric_history(summary["mlflow_run_id"], "train/loss")] == [1, 2, 3, 4, 5, 6]
 
 
 def test_submit_without_token_is_refused(ray_head):

@@ -77,3 +77,34 @@ def test_the_driver_opens_the_run_in_a_process_of_its_own_with_start_runs_answer
     assert not driver_imported_mlflow
     fresh = _recipe(tmp_path / "x", f"tracking.storage_path={tmp_path / 'fresh'}")
     assert MlflowClient(fresh.tracking_uri).get_run(rid).info.status == "RUNNING"
+
+
+@pytest.mark.timeout(240)
+def test_a_run_still_opening_reaches_rank_0_through_rays_key_value_store(tmp_path, ray_local):
+    """RunIdHandoff: the driver starts the trainer while the run opens; rank 0 (here a task in a Ray worker
+    process) waits for the id the driver's RunOpening gets, other ranks for nothing; the words of a run that
+    did not open (a finished run re-submitted with other settings) stop rank 0; the key goes at the end."""
+    import ray
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    from raytune_ft.tracking import RUN_KEY_NAMESPACE, RunIdHandoff, RunNotOpened, RunOpening
+    from raytune_ft.train.common import mlflow_run_of
+
+    @ray.remote(num_cpus=0.1, max_retries=0)
+    def worker(config, rank):
+        return mlflow_run_of(config, rank)
+
+    opening = RunOpening(_recipe(tmp_path / "a"))
+    with RunIdHandoff(opening, "token-a") as handoff:
+        config = {"mlflow_run_id": None, "mlflow_run_key": handoff.key}
+        assert ray.get([worker.remote(config, 0), worker.remote(config, 1)], timeout=120) == [opening.result(), None]
+        key = handoff.key
+    assert _internal_kv_get(key, namespace=RUN_KEY_NAMESPACE) is None
+    # the id in the config (the run opened before the trainer started) is taken as it is
+    assert ray.get(worker.remote({"mlflow_run_id": "abc", "mlflow_run_key": key}, 0), timeout=60) == "abc"
+
+    _finished(tmp_path / "b")
+    refused = RunOpening(_recipe(tmp_path / "b", "train.max_steps=7"))
+    with RunIdHandoff(refused, "token-b") as handoff:
+        with pytest.raises(RunNotOpened, match=r"did not open: .*train\.max_steps"):
+            ray.get(worker.remote({"mlflow_run_id": None, "mlflow_run_key": handoff.key}, 0), timeout=120)

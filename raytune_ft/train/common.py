@@ -17,6 +17,17 @@ def recipe_from_config(config: dict) -> Recipe:
     return recipe_from_dict(config["recipe"])
 
 
+def mlflow_run_of(config: dict, rank: int) -> str | None:
+    """The MLflow run rank 0 logs to: the id in the loop's config, or, where the run was still opening when
+    the driver started the trainer, the id it hands over through Ray's key-value store (tracking.RunIdHandoff),
+    waited for here. Other ranks log nothing and wait for nothing."""
+    if rank != 0 or config.get("mlflow_run_id") or not config.get("mlflow_run_key"):
+        return config.get("mlflow_run_id")
+    from raytune_ft.tracking import await_run_id
+
+    return await_run_id(config["mlflow_run_key"])
+
+
 def lr_at(step: int, t: TrainConfig, total_steps: int) -> float:
     """Multiplier of the peak LR at optimizer step `step` (0-based) of `total_steps`: linear warmup,
     then the schedule, whose last step (total_steps - 1) trains at the floor `min_lr_ratio`; past the
