@@ -259,7 +259,7 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
 
 
 def tokenizer_memo(recipe: Recipe) -> str:
-    """The file that remembers which class AutoTokenizer chose for a tokenizer (models/tokenizer.recall_class):
+    """The file that remembers which class AutoTokenizer chose for a tokenizer (models/tokenizer.load_once):
     beside the JIT caches, `train.cache_dir` or the per-user default."""
     from raytune_ft.models.tokenizer import MEMO_NAME
     from raytune_ft.train.jit_cache import DEFAULT_ROOT
@@ -277,13 +277,10 @@ def _prepare_driver(recipe: Recipe) -> None:
     import ray.train.v2.api.data_parallel_trainer  # noqa: F401
 
     from raytune_ft.data import pipeline  # noqa: F401
-    from raytune_ft.models.tokenizer import recall_class, remember_class, tokenizer_for
+    from raytune_ft.models.tokenizer import load_once
     from raytune_ft.train import launch  # noqa: F401
 
-    memo = tokenizer_memo(recipe)
-    if not recall_class(recipe.model, memo):
-        tokenizer_for(recipe.model)
-        remember_class(recipe.model, memo)
+    load_once(recipe.model, tokenizer_memo(recipe))
 
 
 def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib.ExitStack) -> RunSummary:

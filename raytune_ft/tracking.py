@@ -151,7 +151,6 @@ class RunOpening:
         import json
         import sys
         import tempfile
-
         import threading
 
         self._result: str | None = None
@@ -253,8 +252,10 @@ class RunIdHandoff:
 
         from raytune_ft.env import redact_exception
 
-        error = self._opened.exception()
-        value = {"error": redact_exception(error)[:2000]} if error is not None else {"run_id": self._opened.result()}
+        try:
+            value = {"run_id": self._opened.result()}
+        except BaseException as e:  # noqa: BLE001 - handed to the worker in words; the driver raises it itself
+            value = {"error": redact_exception(e)[:2000]}
         _internal_kv_put(self.key, json.dumps(value), overwrite=True, namespace=RUN_KEY_NAMESPACE)
 
     def __enter__(self) -> "RunIdHandoff":

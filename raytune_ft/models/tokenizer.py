@@ -130,51 +130,50 @@ def _read_memo(path: str) -> dict:
     import json
 
     try:
-        with open(os.path.expanduser(path)) as f:
+        with open(path) as f:
             memo = json.load(f)
         return memo if isinstance(memo, dict) else {}
     except (OSError, ValueError):
         return {}
 
 
-def recall_class(model_cfg, memo_path: str) -> bool:
-    """Take the class AutoTokenizer chose for this tokenizer in an earlier run of this user's (the memo at
-    `memo_path`) as chosen here, as if `tokenizer_for` had loaded it; True when the memo had it.
+def load_once(model_cfg, memo_path: str) -> None:
+    """Load the model's tokenizer here (`tokenizer_for`: a tokenizer that cannot load raises), unless an earlier
+    run of this user's loaded it from the same files: then take the class AutoTokenizer chose then, kept in the
+    memo at `memo_path`, as chosen here. Either way `TokenizerOf.of` carries the class afterwards.
 
     Loading a tokenizer through AutoTokenizer imports transformers' configuration code and torch: 5-10 s on
     a GPU node, on the way to the first step wherever nothing hides it (under `ray job submit`). The files
     the class was chosen from are the same (names, sizes and times), so it loaded then and is the class the
-    tokenizing processes load now (bench/NOTES.md, start-up)."""
+    tokenizing processes load now (bench/NOTES.md, start-up). A memo only saves time: a failure to write it
+    is ignored."""
     if model_cfg.local_tiny:
-        return False
-    chosen = _read_memo(memo_path).get(_identity(model_cfg))
-    if not isinstance(chosen, str) or not chosen.startswith("transformers."):
-        return False
-    _CHOSEN[_source(model_cfg)] = chosen
-    return True
-
-
-def remember_class(model_cfg, memo_path: str) -> None:
-    """After `tokenizer_for` loaded the model's tokenizer in this process: keep the class AutoTokenizer chose in
-    the memo at `memo_path`, for `recall_class`. A memo only saves time: a failure to write it is ignored."""
-    import json
-    import tempfile
-
-    chosen = None if model_cfg.local_tiny else _CHOSEN.get(_source(model_cfg))
-    if chosen is None:
+        tokenizer_for(model_cfg)
         return
     path = os.path.expanduser(memo_path)
-    try:
-        memo = _read_memo(path)
-        key = _identity(model_cfg)
-        if memo.get(key) == chosen:
-            return
+    memo, key, source = _read_memo(path), _identity(model_cfg), _source(model_cfg)
+    chosen = memo.get(key)
+    if isinstance(chosen, str) and chosen.startswith("transformers."):
+        _CHOSEN[source] = chosen
+        return
+    tokenizer_for(model_cfg)
+    chosen = _CHOSEN.get(source)
+    if chosen is not None:         # a class of the model's remote code is not remembered
         memo.pop(key, None)
         memo[key] = chosen
         for old in list(memo)[:-_MEMO_ENTRIES]:     # the oldest go first
             del memo[old]
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tokenizer_classes.")
+        _write_memo(path, memo)
+
+
+def _write_memo(path: str, memo: dict) -> None:
+    import json
+    import tempfile
+
+    folder = os.path.dirname(path) or "."
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tokenizer_classes.")
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(memo, f, indent=1)
