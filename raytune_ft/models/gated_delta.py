@@ -50,46 +50,64 @@ def _causal_conv1d_fn():
 
 
 # flash-linear-attention's package __init__ imports every layer and model class it ships (fla.layers,
-# fla.models: dozens of modules, transformers' model classes among them) to re-export them; the loop needs
-# its ops only. On a GPU node that __init__ was most of the worker's "model code" part (bench/NOTES.md).
+# fla.models: dozens of modules, transformers' model classes among them) to re-export them, and `fla.ops`'
+# __init__ imports every op (abc, comba, kda, rwkv7, ...); the loop needs one op and the modules. On a GPU node
+# those two __init__s were most of the worker's "model code" part (bench/NOTES.md).
 FLA_OPS = ("fla.ops.gated_delta_rule", "fla.modules")     # ours, and what transformers' Qwen3.5 code takes
+FLA_BARE_PACKAGES = ("fla", "fla.ops")                    # put in place without running their __init__
+
+
+def _bare_package(name: str):
+    """The package `name` as a module object with its path and no __init__ run, or None where not found."""
+    import importlib.util
+    import pkgutil
+
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    package = importlib.util.module_from_spec(spec)        # the module object; its __init__ is not run
+    package.__path__ = pkgutil.extend_path(list(spec.submodule_search_locations), name)
+    return package
 
 
 @functools.lru_cache(maxsize=None)
 def import_fla_ops_only() -> bool:
-    """Put flash-linear-attention in place as its package without the package's __init__ (its path, its
-    version), then import `FLA_OPS`. True where that worked; where an op's import fails that way (a
-    release whose ops need the __init__), the partial package is taken out again and False returned:
-    the next import of fla runs it whole, as without this function. False too where fla is absent or
-    imported already. Call before anything imports fla (transformers' Qwen3.5 modelling imports it at
-    its own import on a CUDA machine)."""
+    """Put flash-linear-attention's packages `FLA_BARE_PACKAGES` in place without their __init__s (each with
+    its path; fla with its version), then import `FLA_OPS`. True where that worked; where an op's import
+    fails that way (a release whose ops need an __init__), the partial packages are taken out again and
+    False returned: the next import of fla runs it whole, as without this function. False too where fla is
+    absent or imported already. Call before anything imports fla (transformers' Qwen3.5 modelling imports
+    it at its own import on a CUDA machine)."""
     import importlib
     import importlib.metadata
-    import importlib.util
-    import pkgutil
     import sys
 
     if "fla" in sys.modules:
         return False
-    try:
-        spec = importlib.util.find_spec("fla")
-    except (ImportError, ValueError):
+    for name in FLA_BARE_PACKAGES:
+        package = _bare_package(name)
+        if package is None:
+            break
+        if name == "fla":
+            try:
+                package.__version__ = importlib.metadata.version("fla-core")
+            except importlib.metadata.PackageNotFoundError:
+                package.__version__ = "0"
+        else:
+            parent, _, child = name.rpartition(".")
+            setattr(sys.modules[parent], child, package)
+        sys.modules[name] = package
+    if "fla" not in sys.modules:
         return False
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    package = importlib.util.module_from_spec(spec)        # the module object; its __init__ is not run
-    package.__path__ = pkgutil.extend_path(list(spec.submodule_search_locations), "fla")
-    try:
-        package.__version__ = importlib.metadata.version("fla-core")
-    except importlib.metadata.PackageNotFoundError:
-        package.__version__ = "0"
-    sys.modules["fla"] = package
     try:
         for name in FLA_OPS:
             importlib.import_module(name)
         return True
     except Exception as e:  # noqa: BLE001 - fla imports whole instead
-        log.info("flash-linear-attention's ops need its package __init__ (%s): imported whole", type(e).__name__)
+        log.info("flash-linear-attention's ops need its package __init__s (%s): imported whole", type(e).__name__)
         for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
             del sys.modules[name]
         return False
