@@ -413,3 +413,38 @@ def test_parity_text_rows_render_with_the_real_tokenizer(fixtures):
     assert all(cols["input_ids"]) and not any(cols["skip_reason"])
     for ids, mask in zip(cols["input_ids"], cols["mask"]):
         assert 0 < sum(mask) < len(ids)                                     # loss on the continuation only
+
+
+WORKER_BUILD = """
+import importlib.util, json, socket, sys
+import torch, torch.distributed as dist
+from raytune_ft.recipe import Recipe, on_local_cpu, apply_overrides
+from raytune_ft.train import fsdp_loop
+from raytune_ft.train.common import WorkerLog
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+recipe = on_local_cpu(Recipe(), workers=1, rows=10, seq_len=128, run_name="x", registry_name="a.b.c")
+model, lm, tok = fsdp_loop.build_fsdp_model(recipe, torch.device("cpu"), WorkerLog(0, recipe, None))
+from transformers.utils import is_torchao_available
+print(json.dumps({"torchao": "torchao" in sys.modules, "check_restored": is_torchao_available() == (importlib.util.find_spec("torchao") is not None),
+                  "built": sum(p.numel() for p in model.parameters()) > 0}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_bf16_workers_model_build_does_not_import_torchao():
+    """The FSDP2 worker's model build, as the worker runs it in a fresh process: in bf16, transformers'
+    quantizers come in without torchao (train/fp8.transformers_without_torchao), and transformers' torchao
+    check answers as before once the modelling code is in."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, env_with_path
+
+    out = subprocess.run([sys.executable, "-c", WORKER_BUILD], env=env_with_path(REPO), capture_output=True,
+                         text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"torchao": False, "check_restored": True, "built": True}
+    assert "Failed to load" not in out.stderr      # torchao's .so warnings on a CPU machine

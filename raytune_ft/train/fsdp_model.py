@@ -47,9 +47,12 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
     tok = tokenizer_for(recipe.model)
     log.startup.part("tokenizer")
     # the model code's imports (transformers' modelling, the kernels) count as the model code's part
-    from raytune_ft.models.attention import select_attention_backend
-    from raytune_ft.models.build import load_causal_lm, materialize_model
-    from raytune_ft.models.kernel_check import check_on_worker
+    from raytune_ft.train.fp8 import transformers_without_torchao
+
+    with transformers_without_torchao(recipe.train.precision):
+        from raytune_ft.models.attention import select_attention_backend
+        from raytune_ft.models.build import load_causal_lm, materialize_model
+        from raytune_ft.models.kernel_check import check_on_worker
 
     on_gpu = device.type == "cuda"
     compute_dtype = torch.bfloat16 if (on_gpu and recipe.model.dtype == "bfloat16") else torch.float32
