@@ -228,8 +228,9 @@ def test_a_loop_worker_logs_through_its_worker_log_and_tags_its_run(mlflow_store
     recipe = Recipe()
     recipe.tracking.tracking_uri = uri
     out = io.StringIO()
-    report = kc.check_on_worker(CFG, torch.device("cpu"), mode="check", dtype=F32,
-                                log=WorkerLog(0, recipe, run_id, stream=out))
+    log = WorkerLog(0, recipe, run_id, stream=out)
+    report = kc.check_on_worker(CFG, torch.device("cpu"), mode="check", dtype=F32, log=log)
+    log.close()                   # rank 0's MLflow calls are made by a process of their own
     assert not report.checked
     assert out.getvalue().startswith("[raytune_ft] kernels in use (no GPU")
     assert client.get_run(run_id).data.tags[kc.TAG_IN_USE] == ("attention=sdpa_blockdiag, gdn_conv=torch_segmented, "

@@ -327,10 +327,7 @@ def check_on_worker(cfg, device, *, mode: str, dtype: torch.dtype, log, liger: b
         else:
             print(f"[raytune_ft] rank {rank}: {text}", flush=True)
 
-    tag = None
-    if getattr(log, "mlflow", None) is not None:
-        def tag(key: str, value: str) -> None:
-            log.client.set_tag(log.run_id, key, value)
+    tag = log.set_tag if getattr(log, "tracks", False) else None
     return check_kernels(cfg, device, mode=mode, dtype=dtype, liger=liger, log_line=line, tag=tag)
 
 

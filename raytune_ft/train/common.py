@@ -237,24 +237,22 @@ class WorkerLog:
                  job_start: float | None = None, startup_marks: dict | None = None):
         self.rank = rank
         self.recipe = recipe
-        self.mlflow = None
         self.startup = StartupClock(job_start, startup_marks)
         self._stream = stream
         self._live = False           # a redrawn progress line is on screen (terminal only)
+        self._sender = None          # rank 0's MLflow calls, made by a process of their own
         run_id = run_id or os.environ.get("RAYTUNE_MLFLOW_RUN_ID")
         if rank == 0 and run_id:
-            try:
-                import mlflow
+            from raytune_ft.train.mlflow_sender import MlflowSender
 
-                mlflow.set_tracking_uri(recipe.tracking_uri)
-                self.client = mlflow.MlflowClient(recipe.tracking_uri)
-                self.run_id = run_id
-                self.mlflow = mlflow
-                self.client.set_tag(run_id, "raytune.gpu", _gpu_description(recipe.scaling.num_workers))
-            except Exception as e:  # tracking must never kill training
-                from raytune_ft.env import redact_exception
+            self.run_id = run_id
+            self._sender = MlflowSender(recipe.tracking_uri, run_id, self.info)
+            self.set_tag("raytune.gpu", _gpu_description(recipe.scaling.num_workers))
 
-                self.info(f"MLflow logging off: {redact_exception(e)}")
+    @property
+    def tracks(self) -> bool:
+        """Whether this process logs to an MLflow run (rank 0 of a tracked run)."""
+        return self._sender is not None
 
     @property
     def stream(self):
@@ -317,14 +315,22 @@ class WorkerLog:
             self._write_line(line)
         self.log_metrics(m, m["step"], steps)
 
+    def set_tag(self, key: str, value: str) -> None:
+        """An MLflow tag of the run (rank 0), e.g. the kernels in use."""
+        if self._sender is not None:
+            self._sender.call("set_tag", f"MLflow tag {key} not logged ({{error}})", key=key, value=str(value))
+
     def log_param(self, key: str, value: str) -> None:
-        """An MLflow param of the run (rank 0), e.g. the basis of the MFU figures."""
-        if self.mlflow is None:
-            return
-        try:
-            self.client.log_param(self.run_id, key, value)
-        except Exception as e:   # a resumed run logs the same value again; a different one is refused
-            self.info(f"MLflow param {key} not logged ({type(e).__name__})")
+        """An MLflow param of the run (rank 0), e.g. the basis of the MFU figures. A resumed run logs the same
+        value again; a different one is refused by MLflow and said in the log."""
+        if self._sender is not None:
+            self._sender.call("log_param", f"MLflow param {key} not logged ({{error}})", key=key, value=str(value))
+
+    def log_table(self, data: dict[str, list], artifact_file: str, fail: str) -> None:
+        """Rows appended to the run's MLflow table `artifact_file` (columns of equal length); `fail`, with
+        "{error}", is said where that fails."""
+        if self._sender is not None:
+            self._sender.call("log_table", fail, data=data, artifact_file=artifact_file)
 
     def mfu_basis(self, basis: str) -> None:
         """Say what the run's MFU figures are relative to: the log line and the MLflow param (both loops)."""
@@ -336,21 +342,17 @@ class WorkerLog:
         step's own loss, lr, grad norm...), each point at its own step. A key `steps` carries, or one
         named in `skip`, is not logged again from `m`: one point per step, not a window's mean beside it.
         No MFU that was not measured, no data counters; names as `tracking.mlflow_metric_name` gives them."""
-        if self.mlflow is None:
+        if self._sender is None:
             return
-        try:
-            from mlflow.entities import Metric
-
-            ts = int(time.time() * 1000)
-            per_step = {k for s in steps for k in s if k != "step"} | set(skip)
-            metrics = [Metric(mlflow_metric_name(k), float(v), ts, int(s["step"])) for s in steps
-                       for k, v in s.items() if k != "step" and _is_number(v)]
-            metrics += [Metric(mlflow_metric_name(k), float(v), ts, step) for k, v in measured(m).items()
-                        if _is_number(v) and k != "step" and k not in per_step and not k.startswith(_NOT_CURVES)]
-            for i in range(0, len(metrics), 1000):          # MLflow's limit per batch
-                self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
-        except Exception as e:
-            self.info(f"MLflow metric logging failed ({type(e).__name__}); training goes on")
+        ts = int(time.time() * 1000)
+        per_step = {k for s in steps for k in s if k != "step"} | set(skip)
+        metrics = [[mlflow_metric_name(k), float(v), ts, int(s["step"])] for s in steps
+                   for k, v in s.items() if k != "step" and _is_number(v)]
+        metrics += [[mlflow_metric_name(k), float(v), ts, step] for k, v in measured(m).items()
+                    if _is_number(v) and k != "step" and k not in per_step and not k.startswith(_NOT_CURVES)]
+        for i in range(0, len(metrics), 1000):          # MLflow's limit per batch
+            self._sender.call("log_batch", "MLflow metric logging failed ({error}); training goes on",
+                              metrics=metrics[i:i + 1000])
 
     def first_step_done(self, step: int, device) -> dict:
         """At the end of this attempt's first optimizer step (every rank): the start-up breakdown, printed
@@ -363,16 +365,22 @@ class WorkerLog:
             torch.cuda.synchronize(device)
         m = self.startup.finish()
         self.info(self.startup.line())
-        if self.mlflow is not None:
-            try:
-                from mlflow.entities import Param
-
-                self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in startup_params(m).items()])
-            except Exception as e:   # MLflow params do not change: a resumed attempt keeps the first one's
-                self.info(f"MLflow params startup.* not logged ({type(e).__name__}); summary.json has them")
+        if self._sender is not None:    # MLflow params do not change: a resumed attempt keeps the first one's
+            self._sender.call("log_batch", "MLflow params startup.* not logged ({error}); summary.json has them",
+                              params=[[k, str(v)] for k, v in startup_params(m).items()])
         return m
 
+    def flush(self) -> None:
+        """Wait until rank 0's MLflow calls so far are made (before a checkpoint is reported, and where a test
+        reads the run)."""
+        if self._sender is not None:
+            self._sender.flush()
+
     def close(self) -> None:
+        """The end of the loop: rank 0's MLflow calls made, its sender ended."""
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
         if self._live:
             self.stream.write("\n")
             self.stream.flush()

@@ -360,6 +360,7 @@ def _save_and_report(recipe, model, opt, rank, state, metrics, log, *, final: bo
                 "run_name": recipe.tracking.run_name, "loop": "fsdp2",
             })
         log.info(f"checkpoint at step {state['step']}{' (final, with hf/ export)' if final else ''}")
+        log.flush()       # the checkpoint's steps are in MLflow before Ray has the checkpoint
         extra = {}
         if _dies_after_upload(state["step"], rank):
             extra["checkpoint_upload_fn"] = _upload_then_die

@@ -194,15 +194,6 @@ class Sampler:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def _log_table(self, rows: list[dict]) -> None:
-        if self.rank != 0 or self.log.mlflow is None:
-            return
-        from raytune_ft.env import scoped_env
-
-        # mlflow appends the rows to the table already in the run, downloading it first: without its
-        # progress bar, which a worker's console would forward as chatter
-        try:
-            with scoped_env({"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}):
-                self.log.client.log_table(self.log.run_id, {c: [r[c] for r in rows] for c in COLUMNS},
-                                          SAMPLES_TABLE)
-        except Exception as e:  # noqa: BLE001 - tracking must never kill training
-            self.log.info(f"MLflow sample table not logged ({type(e).__name__}); training goes on")
+        if self.rank == 0:    # mlflow appends the rows to the table already in the run
+            self.log.log_table({c: [r[c] for r in rows] for c in COLUMNS}, SAMPLES_TABLE,
+                               "MLflow sample table not logged ({error}); training goes on")

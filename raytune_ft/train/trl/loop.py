@@ -162,6 +162,7 @@ def train_trl(config: dict) -> None:
             ray_report(metrics, d)
     shutil.rmtree(out_dir, ignore_errors=True)
     release_facades()
+    log.close()      # rank 0's MLflow calls made before the trainer's fit returns
 
 
 def _tokenizer(recipe: Recipe, log: WorkerLog):

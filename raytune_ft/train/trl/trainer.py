@@ -272,6 +272,7 @@ def report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ran
                 if rank == 0:
                     save_meta(d, recipe, state, self.last, final=False)
                 log.info(f"checkpoint at step {state.global_step}")
+                log.flush()       # the checkpoint's steps are in MLflow before Ray has the checkpoint
                 # the upload to storage happens in ray_report; out of space is said so, not in torch's words
                 from raytune_ft.train.ckpt_storage import run_storage, write_checkpoint
 
