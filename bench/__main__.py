@@ -1,6 +1,6 @@
 """Benchmarks of raytune_ft (bench/README.md).
 
-    python -m bench gpu suite|speed|fp8|parity|kernel-check|startup|eval|all [--gpus 0,1] [--dry-run|--cpu-smoke]
+    python -m bench gpu suite|speed|fp8|parity|kernel-check|startup|imports|eval|all [--gpus 0,1] [--dry-run|--cpu-smoke]
 """
 from __future__ import annotations
 

@@ -32,11 +32,11 @@ from bench import records
 
 REPO = records.REPO
 PY = sys.executable
-SUBCOMMANDS = ("suite", "speed", "fp8", "parity", "kernel-check", "startup", "eval", "all")
+SUBCOMMANDS = ("suite", "speed", "fp8", "parity", "kernel-check", "startup", "imports", "eval", "all")
 # a fresh node JIT-compiles the fla/tilelang/Triton kernels and the compiled layers before the first step
 # (minutes); each part's limit leaves room for that
 DEFAULT_TIMEOUT_S = {"suite": 560, "speed": 540, "fp8": 540, "parity": 580, "kernel-check": 300,
-                     "startup": 540, "eval": 540}
+                     "startup": 540, "imports": 300, "eval": 540}
 STARTUP_KEYS = ("ray_workers_s", "model_build_s", "kernel_check_s", "compile_s", "eval_setup_s", "first_step_s",
                 "total_s")
 SUITE_PARTS = {"kernels": ["tests/gpu/test_packed_equality.py", "tests/gpu/test_kernel_check_gpu.py"],
@@ -427,6 +427,14 @@ class Kit:
                               prepare=lambda: os.makedirs(self.work, exist_ok=True)))
         return parts
 
+    def imports(self) -> list[Part]:
+        """The worker's import sequence, stage by stage (bench/worker_imports.py), twice in fresh processes: the
+        first may read the files from disk, the second from the page cache, as a re-submit does."""
+        argv = [PY, "bench/worker_imports.py"]
+        argv += ["--cpu"] if self.o.cpu_smoke else (["--tokenizer", self.o.tokenizer] if self.o.tokenizer else [])
+        return [Part(f"imports-{i}", argv, self.limit("imports"),
+                     read=lambda p, out, res: res[-1] if res else {}) for i in (1, 2)]
+
     def kernel_check(self) -> list[Part]:
         shapes = [("qwen3.8-27b", []), ("qwen3-4b", ["--liger"])]
         if self.o.cpu_smoke:
@@ -458,9 +466,11 @@ class Kit:
 
     def parts(self, bench: str) -> list[Part]:
         if bench == "all":   # fp8's bf16 run is speed's figure
-            return [p for b in ("suite", "kernel-check", "fp8", "parity", "startup", "eval") for p in self.parts(b)]
+            return [p for b in ("suite", "kernel-check", "fp8", "parity", "startup", "imports", "eval")
+                    for p in self.parts(b)]
         parts = {"suite": self.suite, "speed": self.speed, "fp8": self.fp8, "parity": self.parity,
-                 "kernel-check": self.kernel_check, "startup": self.startup, "eval": self.eval}[bench]()
+                 "kernel-check": self.kernel_check, "startup": self.startup, "imports": self.imports,
+                 "eval": self.eval}[bench]()
         for p in parts:
             p.bench = bench
         return parts

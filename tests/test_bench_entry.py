@@ -25,7 +25,7 @@ def dry_run(capsys, *args) -> list[str]:
     return [line for line in capsys.readouterr().out.splitlines() if line.startswith("=== ")]
 
 
-@pytest.mark.parametrize("bench", ["suite", "speed", "fp8", "parity", "kernel-check", "startup", "eval"])
+@pytest.mark.parametrize("bench", ["suite", "speed", "fp8", "parity", "kernel-check", "startup", "imports", "eval"])
 def test_every_subcommand_prints_its_commands(capsys, bench):
     lines = dry_run(capsys, bench, "--gpus", "0")
     assert lines and all(f"=== {bench} / " in line and "(limit " in line for line in lines)
@@ -88,7 +88,7 @@ def test_eval_sets_eval_every_sample_prompts_and_validation_data(capsys):
 
 def test_all_runs_every_measure(capsys):
     labels = {line.split(" / ")[0][4:] for line in dry_run(capsys, "all", "--gpus", "0")}
-    assert labels == {"suite", "kernel-check", "fp8", "parity", "startup", "eval"}
+    assert labels == {"suite", "kernel-check", "fp8", "parity", "startup", "imports", "eval"}
 
 
 @pytest.mark.timeout(300)
@@ -106,6 +106,26 @@ def test_cpu_smoke_of_the_suite_writes_a_dated_record(tmp_path):
     assert rec["figures"]["skipped"] > 0 and rec["figures"]["failed"] == 0
     assert any("no CUDA device" in r for r in rec["figures"]["skip_reasons"])
     assert "RESULT " in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_cpu_smoke_of_the_imports_bench_times_the_workers_import_stages(tmp_path):
+    """`imports --cpu-smoke`: the worker's import sequence in fresh processes, each stage timed, the slowest
+    imports from Python's own trace, and whether the packages' bytecode is cached, in a dated record."""
+    results = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "-m", "bench", "gpu", "imports", "--cpu-smoke", "--results", str(results),
+                           "--workdir", str(tmp_path / "work")], cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = [json.loads(line) for line in next(results.glob("*.jsonl")).read_text().splitlines()]
+    assert [r["label"] for r in recs] == ["imports-1", "imports-2"]
+    for rec in recs:
+        fig = rec["figures"]
+        stages = ["ray", "torch", "ray.train", "the loop's module", "tokenizer", "model code", "compile set-up"]
+        assert [k for k in fig["stages"] if k not in ("total", "tokenizer_class")] == stages
+        assert fig["stages"]["total"] == pytest.approx(sum(fig["stages"][k] for k in stages), abs=0.01)
+        assert fig["stages"]["torch"] > 0 and len(fig["slowest"]) == 15
+        assert any(name.startswith("torch") for name, _ in fig["slowest"])
+        assert fig["bytecode"]["packages"]["torch"]["init_pyc"] in (True, False)
 
 
 @pytest.mark.timeout(900)
