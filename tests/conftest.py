@@ -167,3 +167,16 @@ def _isolated_mlflow_uris():
             return
         reg._registry_uri = None
         trk._tracking_uri = None
+
+
+@pytest.fixture
+def mlflow_run(tmp_path):
+    """A default recipe whose MLflow store is a sqlite file under tmp_path, and a real run in it (rank 0's
+    logging: tests/test_step_metrics.py, tests/test_mlflow_sender.py)."""
+    from raytune_ft import tracking
+    from raytune_ft.recipe import Recipe
+
+    r = Recipe()
+    r.tracking.storage_path = str(tmp_path / "runs")
+    r.tracking.run_name = "metrics"
+    return r, tracking.start_run(r)

@@ -16,16 +16,6 @@ from raytune_ft.recipe import Recipe
 from tests.conftest import REPO, env_with_path
 
 
-@pytest.fixture
-def mlflow_run(tmp_path):
-    from raytune_ft import tracking
-
-    r = Recipe()
-    r.tracking.storage_path = str(tmp_path / "runs")
-    r.tracking.run_name = "sender"
-    return r, tracking.start_run(r)
-
-
 WORKER = textwrap.dedent("""
     import io, json, sys
     from raytune_ft.recipe import recipe_from_dict

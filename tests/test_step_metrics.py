@@ -9,19 +9,7 @@ import time
 
 import pytest
 
-from raytune_ft.recipe import Recipe
 from raytune_ft.train.common import STARTUP_METRICS, StartupClock, WorkerLog
-
-
-@pytest.fixture
-def mlflow_run(tmp_path):
-    """A recipe whose MLflow store is a sqlite file under tmp_path, and a real run in it."""
-    from raytune_ft import tracking
-
-    r = Recipe()
-    r.tracking.storage_path = str(tmp_path / "runs")
-    r.tracking.run_name = "metrics"
-    return r, tracking.start_run(r)
 
 
 def _history(recipe, run_id: str, key: str) -> list[tuple[int, float]]:
