@@ -66,7 +66,10 @@ def _serve(stdin, stdout) -> None:
         stdout.write(json.dumps(msg) + "\n")
         stdout.flush()
 
-    first = json.loads(stdin.readline())
+    line = stdin.readline()
+    if not line:          # the worker went before it said which run
+        return
+    first = json.loads(line)
     calls = None
     try:
         calls = _Calls(first["tracking_uri"], first["run_id"])
