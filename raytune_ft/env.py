@@ -144,6 +144,15 @@ def scoped_env(values: dict[str, str] | None = None, *, keep: Iterable[str] = ()
                 os.environ[k] = v
 
 
+def child_python_env() -> dict[str, str]:
+    """This process's environment for a child Python that imports raytune_ft: the package's folder first on
+    PYTHONPATH (a Ray worker finds it through its working folder, which a child started elsewhere may not)."""
+    from pathlib import Path
+
+    package_root = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
 def package_versions(names, missing: str) -> dict[str, str]:
     """Each installed distribution's version, `missing` for one that is not installed."""
     import importlib.metadata as md

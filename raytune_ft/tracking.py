@@ -159,9 +159,9 @@ class RunOpening:
         self._lock = threading.Lock()      # the driver's main thread and RunIdHandoff's may both wait
         fd, self._path = tempfile.mkstemp(prefix="raytune_run_", suffix=".pickle")
         os.close(fd)
-        package_root = str(Path(__file__).resolve().parents[1])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        from raytune_ft.env import child_python_env
+
+        env = child_python_env()
         code = f"from raytune_ft.tracking import _open_run_here; _open_run_here({self._path!r})"
         try:   # the child's output (the re-submit's notes) goes where the driver's goes
             self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, env=env)

@@ -245,7 +245,6 @@ class WorkerLog:
         if rank == 0 and run_id:
             from raytune_ft.train.mlflow_sender import MlflowSender
 
-            self.run_id = run_id
             self._sender = MlflowSender(recipe.tracking_uri, run_id, self.info)
             self.set_tag("raytune.gpu", _gpu_description(recipe.scaling.num_workers))
 

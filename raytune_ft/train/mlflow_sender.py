@@ -21,7 +21,6 @@ import os
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from typing import Callable
 
 # how long close() waits for calls still queued before it gives up on them (a tracking server gone away)
@@ -49,9 +48,25 @@ class _Calls:
             self.client.log_batch(self.run_id, metrics=[Metric(*m) for m in args.get("metrics", ())],
                                   params=[Param(*p) for p in args.get("params", ())])
         elif op == "log_table":
-            self.client.log_table(self.run_id, args["data"], args["artifact_file"])
+            from raytune_ft.env import scoped_env
+
+            # mlflow appends the rows to the table in the run, downloading it first: without its progress bar,
+            # which a worker's console would forward as chatter
+            with scoped_env({"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}):
+                self.client.log_table(self.run_id, args["data"], args["artifact_file"])
         else:
             raise ValueError(f"unknown MLflow call {op!r}")
+
+
+def _open_calls(tracking_uri: str, run_id: str, say: Callable[[str], None]) -> _Calls | None:
+    """The run's calls, or None after saying why MLflow cannot be reached (the worker trains on, untracked)."""
+    from raytune_ft.env import redact_exception
+
+    try:
+        return _Calls(tracking_uri, run_id)
+    except Exception as e:  # noqa: BLE001 - tracking must never kill training
+        say(f"MLflow logging off: {redact_exception(e)}")
+        return None
 
 
 def _failure(fail: str, e: BaseException) -> str:
@@ -60,8 +75,6 @@ def _failure(fail: str, e: BaseException) -> str:
 
 def _serve(stdin, stdout) -> None:
     """The sender process: the run from the first line, then one call per line; answers on `stdout`."""
-    from raytune_ft.env import redact_exception
-
     def answer(**msg) -> None:
         stdout.write(json.dumps(msg) + "\n")
         stdout.flush()
@@ -70,11 +83,7 @@ def _serve(stdin, stdout) -> None:
     if not line:          # the worker went before it said which run
         return
     first = json.loads(line)
-    calls = None
-    try:
-        calls = _Calls(first["tracking_uri"], first["run_id"])
-    except Exception as e:  # noqa: BLE001 - the worker trains on, untracked
-        answer(say=f"MLflow logging off: {redact_exception(e)}")
+    calls = _open_calls(first["tracking_uri"], first["run_id"], lambda text: answer(say=text))
     for line in stdin:
         msg = json.loads(line)
         if calls is not None and msg.get("op"):
@@ -91,8 +100,6 @@ def main() -> None:
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    # progress bars of artifact uploads (log_table) are chatter in a worker's log
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     _serve(sys.stdin, answers)
 
 
@@ -110,12 +117,12 @@ class MlflowSender:
         self._here: _Calls | None = None      # the calls made in this process (no sender, or it died)
         self._off = False                     # MLflow could not be reached from this process either
         self._proc = None
-        package_root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        from raytune_ft.env import child_python_env
+
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", "from raytune_ft.train.mlflow_sender import main; main()"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_python_env(), text=True, bufsize=1)
             self._proc.stdin.write(json.dumps({"tracking_uri": tracking_uri, "run_id": run_id}) + "\n")
         except OSError:
             self._proc = None
@@ -126,13 +133,8 @@ class MlflowSender:
         self._reader.start()
 
     def _in_worker(self) -> None:
-        from raytune_ft.env import redact_exception
-
-        try:
-            self._here = _Calls(self._uri, self._run_id)
-        except Exception as e:  # noqa: BLE001 - tracking must never kill training
-            self._say(f"MLflow logging off: {redact_exception(e)}")
-            self._off = True
+        self._here = _open_calls(self._uri, self._run_id, self._say)
+        self._off = self._here is None
 
     def _read(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
