@@ -96,6 +96,10 @@ def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = No
         return 0
     # Before Ray and the libraries are imported (some switches are read at import), so the driver, the
     # local Ray it starts and the DataContext shipped with the datasets all see them
+    from raytune_ft.env import keep_bytecode
+    from raytune_ft.train.jit_cache import DEFAULT_ROOT
+
+    keep_bytecode(recipe.train.cache_dir or DEFAULT_ROOT, recipe.train.bytecode_cache)
     setup_driver(terminal=is_terminal(sys.stdout))
     from raytune_ft.lease import RunFolderInUse
     from raytune_ft.run import run

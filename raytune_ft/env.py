@@ -153,6 +153,59 @@ def child_python_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
+# Python's bytecode cache: the variables a job sets for every process it starts (bytecode_cache)
+BYTECODE_ENV = ("PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE")
+
+
+def _bytecode_missing(mode: str) -> bool:
+    """Whether this Python compiles its imports from source at every start: it writes no bytecode beside
+    the sources (PYTHONDONTWRITEBYTECODE, or torch's package folder, the largest import, read-only) and,
+    for mode "auto", torch's bytecode is not there either (an install that compiled none, as uv's)."""
+    import importlib.util
+    import sys
+
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        spec = None
+    source = spec.origin if spec is not None and spec.origin and spec.origin.endswith(".py") else None
+    if not (sys.flags.dont_write_bytecode or sys.dont_write_bytecode or os.environ.get("PYTHONDONTWRITEBYTECODE")
+            or (source and not os.access(os.path.dirname(source), os.W_OK))):
+        return False
+    return mode == "on" or not (source and os.path.exists(importlib.util.cache_from_source(source)))
+
+
+def keep_bytecode(cache_root: str, mode: str = "auto") -> dict[str, str]:
+    """Keep the job's compiled Python modules in `<cache_root>/bytecode` when nothing else would.
+
+    A container image often sets PYTHONDONTWRITEBYTECODE, and an install may compile no bytecode (uv's
+    default) or be read-only: then every process of every job compiles torch, transformers, Ray and the
+    kernels' Python from source again, about half of each Ray worker's imports (bench/NOTES.md, start-up).
+    This points this process (from its next import on) and, through the variables it sets, every process
+    the job starts at a folder beside the JIT caches; nothing is written beside the sources. `mode` is the
+    recipe's `train.bytecode_cache` (recipe.py). A PYTHONPYCACHEPREFIX the user set is left as it is.
+    Returns the variables set ({} when none)."""
+    import sys
+
+    if mode == "off" or os.environ.get("PYTHONPYCACHEPREFIX") or not _bytecode_missing(mode):
+        return {}
+    folder = os.path.join(os.path.abspath(os.path.expanduser(cache_root)), "bytecode")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:     # only a faster start is lost
+        return {}
+    env = {"PYTHONPYCACHEPREFIX": folder, "PYTHONDONTWRITEBYTECODE": ""}   # empty: Python's "not set"
+    os.environ.update(env)
+    sys.pycache_prefix = folder
+    sys.dont_write_bytecode = False
+    return env
+
+
+def bytecode_env() -> dict[str, str]:
+    """The bytecode variables of this process, for the runtime_env of the processes a job starts."""
+    return {k: os.environ[k] for k in BYTECODE_ENV if k in os.environ}
+
+
 def package_versions(names, missing: str) -> dict[str, str]:
     """Each installed distribution's version, `missing` for one that is not installed."""
     import importlib.metadata as md

@@ -142,6 +142,11 @@ class TrainConfig:
     # each node's folder for the JIT caches (Triton, tilelang, FLA autotune, Inductor; train/jit_cache.py),
     # an absolute path or ~/...; None: ~/.cache/raytune_ft/jit. Also shared through the run's storage.
     cache_dir: str | None = None
+    # Python's compiled modules of every process of the job in `<cache_dir>/bytecode` (env.keep_bytecode):
+    # "auto" where Python would otherwise compile torch from source at every start (PYTHONDONTWRITEBYTECODE
+    # set, or a read-only site-packages, and no bytecode shipped), "on" wherever Python writes none beside
+    # the sources, "off"; a PYTHONPYCACHEPREFIX you set wins
+    bytecode_cache: Literal["auto", "on", "off"] = "auto"
     # TRL loop only
     lora_r: int = 0                          # 0: full fine-tune
     lora_alpha: int = 32

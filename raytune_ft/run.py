@@ -85,13 +85,14 @@ def ensure_ray(local: bool) -> None:
     import ray
 
     from raytune_ft.console import WORKER_SETUP_HOOK, is_terminal, own_ray_env, quiet_env
+    from raytune_ft.env import bytecode_env
 
     if ray.is_initialized():
         return
     # every process of the job (Train controller and workers, Ray Data's actors, the registration task)
     # runs the console's setup hook: they print most of what reaches the driver's console
     quiet = {"worker_process_setup_hook": WORKER_SETUP_HOOK,
-             "env_vars": quiet_env(is_terminal(sys.stdout))}
+             "env_vars": {**quiet_env(is_terminal(sys.stdout)), **bytecode_env()}}
     if os.environ.get("RAY_ADDRESS"):
         try:
             ray.init(runtime_env=quiet, logging_level=logging.WARNING)

@@ -30,7 +30,8 @@ def ray_head(tmp_path_factory):
     # get-auth-token --generate` does, in ~/.ray): the head's own, in a file of its own
     token = temp / "auth_token"
     token.write_text(secrets.token_hex(32))
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token),
+    # PYTHONDONTWRITEBYTECODE: as container images often set it (the job keeps its own bytecode, below)
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), PYTHONDONTWRITEBYTECODE="1",
                PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     env.pop("RAY_ADDRESS", None)
     start = subprocess.run(
@@ -75,7 +76,10 @@ def test_ray_job_submit_runs_the_local_job_on_the_cluster(ray_head, tmp_path):
     storage = tmp_path / "runs"
     cmd = [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(REPO),
            "--", "python", "jobs/qwen27b_b300.py", "--local", f"--set=tracking.storage_path={storage}",
-           "--set=train.max_steps=6", "--set=train.checkpoint_every=3"]
+           "--set=train.max_steps=6", "--set=train.checkpoint_every=3",
+           # the cluster writes no bytecode; "on", since this venv's torch has its own (where the install
+           # shipped none, "auto" does the same)
+           f"--set=train.cache_dir={tmp_path / 'cache'}", "--set=train.bytecode_cache=on"]
     for _ in range(12):  # the head's job agent can take a while to come up on a loaded host
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=580)
         log = out.stdout + out.stderr
@@ -104,6 +108,11 @@ def test_ray_job_submit_runs_the_local_job_on_the_cluster(ray_head, tmp_path):
 
     client = MlflowClient(f"sqlite:///{storage / 'qwen27b-local' / 'mlflow.db'}")
     assert [m.step for m in client.get_metric_history(summary["mlflow_run_id"], "train/loss")] == [1, 2, 3, 4, 5, 6]
+    # the training worker, a process of the cluster's (which writes no bytecode), kept the modules only it
+    # imports in the job's bytecode folder: from the job's uploaded copy of the project, and from torch
+    bytecode = tmp_path / "cache" / "bytecode"
+    assert list(bytecode.rglob("raytune_ft/train/fsdp_model.*.pyc")), "the worker's modules were not kept"
+    assert list(bytecode.rglob("torch/distributed/fsdp/_fully_shard/_fully_shard.*.pyc"))
 
 
 def test_submit_without_token_is_refused(ray_head):

@@ -23,8 +23,10 @@ def _worker_env() -> dict[str, str]:
             "TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "FLA_CACHE_RESULTS",
             "RAYTUNE_FAULT_AFTER_UPLOAD", "RAYTUNE_FAULT_AT_STEP", "RAYTUNE_FAULT_FREE_BYTES")
     from raytune_ft.console import QUIET_ENV, PLAIN_ENV
+    from raytune_ft.env import BYTECODE_ENV
 
-    keep += (*QUIET_ENV, *PLAIN_ENV)    # the driver set them (cli.job_main): workers on other nodes too
+    # the driver set them (cli.job_main): workers on other nodes too
+    keep += (*QUIET_ENV, *PLAIN_ENV, *BYTECODE_ENV)
     return {k: os.environ[k] for k in keep if k in os.environ}
 
 
