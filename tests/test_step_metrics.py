@@ -173,3 +173,42 @@ def test_run_page_opens_on_the_training_curves(mlflow_run):
     assert sections[0][:3] == ["train/grad_norm", "train/loss", "train/lr"], sections
     assert sections[1] == ["validation/loss", "validation/perplexity", "validation/seconds", "validation/tokens"]
     assert not [k for k in metrics if k.startswith(("startup", "samples"))], sorted(metrics)
+
+
+_COMPILE_ONCE = """
+import json, time, torch
+from raytune_ft.train.common import StartupClock
+clock = StartupClock(time.time())
+f = torch.compile(lambda x: torch.relu(x) * 2 + 1)
+x = torch.randn(16, requires_grad=True)
+f(x).sum().backward()
+m = clock.finish()
+print(json.dumps({"counts": {k: v for k, v in m.items() if k.startswith("startup/compile.")}, "line": clock.line()}))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_the_breakdown_says_how_many_compiled_graphs_came_from_the_cache(tmp_path):
+    """A cold process compiles its graphs, the next one with the same Inductor cache folder finds them all;
+    the start-up line says which (real torch.compile on CPU, two fresh processes)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), PYTHONPATH=str(REPO))
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _COMPILE_ONCE], env=env, capture_output=True, text=True,
+                             timeout=500)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    cold, warm = (r["counts"] for r in runs)
+    assert cold["startup/compile.fx_cache_hits"] == 0 and cold["startup/compile.fx_cache_misses"] >= 2  # fw, bw
+    assert warm["startup/compile.fx_cache_misses"] == 0 and warm["startup/compile.aot_cache_misses"] == 0
+    assert warm["startup/compile.aot_cache_hits"] >= 1
+    n = cold["startup/compile.fx_cache_misses"]
+    assert f"graphs from the cache: Inductor 0 of {n}," in runs[0]["line"]
+    assert f"graphs from the cache: Inductor {n} of {n}," in runs[1]["line"]

@@ -154,6 +154,26 @@ def _compile_seconds() -> float:
         return 0.0
 
 
+# torch.compile's cache lookups up to the first step's end, `startup/compile.<name>`: counts, not seconds.
+# A warm start should find every graph (bench/NOTES.md, start-up)
+COMPILE_CACHE_COUNTERS = {"fx_cache_hits": ("inductor", "fxgraph_cache_hit"),
+                          "fx_cache_misses": ("inductor", "fxgraph_cache_miss"),
+                          "aot_cache_hits": ("aot_autograd", "autograd_cache_hit"),
+                          "aot_cache_misses": ("aot_autograd", "autograd_cache_miss")}
+
+
+def _compile_cache_counts() -> dict[str, int]:
+    """This process's torch.compile cache hits and misses so far (0 each before anything compiled)."""
+    if "torch._dynamo" not in sys.modules:
+        return dict.fromkeys(COMPILE_CACHE_COUNTERS, 0)
+    try:
+        from torch._dynamo.utils import counters
+
+        return {name: int(counters[group][key]) for name, (group, key) in COMPILE_CACHE_COUNTERS.items()}
+    except Exception:  # noqa: BLE001 - private counters: a diagnosis only
+        return dict.fromkeys(COMPILE_CACHE_COUNTERS, 0)
+
+
 class StartupClock:
     """Where the time from the job's start to the end of the first optimizer step went.
 
@@ -169,6 +189,7 @@ class StartupClock:
         ray_parts = _ray_workers_parts(self.job_start, marks, now) if job_start else {}
         self.parts = {f"ray_workers.{p}": v for p, v in ray_parts.items()}   # "<phase>.<part>": seconds
         self._mark, self._inner, self._compiled = now, 0.0, _compile_seconds()
+        self._cache_counts = _compile_cache_counts()
         self._part_mark, self._part_inner = now, 0.0
         self.done: dict | None = None
 
@@ -212,6 +233,9 @@ class StartupClock:
             self.done = {f"startup/{p}_s": self.seconds[p] for p in STARTUP_PHASES}
             self.done["startup/total_s"] = self._mark - self.job_start
             self.done |= {f"startup/{p}_s": v for p, v in self.parts.items()}
+            looked_up = {k: v - self._cache_counts[k] for k, v in _compile_cache_counts().items()}
+            if any(looked_up.values()):     # only where something was compiled
+                self.done |= {f"startup/compile.{k}": v for k, v in looked_up.items()}
         return self.done
 
     def line(self) -> str:
@@ -221,6 +245,12 @@ class StartupClock:
             inner = [(k.split(".", 1)[1], v) for k, v in self.parts.items() if k.startswith(phase + ".")]
             if inner:
                 parts[i] += " (" + ", ".join(f"{PHASE_PARTS[phase][p]} {v:.1f}" for p, v in inner) + ")"
+        if "startup/compile.fx_cache_hits" in m:
+            c = {k.split(".", 1)[1]: int(v) for k, v in m.items() if k.startswith("startup/compile.")}
+            i = list(STARTUP_PHASES).index("compile")
+            parts[i] += (f" (graphs from the cache: Inductor {c['fx_cache_hits']} of "
+                         f"{c['fx_cache_hits'] + c['fx_cache_misses']}, AOT autograd {c['aot_cache_hits']} of "
+                         f"{c['aot_cache_hits'] + c['aot_cache_misses']})")
         return f"start-up {m['startup/total_s']:.1f} s to the end of the first step: {', '.join(parts)}"
 
 
