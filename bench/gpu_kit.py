@@ -432,15 +432,16 @@ class Kit:
         first may read the files from disk, the second from the page cache, as a re-submit does."""
         argv = [PY, "bench/worker_imports.py"]
         argv += ["--cpu"] if self.o.cpu_smoke else (["--tokenizer", self.o.tokenizer] if self.o.tokenizer else [])
-        parts = [Part(f"imports-{i}", argv, self.limit("imports"),
-                      read=lambda p, out, res: res[-1] if res else {}) for i in (1, 2)]
+        def read(p, out, res):
+            return res[-1] if res else {}
+
+        parts = [Part(f"imports-{i}", argv, self.limit("imports"), read=read) for i in (1, 2)]
         # then as a job's processes start where the image writes no bytecode (env.keep_bytecode): a fresh
         # folder filled by the first, read by the next two; the same as above where Python writes its own
         folder = os.path.join(self.work, "imports-bytecode")
         bytecode = {"PYTHONPYCACHEPREFIX": folder, "PYTHONDONTWRITEBYTECODE": ""}
         for i in (1, 2, 3):
-            part = Part(f"imports-bytecode-{i}", argv, self.limit("imports"), env=bytecode,
-                        read=lambda p, out, res: res[-1] if res else {})
+            part = Part(f"imports-bytecode-{i}", argv, self.limit("imports"), env=bytecode, read=read)
             if i == 1:
                 part.prepare = lambda: shutil.rmtree(folder, ignore_errors=True)
             parts.append(part)

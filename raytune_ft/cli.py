@@ -97,9 +97,9 @@ def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = No
     # Before Ray and the libraries are imported (some switches are read at import), so the driver, the
     # local Ray it starts and the DataContext shipped with the datasets all see them
     from raytune_ft.env import keep_bytecode
-    from raytune_ft.train.jit_cache import DEFAULT_ROOT
+    from raytune_ft.train.jit_cache import cache_root
 
-    keep_bytecode(recipe.train.cache_dir or DEFAULT_ROOT, recipe.train.bytecode_cache)
+    keep_bytecode(cache_root(recipe), recipe.train.bytecode_cache)
     setup_driver(terminal=is_terminal(sys.stdout))
     from raytune_ft.lease import RunFolderInUse
     from raytune_ft.run import run

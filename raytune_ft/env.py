@@ -169,7 +169,7 @@ def _bytecode_missing(mode: str) -> bool:
     except (ImportError, ValueError):
         spec = None
     source = spec.origin if spec is not None and spec.origin and spec.origin.endswith(".py") else None
-    if not (sys.flags.dont_write_bytecode or sys.dont_write_bytecode or os.environ.get("PYTHONDONTWRITEBYTECODE")
+    if not (sys.dont_write_bytecode or os.environ.get("PYTHONDONTWRITEBYTECODE")
             or (source and not os.access(os.path.dirname(source), os.W_OK))):
         return False
     return mode == "on" or not (source and os.path.exists(importlib.util.cache_from_source(source)))

@@ -263,9 +263,9 @@ def tokenizer_memo(recipe: Recipe) -> str:
     """The file that remembers which class AutoTokenizer chose for a tokenizer (models/tokenizer.load_once):
     beside the JIT caches, `train.cache_dir` or the per-user default."""
     from raytune_ft.models.tokenizer import MEMO_NAME
-    from raytune_ft.train.jit_cache import DEFAULT_ROOT
+    from raytune_ft.train.jit_cache import cache_root
 
-    return os.path.join(recipe.train.cache_dir or DEFAULT_ROOT, MEMO_NAME)
+    return os.path.join(cache_root(recipe), MEMO_NAME)
 
 
 def _prepare_driver(recipe: Recipe) -> None:

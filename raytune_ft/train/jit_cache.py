@@ -194,6 +194,11 @@ def open_cache(root: str, device_name: str | None, *, remote: tuple | None,
     return cache
 
 
+def cache_root(recipe) -> str:
+    """The folder of a recipe's caches on each node: `train.cache_dir`, or the per-user default."""
+    return getattr(recipe.train, "cache_dir", None) or DEFAULT_ROOT
+
+
 def for_worker(recipe, device, log) -> JitCache | None:
     """`open_cache` as a training loop calls it on each Ray Train worker: the recipe's `train.cache_dir`
     (default: DEFAULT_ROOT), this worker's GPU, the run's storage root."""
@@ -213,7 +218,7 @@ def for_worker(recipe, device, log) -> JitCache | None:
         remote = (fs, run_path.rstrip("/").rsplit("/", 1)[0])    # beside the runs: every run shares it
     except Exception as e:  # noqa: BLE001
         _skipped(log, "not shared", e)
-    cache = open_cache(getattr(recipe.train, "cache_dir", None) or DEFAULT_ROOT, device_name, remote=remote,
+    cache = open_cache(cache_root(recipe), device_name, remote=remote,
                        log=log)
     if cache is not None and device_name:     # a CPU run compiles nothing worth a line
         log(f"JIT caches in {cache.folder}")
