@@ -23,6 +23,8 @@ import time
 
 import numpy as np
 
+FIXTURES = os.environ.get("RAYTUNE_FIXTURES", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures"))
+
 
 def run_peer(shared: str) -> dict:
     """The peer script's two JSON lines, merged (it runs pinned like this process)."""
@@ -44,9 +46,9 @@ def measure_ours(shared: str, passes: int = 20) -> dict:
     from raytune_ft.data.packing import DataCounters, pack_blocks
     from raytune_ft.data.sft import render_sft
 
-    tok = AutoTokenizer.from_pretrained(f"{shared}/fixtures/tokenizers/qwen3")
-    tok.chat_template = open(f"{shared}/fixtures/templates/qwen3.8-27b.chat_template.jinja").read()
-    rows = [json.loads(line) for line in open(f"{shared}/fixtures/data/ultrachat_200k_train_sft_first16.jsonl")]
+    tok = AutoTokenizer.from_pretrained(f"{FIXTURES}/tokenizers/qwen3")
+    tok.chat_template = open(f"{FIXTURES}/templates/qwen3.8-27b.chat_template.jinja").read()
+    rows = [json.loads(line) for line in open(f"{FIXTURES}/data/ultrachat_200k_train_sft_first16.jsonl")]
     render_sft(tok, rows[0]["messages"])                       # compile the template outside the clock
     lens: list[int] = []
 

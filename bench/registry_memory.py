@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TOKENIZER = Path(os.environ.get("RAYTUNE_FIXTURES", REPO.parent / "shared" / "fixtures")) / "tokenizers" / "qwen2-0.5b"
+TOKENIZER = Path(os.environ.get("RAYTUNE_FIXTURES", REPO / "tests" / "fixtures")) / "tokenizers" / "qwen2-0.5b"
 
 
 def make_model(out: Path, hidden: int, layers: int, intermediate: int, shard_bytes: int = 1 << 30) -> int:

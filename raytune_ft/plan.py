@@ -75,7 +75,7 @@ class DatasetSize:
 # UltraChat 200k train_sft: 207,865 rows (the dataset card's split size); mean 1,322 tokens per
 # conversation (median 1,238) rendered with the Qwen3.8 chat template and the real Qwen tokenizer, as
 # measured by ../shared/peers/data_peer.py (peers/README.md; issue 4). The 16 rows in
-# ../shared/fixtures/data give a mean of 1,365 with the Qwen3 vocabulary, consistent with it.
+# tests/fixtures/data give a mean of 1,365 with the Qwen3 vocabulary, consistent with it.
 KNOWN_DATASETS: dict[tuple[str, str], DatasetSize] = {
     ("hf://HuggingFaceH4/ultrachat_200k", "train_sft"): DatasetSize(
         207_865, 1_322,

@@ -1,4 +1,4 @@
-"""Shared test fixtures: paths to ../shared/fixtures and a local Ray instance per module; the `slow` marker.
+"""Shared test fixtures: paths to tests/fixtures and a local Ray instance per module; the `slow` marker.
 
 `pytest -m "not slow"` runs the unit-level tests; `make test` runs everything. A test is slow when it
 starts Ray, a server or a training run: marked here from the fixtures that start those and from the
@@ -17,7 +17,8 @@ import pytest
 from tests.s3_server import s3_env, s3_server  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("RAYTUNE_FIXTURES", REPO.parent / "shared" / "fixtures"))
+# the repository's own copy (tests/fixtures, licences in its README); RAYTUNE_FIXTURES reads them elsewhere
+FIXTURES = Path(os.environ.get("RAYTUNE_FIXTURES", REPO / "tests" / "fixtures"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
