@@ -150,7 +150,8 @@ def child_python_env() -> dict[str, str]:
     from pathlib import Path
 
     package_root = str(Path(__file__).resolve().parents[1])
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = environ_snapshot()     # another thread (MLflow's telemetry) may set or drop variables meanwhile
+    return {**env, "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])}
 
 
 # Python's bytecode cache: the variables a job sets for every process it starts (bytecode_cache)
