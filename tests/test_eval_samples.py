@@ -106,6 +106,73 @@ def test_held_out_prompts_stop_before_the_last_answer():
     assert p.text.endswith("<|im_start|>assistant\n") and "second answer" not in p.text
 
 
+def _training_compiles(samples: bool) -> list[tuple]:
+    """The graphs torch.compile builds over 3 training steps of the local recipe's tiny model with its layers
+    compiled as `train.compile` compiles them; `samples`: generations of other lengths and a held-out loss
+    before the first step and between steps, as the loop runs them. Real Dynamo (tracing, guards,
+    recompiles); the backend only counts each graph it is handed (grad mode, symbolic sizes) and runs it
+    eagerly, where Inductor would spend the test's time in a C++ compiler."""
+    import functools
+
+    import numpy as np
+
+    from raytune_ft.data.packing import block_from_segments
+    from raytune_ft.models.build import load_causal_lm
+    from raytune_ft.train.batch import StepBatch
+    from raytune_ft.train.evaluate import held_out_loss
+    from raytune_ft.train.fsdp_model import PackedCausalLM, compile_pointwise
+    from raytune_ft.train.sampling import generate_greedy
+    from tests.conftest import local_job_recipe
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        dynamic = any(isinstance(x, torch.SymInt) for x in example_inputs)
+        graphs.append((torch.is_grad_enabled(), dynamic))
+        return gm.forward
+
+    torch._dynamo.reset()
+    r = local_job_recipe([])
+    lm = load_causal_lm(r.model, device="cpu", dtype=torch.float32, seed=1)
+    real_compile = torch.compile
+    torch.compile = functools.partial(real_compile, backend=counting)
+    try:
+        compile_pointwise(lm)
+    finally:
+        torch.compile = real_compile
+    model, cpu = PackedCausalLM(lm), torch.device("cpu")
+    rng = np.random.default_rng(0)
+
+    def block():
+        return block_from_segments([(ids, np.ones(len(ids), bool)) for ids in
+                                    (rng.integers(0, 1000, n) for n in (40, 50))], 128)
+
+    def probes(lengths):
+        generate_greedy(model, [list(range(1, n + 1)) for n in lengths], max_new_tokens=5, stop_ids=[], device=cpu)
+        held_out_loss(model, [block(), block()], micro_batch_size=1, device=cpu)
+
+    if samples:
+        probes((5, 3))
+    for step in range(3):
+        mb = StepBatch.from_blocks([block()], cpu)
+        loss_sum, _ = model(mb.labels, **mb.kwargs)
+        loss_sum.backward()
+        if samples:
+            probes((9 + step,))
+    torch._dynamo.reset()
+    return graphs
+
+
+def test_samples_and_eval_leave_the_training_graphs_alone():
+    """Issue 36: the step-0 generation ran variable-length rows through the compiled layers, so the training
+    step's graphs recompiled (then went dynamic) until the recompile limit. With samples and evaluation on,
+    the same graphs as with them off: all for training (grad on), none with symbolic sizes."""
+    off = _training_compiles(samples=False)
+    on = _training_compiles(samples=True)
+    assert off and all(grad and not dynamic for grad, dynamic in off)
+    assert on == off
+
+
 # ---------------------------------------------------------------- the FSDP2 loop on local Ray
 
 @pytest.fixture(scope="module")

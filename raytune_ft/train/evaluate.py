@@ -6,7 +6,8 @@ worker whole. It is read once per attempt and packed exactly as training packs, 
 evaluates its share of the blocks (every `world`-th), filled up with all-padding blocks so every rank
 runs the same number of forwards. The loss is normalised over the global token count (the sum of
 token losses, all-reduced, over the all-reduced count of supervised tokens), as training's is, so it
-does not depend on how the blocks fell on the ranks.
+does not depend on how the blocks fell on the ranks. Its forwards run eagerly (`probe_uncompiled`): a
+no-grad pass through the compiled layers would compile graphs of its own beside the training step's.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from raytune_ft.data.packing import DataCounters, padding_block
 from raytune_ft.recipe import Recipe
 from raytune_ft.train.batch import StepBatch
+from raytune_ft.train.sampling import probe_uncompiled
 
 
 def rank_share(blocks: Sequence[dict], rank: int, world: int, *, multiple: int, seq_len: int) -> list[dict]:
@@ -41,10 +43,11 @@ def held_out_loss(model, blocks: Sequence[dict], *, micro_batch_size: int, devic
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     try:
-        for i in range(0, len(blocks), micro_batch_size):
-            mb = StepBatch.from_blocks(list(blocks[i:i + micro_batch_size]), device)
-            loss_sum, n = model(mb.labels, **mb.kwargs)
-            sums += torch.stack([loss_sum.double(), n.double()])
+        with probe_uncompiled():
+            for i in range(0, len(blocks), micro_batch_size):
+                mb = StepBatch.from_blocks(list(blocks[i:i + micro_batch_size]), device)
+                loss_sum, n = model(mb.labels, **mb.kwargs)
+                sums += torch.stack([loss_sum.double(), n.double()])
     finally:
         model.train(was_training)
     if dist.is_initialized():

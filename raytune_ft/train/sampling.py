@@ -8,6 +8,10 @@ training path, with its conversation boundaries), and the logits are computed at
 position only. For the bounded lengths sampled here that costs little next to FSDP2's per-forward
 all-gather of the weights, which a cache would not save.
 
+The forwards run eagerly (`probe_uncompiled`), even where `train.compile` compiled the layers: each
+generation step has a length of its own, and through the compiled modules every new length recompiles the
+training step's graphs, then makes them dynamic, until torch.compile's recompile limit sends them to eager.
+
 Prompts (`train.sample_prompts`): a .jsonl/.json file of prompts (a string, {"prompt": ...}) or
 conversations ({"messages": [...]}, or a list of turns), rendered with the chat template and its
 generation prompt; or N, the first N usable held-out conversations cut before their last assistant
@@ -15,6 +19,7 @@ turn (the tokens before its supervised span: the template's assistant header inc
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -114,6 +119,12 @@ def stop_token_ids(tokenizer, template_kwargs: dict) -> list[int]:
     return sorted(stops)
 
 
+def probe_uncompiled() -> contextlib.AbstractContextManager:
+    """Inside it, torch.compile'd modules run their eager code and compile nothing: what sampling and
+    evaluation run keeps the training step's compiled graphs (shapes, grad mode) as they are."""
+    return torch.compiler.set_stance("force_eager")
+
+
 @torch.no_grad()
 def generate_greedy(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
                     device: torch.device) -> list[tuple[list[int], float]]:
@@ -130,25 +141,26 @@ def generate_greedy(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     seconds = [0.0] * len(seqs)
     active = [i for i in range(len(seqs)) if max_new_tokens > 0]
     t0 = time.perf_counter()
-    while active:
-        lens = [len(seqs[i]) for i in active]
-        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
-        kwargs = packed_forward_kwargs({
-            "input_ids": torch.tensor([t for i in active for t in seqs[i]]),
-            "position_ids": torch.cat([torch.arange(n) for n in lens]), "cu_seqlens": cu}, device=device)
-        logits = model(None, logits_at=(cu[1:] - 1).long().to(device), **kwargs)
-        nxt = logits.argmax(-1)
-        if dist.is_initialized():
-            dist.broadcast(nxt, src=0)
-        still = []
-        for i, tok in zip(active, nxt.tolist()):
-            seqs[i].append(tok)
-            out[i].append(tok)
-            if tok in stops or len(out[i]) >= max_new_tokens:
-                seconds[i] = time.perf_counter() - t0
-            else:
-                still.append(i)
-        active = still
+    with probe_uncompiled():
+        while active:
+            lens = [len(seqs[i]) for i in active]
+            cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+            kwargs = packed_forward_kwargs({
+                "input_ids": torch.tensor([t for i in active for t in seqs[i]]),
+                "position_ids": torch.cat([torch.arange(n) for n in lens]), "cu_seqlens": cu}, device=device)
+            logits = model(None, logits_at=(cu[1:] - 1).long().to(device), **kwargs)
+            nxt = logits.argmax(-1)
+            if dist.is_initialized():
+                dist.broadcast(nxt, src=0)
+            still = []
+            for i, tok in zip(active, nxt.tolist()):
+                seqs[i].append(tok)
+                out[i].append(tok)
+                if tok in stops or len(out[i]) >= max_new_tokens:
+                    seconds[i] = time.perf_counter() - t0
+                else:
+                    still.append(i)
+            active = still
     return list(zip(out, seconds))
 
 
