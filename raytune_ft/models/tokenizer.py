@@ -3,7 +3,7 @@
 Light to import (no transformers until a tokenizer is loaded): Ray Data's processes (the Train
 controller, the dataset manager, the split coordinator, the tokenizing tasks) unpickle the datasets'
 map function, and a tokenizer object inside it would make each of them import transformers and rebuild
-the tokenizer before doing anything (bench/NOTES.md, start-up). `TokenizerOf(model_cfg)` carries the
+the tokenizer before doing anything. `TokenizerOf(model_cfg)` carries the
 model's settings instead; the tokenizing tasks load it once per process.
 """
 from __future__ import annotations
@@ -42,15 +42,12 @@ def _source(model_cfg) -> tuple[str, str | None]:
 def _tokenizer(model_cfg, template: str | None, chosen: str | None = None):
     if model_cfg.local_tiny:
         tok = local_tokenizer()
-    elif chosen:
+    elif chosen and (cls := _tokenizer_class(chosen)) is not None:
         # the class AutoTokenizer chose in the driver, loaded the way AutoTokenizer ends: its from_pretrained.
         # AutoTokenizer itself would first read the model config through transformers' configuration
-        # code, which imports torch (seconds of a tokenizing process's start, before its first row)
-        import importlib
-
-        module, _, name = chosen.rpartition(".")
+        # code, which imports torch (slow, in each tokenizing process before its first row)
         source, revision = _source(model_cfg)
-        tok = getattr(importlib.import_module(module), name).from_pretrained(source, revision=revision)
+        tok = cls.from_pretrained(source, revision=revision)
     else:
         from transformers import AutoTokenizer
 
@@ -69,6 +66,24 @@ def _tokenizer(model_cfg, template: str | None, chosen: str | None = None):
         vocab = tok.get_vocab()
         tok.pad_token = "<|endoftext|>" if "<|endoftext|>" in vocab else tok.eos_token
     return tok
+
+
+def _tokenizer_class(chosen: str):
+    """The tokenizer class `chosen` ("module.Class") names, where it is one of transformers' own tokenizer
+    classes in this process's transformers; None otherwise (AutoTokenizer decides again). A name from
+    elsewhere is never imported: it comes from a file or from another process."""
+    if not (isinstance(chosen, str) and chosen.startswith("transformers.")):
+        return None
+    import importlib
+
+    module, _, name = chosen.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):       # a transformers where the class moved or went
+        return None
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    return cls if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,10 +125,16 @@ _MEMO_ENTRIES = 64
 
 
 def _identity(model_cfg) -> str:
-    """What decides the class AutoTokenizer picks: the source and revision, and for a local folder the name,
-    size and time of each of its tokenizer and config files (a changed folder is loaded again)."""
+    """What decides the class AutoTokenizer picks: transformers' version, the source and revision, and for a
+    local folder the name, size and time of each of its tokenizer and config files (a changed folder, or
+    another transformers, is loaded again)."""
+    import importlib.metadata
     import json
 
+    try:
+        transformers_version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        transformers_version = None
     source, revision = _source(model_cfg)
     folder = Path(os.path.expanduser(source))
     files = []
@@ -123,7 +144,7 @@ def _identity(model_cfg) -> str:
             if p.suffix in _MEMO_FILES and p.is_file():
                 st = p.stat()
                 files.append([p.name, st.st_size, st.st_mtime_ns])
-    return json.dumps([source, revision, bool(model_cfg.trust_remote_code), files])
+    return json.dumps([transformers_version, source, revision, bool(model_cfg.trust_remote_code), files])
 
 
 def _read_memo(path: str) -> dict:
@@ -142,11 +163,10 @@ def load_once(model_cfg, memo_path: str) -> None:
     run of this user's loaded it from the same files: then take the class AutoTokenizer chose then, kept in the
     memo at `memo_path`, as chosen here. Either way `TokenizerOf.of` carries the class afterwards.
 
-    Loading a tokenizer through AutoTokenizer imports transformers' configuration code and torch: 5-10 s on
-    a GPU node, on the way to the first step wherever nothing hides it (under `ray job submit`). The files
-    the class was chosen from are the same (names, sizes and times), so it loaded then and is the class the
-    tokenizing processes load now (bench/NOTES.md, start-up). A memo only saves time: a failure to write it
-    is ignored."""
+    Loading a tokenizer through AutoTokenizer imports transformers' configuration code and torch, on the way
+    to the first step wherever nothing hides it (under `ray job submit`). The files the class was chosen from
+    are the same (names, sizes and times) and so is transformers' version, so it loaded then and is the class
+    the tokenizing processes load now. A memo only saves time: a failure to write it is ignored."""
     if model_cfg.local_tiny:
         tokenizer_for(model_cfg)
         return
