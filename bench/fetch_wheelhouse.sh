@@ -48,6 +48,9 @@ for w in "$work"/all/*.whl; do
   name=$(basename "$w" | tr 'A-Z' 'a-z')
   if [[ $name =~ $have ]]; then rm -f "$w"; fi
 done
+# pynvml, for MLflow's GPU system metrics (tracking.system_metrics): after the filter, which takes nvidia_* for
+# CUDA's own wheels
+get "$work/all" --no-deps nvidia-ml-py
 
 if [[ ! -f $work/all/ray.tar.xz ]]; then
   get "$work/ray" --no-deps ray==2.60.0

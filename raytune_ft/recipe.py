@@ -272,6 +272,9 @@ class TrackingConfig:
     run_name: str = "qwen27b-ultrachat"      # re-submitting the same name resumes it
     tracking_uri: str | None = None          # None: sqlite file under the run's folder
     experiment: str = "raytune_ft"
+    # each node's GPU utilisation, memory and power (and CPU, memory, disk, network) as MLflow system metrics
+    # (train/system_metrics.py): "auto" on GPU runs, "on", "off"
+    system_metrics: Literal["auto", "on", "off"] = "auto"
 
     def validate(self) -> None:
         if not self.experiment.strip():

@@ -17,10 +17,15 @@ def recipe_from_config(config: dict) -> Recipe:
     return recipe_from_dict(config["recipe"])
 
 
+_run_key: str | None = None     # the run id's key in Ray's key-value store, where the loop's config names one
+
+
 def mlflow_run_of(config: dict, rank: int) -> str | None:
     """The MLflow run rank 0 logs to: the id in the loop's config, or, where the run was still opening when
     the driver started the trainer, the id it hands over through Ray's key-value store (tracking.RunIdHandoff),
     waited for here. Other ranks log nothing and wait for nothing."""
+    global _run_key
+    _run_key = config.get("mlflow_run_key")     # each node's system metrics wait for the run there too
     if rank != 0 or config.get("mlflow_run_id") or not config.get("mlflow_run_key"):
         return config.get("mlflow_run_id")
     from raytune_ft.tracking import await_run_id
@@ -277,6 +282,9 @@ class WorkerLog:
 
             self._sender = MlflowSender(recipe.tracking_uri, run_id, self.info)
             self.set_tag("raytune.gpu", _gpu_description(recipe.scaling.num_workers))
+        from raytune_ft.train.system_metrics import start_for_node
+
+        self._system = start_for_node(recipe, rank, run_id, _run_key, self.info)
 
     @property
     def tracks(self) -> bool:
@@ -410,6 +418,9 @@ class WorkerLog:
         if self._sender is not None:
             self._sender.close()
             self._sender = None
+        if self._system is not None:
+            self._system.close()
+            self._system = None
         if self._live:
             self.stream.write("\n")
             self.stream.flush()
