@@ -66,3 +66,34 @@ def test_the_config_reads_as_ray_s_torch_config():
     assert ours.to_dict() == ray_s.to_dict() and ours.framework is ray_s.framework is TrainingFramework.TORCH
     assert TorchBackend.share_cuda_visible_devices == ray_s.backend_cls.share_cuda_visible_devices is True
     assert TorchBackend.has_replica_groups == ray_s.backend_cls.has_replica_groups
+
+
+ACTOR_DIED = """The actor died unexpectedly before finishing this task.
+\tclass_name: RayTrainWorker
+\tactor_id: 9a658a4fdfcb8171ac78975501000000
+\tpid: 9379
+\tnamespace: de1af085
+\tip: 192.0.2.2
+The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: Worker \
+unexpectedly exits with a connection error code 2. End of file. Some common causes include: (1) the process was killed"""
+
+
+def test_a_dead_worker_is_said_in_a_few_words():
+    """Issue 36: Ray logged the dead worker's ActorDiedError as a 30-line traceback at the backend's shutdown."""
+    from raytune_ft.train.backend import _actor_said
+
+    assert _actor_said(RuntimeError(ACTOR_DIED)) == "pid 9379, Worker unexpectedly exits with a connection error code 2"
+    assert _actor_said(RuntimeError("no details")) == "RuntimeError"
+
+
+def test_a_collective_that_lost_its_peer_is_raised_in_one_line():
+    from raytune_ft.train.launch import PeerLost, _peer_loss_in_one_line
+
+    gloo = ("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:34698. This is "
+            "typically caused by a remote worker crashing.\nmore")
+    with pytest.raises(PeerLost) as e, _peer_loss_in_one_line():
+        raise RuntimeError(gloo)
+    assert "\n" not in str(e.value) and "another worker of this attempt died" in str(e.value)
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+    with pytest.raises(ValueError, match="other"), _peer_loss_in_one_line():   # any other error as it was
+        raise ValueError("other")

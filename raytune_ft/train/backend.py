@@ -14,7 +14,10 @@ the worker's training thread) is Ray's too, imported in the worker. The trainer 
 from __future__ import annotations
 
 import functools
+import os
+import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,6 +41,21 @@ def _start_importing() -> None:
 def _unpickled_backend() -> "TorchBackend":
     _start_importing()
     return TorchBackend()
+
+
+# Ray's own limit for the process group's shutdown (TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, its default)
+SHUTDOWN_TIMEOUT_S = float(os.environ.get("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", 30))
+# what the workers left get once one is known dead
+DEAD_PEER_GRACE_S = 2.0
+
+
+def _actor_said(e: BaseException) -> str:
+    """A dead actor's error in a few words: its class and process, and why it died (Ray's first sentence)."""
+    text = str(e)
+    pid = re.search(r"\bpid: (\d+)", text)
+    why = re.search(r"Worker exit detail: ([^.]*)", text) or re.search(r"The actor is dead because ([^.]*)", text)
+    return ", ".join(x for x in (f"pid {pid.group(1)}" if pid else "", why.group(1) if why else type(e).__name__)
+                     if x)
 
 
 class TorchBackend(Backend):
@@ -67,7 +85,33 @@ class TorchBackend(Backend):
         return self._ray().on_training_start(worker_group, backend_config)
 
     def on_shutdown(self, worker_group, backend_config):
-        return self._ray().on_shutdown(worker_group, backend_config)
+        """Ray's shutdown of the process group on every worker, except where a worker died: that one is
+        said in one line (Ray logs the dead actor's error as a 30-line traceback), and the others get
+        `DEAD_PEER_GRACE_S`, not Ray's 30 s: their process group lost a member, a collective may never
+        return, and Ray kills them next either way."""
+        import ray
+        from ray.exceptions import RayActorError
+        from ray.train.torch.config import _shutdown_torch
+
+        pending = list(worker_group.execute_async(_shutdown_torch, destroy_process_group=len(worker_group) > 1))
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+        dead = []
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            try:
+                ray.get(ready[0])
+            except RayActorError as e:
+                if not dead:
+                    deadline = min(deadline, time.monotonic() + DEAD_PEER_GRACE_S)
+                dead.append(_actor_said(e))
+        if dead:
+            print(f"[raytune_ft] a training worker is gone ({dead[0]}); the attempt's other workers are stopped "
+                  "and Ray Train starts the next attempt from the last checkpoint", flush=True)
+        elif pending:
+            print(f"[raytune_ft] the process group's shutdown took over {SHUTDOWN_TIMEOUT_S:.0f} s; the workers "
+                  "are stopped", flush=True)
 
 
 class TrainThreadDevice:

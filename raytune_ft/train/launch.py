@@ -8,6 +8,7 @@ run at once on those, with their message, and leaves the rest to Ray's own polic
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy, create_failure_policy
@@ -21,7 +22,8 @@ def _worker_env() -> dict[str, str]:
     keep = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "RAYTUNE_HF_ROOT", "HF_HOME",
             "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
             "TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "FLA_CACHE_RESULTS",
-            "RAYTUNE_FAULT_AFTER_UPLOAD", "RAYTUNE_FAULT_AT_STEP", "RAYTUNE_FAULT_FREE_BYTES")
+            "RAYTUNE_FAULT_AFTER_UPLOAD", "RAYTUNE_FAULT_AT_STEP", "RAYTUNE_FAULT_FREE_BYTES",
+            "RAYTUNE_COMPILE_KEYS")
     from raytune_ft.console import QUIET_ENV, PLAIN_ENV
     from raytune_ft.env import BYTECODE_ENV
 
@@ -93,14 +95,39 @@ def run_fsdp_loop(config: dict) -> None:
     never imports it, and its start-up threads do not wait on those imports (bench/NOTES.md, start-up)."""
     from raytune_ft.train.fsdp_loop import train_fsdp
 
-    train_fsdp(config)
+    with _peer_loss_in_one_line():
+        train_fsdp(config)
 
 
 def run_trl_loop(config: dict) -> None:
     """The TRL loop's Ray Train entry point, imported in the worker as `run_fsdp_loop`'s."""
     from raytune_ft.train.trl.loop import train_trl
 
-    train_trl(config)
+    with _peer_loss_in_one_line():
+        train_trl(config)
+
+
+class PeerLost(RuntimeError):
+    """Another worker of the attempt died: this one's collective lost its peer (Ray Train restarts the attempt)."""
+
+
+# what torch's process groups say when a member went away mid-collective (gloo's TCP pairs, NCCL's watchdog)
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
+              "Broken pipe", "remote process exited or there was a network error")
+
+
+@contextlib.contextmanager
+def _peer_loss_in_one_line():
+    """A collective that failed because another worker died is raised as `PeerLost`, its message one line: the
+    dead worker is the error to read, and Ray prints each worker's traceback whole."""
+    try:
+        yield
+    except Exception as e:
+        text = str(e)
+        if any(s in text for s in _PEER_GONE):
+            raise PeerLost("a collective lost its peer (another worker of this attempt died): "
+                           f"{text.splitlines()[0][-200:]}") from None
+        raise
 
 
 def loop_function(recipe: Recipe):
