@@ -115,3 +115,33 @@ def test_a_relative_cache_dir_is_refused_before_ray_starts():
     apply_overrides(r, ["train.cache_dir=jit"])
     with pytest.raises(RecipeError, match="train.cache_dir"):
         validate(r)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_compile_keys_are_written_for_comparison_when_asked(tmp_path):
+    """RAYTUNE_COMPILE_KEYS=1 (issue 36: the first re-submit after a cold run found none of its graphs): each
+    process writes the details of its compile cache keys into <cache>/keys/<pid>.log; a real Inductor compile
+    on CPU, in a fresh process."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.conftest import REPO, env_with_path
+
+    code = textwrap.dedent(f"""
+        import os, torch
+        from raytune_ft.train import jit_cache
+        cache = jit_cache.open_cache({str(tmp_path)!r}, None, remote=None, log=print)
+        torch.compile(lambda x: (x * 2).relu())(torch.randn(8))
+        print(cache.folder)
+    """)
+    env = env_with_path(REPO, drop=("TORCHINDUCTOR_CACHE_DIR",))
+    env["RAYTUNE_COMPILE_KEYS"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    folder = out.stdout.strip().splitlines()[-1]
+    (log,) = (p for p in os.listdir(os.path.join(folder, "keys")))
+    text = open(os.path.join(folder, "keys", log)).read()
+    assert "FX graph cache hash details for key" in text and "Autograd graph cache hash details" in text
+    assert "hash details" not in out.stderr      # the file only

@@ -187,11 +187,31 @@ def open_cache(root: str, device_name: str | None, *, remote: tuple | None,
         _skipped(log, "off", e)
         return None
     cache = JitCache(folder, remote, f"{fp}.tar")
+    if os.environ.get(COMPILE_KEYS_ENV):
+        _log_compile_keys(os.path.join(folder, "keys"))
     try:
         cache.restore(log)
     except Exception as e:  # noqa: BLE001 - a torn or unreadable tar: start cold
         _skipped(log, "not restored", e)
     return cache
+
+
+# a diagnosis: "1" writes the details of each torch.compile cache key this process computes (Inductor's FX graph
+# key: the graph, its inputs, the configs, user-defined Triton kernels' source and configs) to
+# <folder>/keys/<pid>.log, so two runs' keys can be compared where one missed the other's entries
+COMPILE_KEYS_ENV = "RAYTUNE_COMPILE_KEYS"
+
+
+def _log_compile_keys(folder: str) -> None:
+    import logging
+
+    os.makedirs(folder, exist_ok=True)
+    handler = logging.FileHandler(os.path.join(folder, f"{os.getpid()}.log"))
+    for name in ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache"):
+        lg = logging.getLogger(name)
+        lg.setLevel(logging.DEBUG)
+        lg.addHandler(handler)
+        lg.propagate = False        # into the file only: thousands of lines per graph
 
 
 def cache_root(recipe) -> str:
