@@ -32,11 +32,12 @@ from bench import records
 
 REPO = records.REPO
 PY = sys.executable
-SUBCOMMANDS = ("suite", "speed", "fp8", "parity", "kernel-check", "startup", "imports", "eval", "all")
+SUBCOMMANDS = ("suite", "speed", "fp8", "parity", "kernel-check", "startup", "imports", "eval", "recovery",
+               "all")
 # a fresh node JIT-compiles the fla/tilelang/Triton kernels and the compiled layers before the first step
 # (minutes); each part's limit leaves room for that
 DEFAULT_TIMEOUT_S = {"suite": 560, "speed": 540, "fp8": 540, "parity": 580, "kernel-check": 300,
-                     "startup": 540, "imports": 300, "eval": 540}
+                     "startup": 540, "imports": 300, "eval": 540, "recovery": 580}
 STARTUP_KEYS = ("ray_workers_s", "model_build_s", "kernel_check_s", "compile_s", "eval_setup_s", "first_step_s",
                 "total_s")
 SUITE_PARTS = {"kernels": ["tests/gpu/test_packed_equality.py", "tests/gpu/test_kernel_check_gpu.py"],
@@ -193,6 +194,39 @@ def throughput_figures(summary: dict) -> dict:
     return fig
 
 
+def shipped_figures(summary: dict) -> dict:
+    """A run with evaluation, samples and checkpoints as shipped: the training steps alone (`throughput_figures`)
+    and end to end, from the end of the first window (its compiles left out) to the last metric the run logged
+    (the end's held-out loss and samples): tokens over wall seconds, and the seconds that were not steps."""
+    import mlflow
+
+    from raytune_ft.tracking import mlflow_metric_name
+
+    fig = throughput_figures(summary)
+    client = mlflow.MlflowClient(summary["tracking_uri"])
+    run = client.get_run(summary["mlflow_run_id"])
+    tokens = sorted(client.get_metric_history(summary["mlflow_run_id"], mlflow_metric_name("tokens")),
+                    key=lambda m: (m.step, m.timestamp))
+    if not tokens:
+        return fig | {"end_to_end": "no tokens metric"}
+    first = tokens[0]
+    # the nodes' system metrics go on until the run is ended, after the loop: not the loop's end
+    last_ms = max(m.timestamp for m in run.data._metric_objs if not m.key.startswith("system/"))
+    wall = (last_ms - first.timestamp) / 1000.0
+    done = max(m.value for m in tokens)
+    steps_s = (done - first.value) / fig["tok_s"] if fig.get("tok_s") else None
+    fig["end_to_end_tok_s"] = round((done - first.value) / wall) if wall > 0 else None
+    fig["end_to_end_seconds"] = round(wall, 1)
+    if steps_s is not None:
+        fig["end_to_end_not_steps_s"] = round(wall - steps_s, 1)
+    # the samples' seconds are in the run's samples.json table and the log, not in its metrics
+    hist = client.get_metric_history(summary["mlflow_run_id"], mlflow_metric_name("eval/seconds"))
+    fig["eval_seconds"] = [round(m.value, 1) for m in sorted(hist, key=lambda m: m.step)]
+    if fig.get("tok_s") and fig.get("end_to_end_tok_s"):
+        fig["end_to_end_over_steps"] = round(fig["end_to_end_tok_s"] / fig["tok_s"], 3)
+    return fig
+
+
 def _flat(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
@@ -260,13 +294,21 @@ class Kit:
 
         real_config("qwen3.8-27b", num_hidden_layers=self.layers()).save_pretrained(self.model_dir())
 
-    def job_argv(self, run_name: str, steps: int, extra: list[str]) -> list[str]:
-        common = ["--set", "train.checkpoint_every=1000", "--set", "train.save_final=false",
+    def job_argv(self, run_name: str, steps: int, extra: list[str], as_shipped: bool = False) -> list[str]:
+        """`as_shipped`: held-out loss and samples as the recipe ships them (its prompts, its lengths), at a
+        checkpoint every `--ckpt-every` steps; otherwise training alone (start-up, imports, eval's own)."""
+        if as_shipped:
+            ckpt = self.ckpt_every(steps)
+            probes = ["--set", f"train.eval_every={ckpt or steps // 2}", "--set", f"train.checkpoint_every={ckpt or 1000}"]
+            if not self.o.cpu_smoke:     # generated data has no held-out split of its own: 5% held out
+                probes += ["--set", "data.validation_split=none", "--set", "data.validation_fraction=0.05"]
+        else:
+            probes = ["--set", "train.checkpoint_every=1000", "--set", "train.eval_every=0",
+                      "--set", "train.sample_prompts=0"]
+        common = ["--set", "train.save_final=false",
                   "--set", "registry.enabled=false", "--set", f"tracking.storage_path={self.storage}",
                   "--set", f"tracking.run_name={run_name}", "--set", f"train.max_steps={steps}",
-                  "--set", f"train.log_every={self.o.log_every}",
-                  # speed and start-up runs measure training alone; `eval` turns these back on
-                  "--set", "train.eval_every=0", "--set", "train.sample_prompts=0",
+                  "--set", f"train.log_every={self.o.log_every}", *probes,
                   # one JIT cache folder for the kit's runs (start-up's pair brings a fresh one of its own): a
                   # run after the first does not spend its time limit compiling what an earlier one compiled
                   "--set", f"train.cache_dir={os.path.join(self.work, 'jit-cache')}"]
@@ -284,40 +326,62 @@ class Kit:
             argv += ["--set", f"model.chat_template={self.o.chat_template}"]
         return argv + extra + self.user_settings()
 
+    def ckpt_every(self, steps: int) -> int:
+        """speed and fp8's checkpoint interval: `--ckpt-every`, by default one checkpoint half-way (0: none)."""
+        return steps // 2 if self.o.ckpt_every is None else self.o.ckpt_every
+
     def user_settings(self) -> list[str]:
         """The command line's `--set KEY=VALUE`s, last, so they win over the kit's own."""
         return [a for kv in self.o.set for a in ("--set", kv)]
 
     def recipe_run(self, bench: str, label: str, extra: list[str], read, steps: int | None = None,
-                   env: dict | None = None) -> Part:
+                   env: dict | None = None, as_shipped: bool = False) -> Part:
         name = f"bench-{label}-{self.stamp}"
         steps = steps or self.o.steps
         info = {"run_name": name, "storage": self.storage, "steps": steps, "log_every": self.o.log_every}
+        if as_shipped:
+            info |= {"eval_and_samples": "as shipped", "eval_every": self.ckpt_every(steps) or steps // 2,
+                     "checkpoint_every": self.ckpt_every(steps) or None}
         if not self.o.cpu_smoke:
             info |= {"model": "Qwen3.8-27B config", "layers": self.layers(), "gpus": self.n_gpus, "seq_len": 32768,
                      "master_weights": "fp32", "init": "random"}
         for kv in self.o.set:
             key, _, value = kv.partition("=")
             info["master_weights" if key == "train.master_weights" else key] = value
-        return Part(label, self.job_argv(name, steps, extra), self.limit(bench), env=env or {},
+        return Part(label, self.job_argv(name, steps, extra, as_shipped), self.limit(bench), env=env or {},
                     read=lambda p, out, res: read(run_summary(self.storage, name)),
                     prepare=self.write_model_config, info=info)
 
     def speed(self) -> list[Part]:
-        return [self.recipe_run("speed", "bf16", [], throughput_figures)]
+        return [self.recipe_run("speed", "bf16", [], shipped_figures, as_shipped=True)]
 
     def fp8(self) -> list[Part]:
         parts = []
         for precision in self.o.precisions.split(","):
             if precision == "bf16":
-                parts.append(self.recipe_run("fp8", "bf16", [], throughput_figures))
+                parts.append(self.recipe_run("fp8", "bf16", [], shipped_figures, as_shipped=True))
             elif self.o.cpu_smoke:
                 print("fp8: float8 needs a Hopper or newer GPU; the CPU smoke runs the bf16 half only")
             else:
                 parts.append(self.recipe_run("fp8", f"fp8-{self.o.fp8_recipe}",
                                              ["--set", "train.precision=fp8",
-                                              "--set", f"train.fp8_recipe={self.o.fp8_recipe}"], throughput_figures))
+                                              "--set", f"train.fp8_recipe={self.o.fp8_recipe}"], shipped_figures,
+                                             as_shipped=True))
         return parts
+
+    def recovery(self) -> list[Part]:
+        """A run whose training worker is SIGKILLed once its first checkpoint is registered (bench/recovery.py):
+        the seconds from the kill to the next attempt's first step."""
+        every = 2
+        part = self.recipe_run("recovery", "kill", ["--set", f"train.checkpoint_every={every}",
+                                                    "--set", "scaling.max_failures=1", "--set", "train.log_every=1"],
+                               lambda summary: {}, steps=max(self.o.steps, 3 * every))
+        run_dir = os.path.join(self.storage, part.info["run_name"])
+        part.argv = [PY, "bench/recovery.py", "--run-dir", run_dir, "--timeout", str(self.limit("recovery")), "--",
+                     *part.argv]
+        part.read = lambda p, out, res: res[-1] if res else {}
+        part.info["checkpoint_every"] = every
+        return [part]
 
     def startup(self) -> list[Part]:
         if self.o.part == "resubmit":
@@ -482,7 +546,7 @@ class Kit:
                     for p in self.parts(b)]
         parts = {"suite": self.suite, "speed": self.speed, "fp8": self.fp8, "parity": self.parity,
                  "kernel-check": self.kernel_check, "startup": self.startup, "imports": self.imports,
-                 "eval": self.eval}[bench]()
+                 "eval": self.eval, "recovery": self.recovery}[bench]()
         for p in parts:
             p.bench = bench
         return parts
@@ -634,6 +698,8 @@ def add_arguments(p) -> None:
                         "train.master_weights=bf16 fits the 16-layer cut on one H200)")
     p.add_argument("--steps", type=int, default=8, help="steps of each recipe run (the first window is left out)")
     p.add_argument("--log-every", type=int, default=2)
+    p.add_argument("--ckpt-every", type=int, default=None, help="speed, fp8: a checkpoint with the held-out loss "
+                   "and samples every N steps (default: half the steps; 0: no checkpoint, the held-out loss at half)")
     p.add_argument("--precisions", default="bf16,fp8", help="fp8: which runs of the pair (bf16, fp8 or both)")
     p.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "mxfp8"])
     p.add_argument("--part", default="all", choices=["all", *SUITE_PARTS, "cold", "warm", "resubmit"],

@@ -25,7 +25,8 @@ def dry_run(capsys, *args) -> list[str]:
     return [line for line in capsys.readouterr().out.splitlines() if line.startswith("=== ")]
 
 
-@pytest.mark.parametrize("bench", ["suite", "speed", "fp8", "parity", "kernel-check", "startup", "imports", "eval"])
+@pytest.mark.parametrize("bench", ["suite", "speed", "fp8", "parity", "kernel-check", "startup", "imports", "eval",
+                                   "recovery"])
 def test_every_subcommand_prints_its_commands(capsys, bench):
     lines = dry_run(capsys, bench, "--gpus", "0")
     assert lines and all(f"=== {bench} / " in line and "(limit " in line for line in lines)
@@ -41,6 +42,23 @@ def test_fp8_on_one_gpu_is_the_8_layer_recipe_cut_through_ray_train_bf16_then_fp
     assert "train.precision=fp8" in fp8 and "train.fp8_recipe=tensorwise" in fp8
     two = dry_run(capsys, "fp8", "--gpus", "0,1")
     assert all("qwen3.8-27b-16layers" in line and "scaling.num_workers=2" in line for line in two)
+
+
+def test_speed_and_fp8_run_the_recipe_with_its_evaluation_samples_and_a_checkpoint(capsys):
+    """Issue 36: the speed figure came from a run with samples and evaluation off, which users do not run."""
+    for line in dry_run(capsys, "speed", "--gpus", "0") + dry_run(capsys, "fp8", "--gpus", "0"):
+        assert "train.sample_prompts" not in line          # the recipe's own prompts and lengths
+        assert "train.eval_every=4" in line and "train.checkpoint_every=4" in line
+        assert "data.validation_fraction=0.05" in line
+    (line,) = dry_run(capsys, "speed", "--gpus", "0", "--ckpt-every", "0")
+    assert "train.eval_every=4" in line and "train.checkpoint_every=1000" in line
+
+
+def test_recovery_wraps_the_recipe_run_in_the_killer(capsys, tmp_path):
+    (line,) = dry_run(capsys, "recovery", "--gpus", "0", "--workdir", str(tmp_path))
+    name = re.search(r"tracking.run_name=(\S+)", line).group(1)
+    assert f"bench/recovery.py --run-dir {tmp_path / 'runs' / name} " in line and " -- " in line
+    assert "train.checkpoint_every=2" in line and "scaling.max_failures=1" in line
 
 
 def test_startup_runs_twice_on_one_storage_and_cache_with_fresh_run_names(capsys):
@@ -159,6 +177,40 @@ def test_cpu_smoke_of_the_resubmit_bench_submits_twice_to_its_own_head_and_stops
     head = re.search(r"=== ray head: .* --temp-dir=(\S+)", proc.stdout).group(1)
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if any(head in a for a in (p.info["cmdline"] or []))]
     assert not left, left
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_cpu_smoke_of_speed_reports_the_steps_alone_and_end_to_end(tmp_path):
+    """`speed --cpu-smoke`: the local recipe with its held-out loss, samples and a checkpoint half-way; the
+    record holds the training steps' tokens/s and the end-to-end figure (evaluation, samples, checkpoint in)."""
+    results = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "-m", "bench", "gpu", "speed", "--cpu-smoke", "--results", str(results),
+                           "--workdir", str(tmp_path / "work")], cwd=REPO, capture_output=True, text=True, timeout=880)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert "samples at step 4" in proc.stdout and "eval at step 4" in proc.stdout
+    assert "checkpoint at step 4" in proc.stdout
+    (rec,) = [json.loads(line) for line in next(results.glob("*.jsonl")).read_text().splitlines()]
+    fig = rec["figures"]
+    assert fig["tok_s"] > 0 and 0 < fig["end_to_end_tok_s"] < fig["tok_s"]
+    assert fig["end_to_end_not_steps_s"] > 0 and len(fig["eval_seconds"]) == 2
+    assert rec["settings"]["eval_and_samples"] == "as shipped"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_cpu_smoke_of_recovery_times_the_kill_to_the_next_attempts_first_step(tmp_path):
+    """`recovery --cpu-smoke`: a training worker SIGKILLed after the first checkpoint; the next attempt's first
+    step is timed from the kill, and the dead worker is said in one line, not Ray's traceback."""
+    results = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "-m", "bench", "gpu", "recovery", "--cpu-smoke", "--results", str(results),
+                           "--workdir", str(tmp_path / "work")], cwd=REPO, capture_output=True, text=True, timeout=880)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    (rec,) = [json.loads(line) for line in next(results.glob("*.jsonl")).read_text().splitlines()]
+    fig = rec["figures"]
+    assert 0 < fig["kill_to_first_step_s"] < 600 and fig["killed"].startswith("pid ")
+    assert "[raytune_ft] a training worker is gone (pid " in proc.stdout
+    assert "ActorDiedError" not in proc.stdout and "Graceful shutdown of backend failed" not in proc.stdout
 
 
 @pytest.mark.timeout(120)
