@@ -306,11 +306,11 @@ def cli_register(argv: list[str]) -> int:
     elif not os.path.isdir(args.checkpoint):
         print(f"raytune-ft register: {args.checkpoint} is not a directory", file=sys.stderr)
         return 2
-    import logging
+    from raytune_ft.console import library_log, own_lines_only
 
+    log_file = own_lines_only(library_log("register"), preload=("torch", "mlflow", "transformers"))
     from raytune_ft.registry import RegistrationError, record_failure, register_checkpoint
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         result = register_checkpoint(args.checkpoint, args.name, tracking_uri=args.tracking_uri,
                                      registry_uri=args.registry_uri, timeout_s=args.timeout,
@@ -321,7 +321,8 @@ def cli_register(argv: list[str]) -> int:
         print(f"registration failed: {outcome.error}\nthe checkpoint is unchanged; record: "
               f"{outcome.failure_file}\nretry with:\n  {outcome.retry_command}", file=sys.stderr)
         return 1
-    print(f"registered {result.name} version {result.version}: {result.model_uri} (run {result.run_id})")
+    print(f"registered {result.name} version {result.version}: {result.model_uri} (run {result.run_id})\n"
+          f"the libraries' warnings: {log_file}")
     return 0
 
 

@@ -10,6 +10,7 @@ Ray's worker setup hook (`quiet_process`), since a logger level cannot be set fr
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
@@ -19,6 +20,7 @@ QUIET_ENV = {
     "RAY_DATA_LOG_LEVEL": "WARNING",        # "Starting execution of Dataset ...", execution plans, timings
     "MLFLOW_LOGGING_LEVEL": "WARNING",      # "Creating initial MLflow database tables...", "Created version"
     "TORCH_CPP_LOG_LEVEL": "ERROR",         # c10d's C++ warnings ("ProcessGroupNCCL ... destroy_process_group")
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",    # transformers' "Writing model shards" bars, the hub's downloads
 }
 
 # Off a terminal (a pipe, a file, `ray job submit`'s log): no colour codes, no redrawn progress bars.
@@ -83,6 +85,8 @@ def quiet_process() -> None:
     # torchao's sources compiled on first import ("invalid escape sequence": a SyntaxWarning from Python 3.12)
     for category in (SyntaxWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module=TORCHAO_SOURCES)
+    # the rest of the libraries' warnings (transformers' deprecations, ...) into the workers' log file
+    libraries_to_file(library_log("workers"))
 
 
 def _pin_ray_address() -> None:
@@ -124,3 +128,76 @@ def setup_driver(terminal: bool) -> dict[str, str]:
 
 
 WORKER_SETUP_HOOK = "raytune_ft.console.quiet_process"
+
+
+# Libraries that give their loggers a console handler of their own (and stop them propagating) when imported
+_OWN_HANDLERS = ("torch", "transformers", "mlflow", "datasets", "huggingface_hub")
+# read by the libraries' progress bars: off where the project's lines are the only ones on the console
+# (transformers' "Writing model shards", the hub's downloads, MLflow's uploads; Ray Data's bars are its own)
+NO_BARS_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
+
+
+def library_log(command: str) -> str:
+    """Where a command run outside Ray keeps the libraries' lines: ~/.cache/raytune_ft/logs/<command>.log."""
+    return os.path.join(os.path.expanduser("~"), ".cache", "raytune_ft", "logs", f"{command}.log")
+
+
+def own_lines_only(log_file: str, preload: tuple[str, ...] = ()) -> str:
+    """A command run outside Ray (`raytune-ft register`, the kernel check): the project's own log lines on
+    stdout, the libraries' warnings, Python's warnings and log lines into `log_file` (appended), no progress
+    bars. `preload`: libraries the command imports later, imported now so their own console handlers are
+    replaced too. Returns `log_file`."""
+    import importlib
+    import sys
+
+    os.environ.setdefault("TQDM_DISABLE", "1")     # no other bar either: the command's own lines only
+    for name in preload:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    to_file = libraries_to_file(log_file)
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(to_file)
+    root.setLevel(logging.WARNING)
+    own = logging.getLogger("raytune_ft")
+    own.setLevel(logging.INFO)
+    if not any(getattr(h, "_raytune_console", False) for h in own.handlers):
+        console = logging.StreamHandler(sys.stdout)
+        console.setFormatter(logging.Formatter("%(message)s"))
+        console._raytune_console = True
+        own.addHandler(console)
+    return log_file
+
+
+def libraries_to_file(log_file: str) -> logging.Handler:
+    """Python's warnings and the log lines of the libraries imported so far that print on their own (torch,
+    transformers, MLflow, ...) into `log_file` instead of the console; progress bars off. Called again after
+    a library is imported, it moves that one too. Returns the file's handler."""
+    import sys
+
+    os.environ.update({k: os.environ.get(k, v) for k, v in NO_BARS_ENV.items()})
+    path = os.path.abspath(log_file)
+    to_file = _FILE_HANDLERS.get(path)
+    if to_file is None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        to_file = _FILE_HANDLERS[path] = logging.FileHandler(path)
+        to_file.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
+    logging.captureWarnings(True)       # warnings.warn(...) -> the "py.warnings" logger
+    for name in ("py.warnings", *(n for n in _OWN_HANDLERS if n in sys.modules)):
+        lib = logging.getLogger(name)
+        for h in list(lib.handlers):
+            if h is not to_file:
+                lib.removeHandler(h)
+        if to_file not in lib.handlers:
+            lib.addHandler(to_file)
+        lib.propagate = False
+    if "transformers" in sys.modules:
+        with contextlib.suppress(Exception):
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+    return to_file
+
+
+_FILE_HANDLERS: dict[str, logging.Handler] = {}

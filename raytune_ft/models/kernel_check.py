@@ -367,7 +367,9 @@ def main(argv=None) -> int:
     p.add_argument("--strict", action="store_true")
     p.add_argument("--repeat", type=int, default=2, help="runs (the first pays the kernels' JIT compile)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    from raytune_ft.console import library_log, own_lines_only
+
+    log_file = own_lines_only(library_log("kernel_check"), preload=("transformers",))
     cfg = real_config(args.model)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     for i in range(args.repeat):
@@ -381,6 +383,7 @@ def main(argv=None) -> int:
                                       "versions": package_versions(("torch", "triton", "transformers", "fla",
                                                                     "tilelang", "causal_conv1d", "flash_attn",
                                                                     "liger_kernel"))}))
+    print(f"the libraries' warnings: {log_file}")
     return 0
 
 

@@ -105,6 +105,9 @@ def train_trl(config: dict) -> None:
         train_blocks.spend()
         log.info(f"the checkpoint is at step {resumed['step']} of {max_steps}: nothing left to train")
 
+    from raytune_ft.console import libraries_to_file, library_log
+
+    libraries_to_file(library_log("workers"))     # transformers' own log lines too, now that it is imported
     pause = {"s": 0.0}
     callback = report_callback(recipe, rank, log, train_blocks, lora, pause, world,
                                resumed=resumed if resume_dir is not None else {})
@@ -114,6 +117,12 @@ def train_trl(config: dict) -> None:
         train_dataset=facade(train_blocks), eval_dataset=facade(eval_blocks) if eval_blocks else None,
         processing_class=tok, data_collator=collate_blocks, peft_config=_peft_config(recipe),
         callbacks=[callback])
+    # the loop's callback prints each log as a line of its own: the trainer's printer would print it again
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    for printer in (PrinterCallback, ProgressCallback):
+        while trainer.pop_callback(printer) is not None:
+            pass
     trainer.raytune_train_blocks = train_blocks
     trainer.raytune_eval_blocks = eval_blocks
     trainer.raytune_recipe = recipe
