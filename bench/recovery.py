@@ -23,6 +23,9 @@ import time
 
 SNAPSHOT = "checkpoint_manager_snapshot.json"
 FIRST_STEP = re.compile(r"start-up ([\d.]+) s to the end of the first step")
+# the parts of the start-up line after the new workers' processes started
+RAY_WORKERS = re.compile(r"Ray and workers ([\d.]+) s")
+WORKER_SETUP = re.compile(r"worker imports and process group ([\d.]+)")
 
 
 def job_workers(root_pid: int) -> list:
@@ -83,14 +86,14 @@ def run(argv: list[str], run_dir: str, timeout_s: float) -> dict:
                             process_group=0, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     killer = Killer(proc.pid, run_dir, timeout_s)
     killer.start()
-    firsts: list[tuple[float, float]] = []     # (arrival, the line's start-up total)
+    firsts: list[tuple[float, float, str]] = []     # (arrival, the line's start-up total, the line)
     after_kill: list[str] = []
     for line in proc.stdout:
         now = time.time()
         sys.stdout.write(line)
         m = FIRST_STEP.search(line)
         if m:
-            firsts.append((now, float(m.group(1))))
+            firsts.append((now, float(m.group(1)), line))
         if killer.killed_at is not None and not (len(firsts) > 1 and firsts[-1][0] > killer.killed_at):
             after_kill.append(f"{now - killer.killed_at:7.1f} s  {line.rstrip()[:300]}")
     code = proc.wait()
@@ -99,11 +102,19 @@ def run(argv: list[str], run_dir: str, timeout_s: float) -> dict:
     fig: dict = {"exit": code, "job_s": round(time.time() - t0, 1), "killed": killer.killed}
     if killer.error:
         fig["error"] = killer.error
-    later = [(t, total) for t, total in firsts if killer.killed_at is not None and t > killer.killed_at]
+    later = [f for f in firsts if killer.killed_at is not None and f[0] > killer.killed_at]
     if later:
-        arrival, total = later[0]
+        arrival, total, line = later[0]
         fig["kill_to_first_step_s"] = round(arrival - killer.killed_at, 1)
         fig["next_attempt_startup_s"] = total
+        ray_workers, setup = RAY_WORKERS.search(line), WORKER_SETUP.search(line)
+        if ray_workers and setup:
+            # the new attempt's line counts from the job's start: what follows its workers' process start is
+            # its own; the rest of the time since the kill went to noticing the death, stopping the old workers
+            # and scheduling new ones
+            own = total - float(ray_workers.group(1)) + float(setup.group(1))
+            fig["new_workers_own_start_s"] = round(own, 1)
+            fig["kill_to_new_workers_s"] = round(arrival - killer.killed_at - own, 1)
     fig["lines_after_kill"] = after_kill[-60:]
     return fig
 

@@ -209,6 +209,8 @@ def test_cpu_smoke_of_recovery_times_the_kill_to_the_next_attempts_first_step(tm
     (rec,) = [json.loads(line) for line in next(results.glob("*.jsonl")).read_text().splitlines()]
     fig = rec["figures"]
     assert 0 < fig["kill_to_first_step_s"] < 600 and fig["killed"].startswith("pid ")
+    # split where the new workers' processes started: noticing the death and rescheduling, then their own start
+    assert fig["kill_to_new_workers_s"] >= 0 and fig["new_workers_own_start_s"] > 0
     assert "[raytune_ft] a training worker is gone (pid " in proc.stdout
     assert "ActorDiedError" not in proc.stdout and "Graceful shutdown of backend failed" not in proc.stdout
 
