@@ -130,3 +130,96 @@ def _peer_lost(e: BaseException) -> "PeerLost | None":
             lost.__suppress_context__ = True
             return lost
     return None
+
+
+def loop_function(recipe: Recipe):
+    """The Ray Train worker entry point of the recipe's loop."""
+    return run_fsdp_loop if recipe.train.loop == "fsdp2" else run_trl_loop
+
+
+def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, mlflow_run_key: str | None = None,
+                  blocks_by_rank: dict | None = None,
+                  lease_token: str | None = None, job_start: float | None = None,
+                  startup_marks: dict | None = None, prebuilt: tuple | None = None):
+    """The Ray Train trainer for `recipe`; re-running with the same run name resumes from its last checkpoint.
+
+    `mlflow_run_key`: where rank 0 finds the run id in Ray's key-value store when `mlflow_run_id` is None (the
+    run was still opening: tracking.RunIdHandoff). `lease_token`: the run folder's lease this job holds
+    (lease.py); each attempt's workers check it is still theirs before they clear the checkpoints dead attempts
+    left. `prebuilt`: `build_datasets(recipe)`'s answer, where the caller built them already (run.py, while
+    the MLflow run opens)."""
+    import ray.train
+
+    from raytune_ft.train.backend import TorchBackendConfig
+
+    s = recipe.scaling
+    loop = loop_function(recipe)
+    backend = s.backend if s.backend != "auto" else ("nccl" if s.use_gpu else "gloo")
+    resources = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
+    if s.use_gpu:
+        resources.setdefault("GPU", 1)
+    scaling = ray.train.ScalingConfig(
+        num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,
+        placement_strategy=s.placement_strategy, accelerator_type=s.accelerator_type)
+    from raytune_ft import storage
+
+    # one filesystem object for Ray and the loops: S3's endpoint travels with it, its keys do not
+    st = storage.for_recipe(recipe, create=True)
+    run_config = ray.train.RunConfig(
+        name=recipe.tracking.run_name, storage_path=st.root, storage_filesystem=st.fs,
+        failure_config=ray.train.FailureConfig(max_failures=s.max_failures),
+        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=recipe.train.keep_checkpoints),
+        worker_runtime_env={"env_vars": {**_worker_env(), **({TOKEN_ENV: lease_token} if lease_token else {})}},
+        # Ray Train's own progress lines ("Requesting resources", "Checkpoint successfully created at ...")
+        # stay in its log files; its warnings and errors still reach the console
+        logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+    )
+    # workers get every local path absolute and the MLflow store named: they resolve nothing against
+    # their own working folder or home (a second, empty store there would take their metrics)
+    shipped = absolute_local_paths(recipe_from_dict(recipe.to_dict()))
+    shipped.tracking.tracking_uri = shipped.tracking_uri
+    # job_start (epoch seconds): the workers' start-up breakdown counts from it (train/common.StartupClock)
+    # startup_marks: the driver's times after each of its start-up parts (train/common.DRIVER_MARKS)
+    config = {"recipe": shipped.to_dict(), "mlflow_run_id": mlflow_run_id, "job_start": job_start}
+    if mlflow_run_key is not None:
+        config["mlflow_run_key"] = mlflow_run_key
+    if blocks_by_rank is not None:
+        config["blocks_by_rank"] = blocks_by_rank
+        datasets, dataset_config = None, None
+    else:
+        datasets, dataset_config = prebuilt or build_datasets(recipe)
+    if startup_marks is not None:
+        config["startup_marks"] = dict(startup_marks)
+    return _trainer_class()(loop, train_loop_config=config, scaling_config=scaling, run_config=run_config,
+                        backend_config=TorchBackendConfig(backend=backend), datasets=datasets,
+                        dataset_config=dataset_config)
+
+
+def tokenize_processes(recipe: Recipe) -> int:
+    """`data.tokenize_workers`, or one per training worker and at least 2: one process tokenizes
+    ~0.5M tokens/s (bench/NOTES.md), several times what a GPU trains on."""
+    return recipe.data.tokenize_workers or max(2, recipe.scaling.num_workers)
+
+
+def start_tokenizing(recipe: Recipe) -> None:
+    """Start the processes `build_datasets`' tokenizing tasks will run in, with the same tokenizer settings,
+    number and CPUs (data/pipeline.start_tokenizing_processes)."""
+    from raytune_ft.data.pipeline import start_tokenizing_processes
+    from raytune_ft.models.tokenizer import TokenizerOf
+
+    start_tokenizing_processes(TokenizerOf.of(recipe.model), tokenize_processes(recipe), recipe.data.num_cpus_per_op)
+
+
+def build_datasets(recipe: Recipe):
+    """The train (and validation) Ray Datasets: read, tokenize and mask lazily; split without dropping rows."""
+    from raytune_ft.data.pipeline import build_dataset, train_data_config
+    from raytune_ft.models.tokenizer import TokenizerOf
+
+    # the model's tokenizer settings, not the object: every process the datasets pass through unpickles
+    # them, and only the tokenizing tasks need the tokenizer (models/tokenizer.py)
+    tok = TokenizerOf.of(recipe.model)
+    n = tokenize_processes(recipe)
+    datasets = {"train": build_dataset(recipe.data, tok, split="train", processes=n)}
+    if recipe.data.validation_fraction > 0 or recipe.data.validation_split:
+        datasets["validation"] = build_dataset(recipe.data, tok, split="validation", processes=n)
+    return datasets, train_data_config(("train",))
