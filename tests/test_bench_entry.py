@@ -213,6 +213,8 @@ def test_cpu_smoke_of_recovery_times_the_kill_to_the_next_attempts_first_step(tm
     assert fig["kill_to_new_workers_s"] >= 0 and fig["new_workers_own_start_s"] > 0
     assert "[raytune_ft] a training worker is gone (pid " in proc.stdout
     assert "ActorDiedError" not in proc.stdout and "Graceful shutdown of backend failed" not in proc.stdout
+    # the next attempt's start-up line says its scheduling part holds the first attempt
+    assert "earlier attempts, then attempt 2's trainer and worker scheduling" in proc.stdout
 
 
 @pytest.mark.timeout(120)

@@ -212,3 +212,16 @@ def test_the_breakdown_says_how_many_compiled_graphs_came_from_the_cache(tmp_pat
     n = cold["startup/compile.fx_cache_misses"]
     assert f"graphs from the cache: Inductor 0 of {n}," in runs[0]["line"]
     assert f"graphs from the cache: Inductor {n} of {n}," in runs[1]["line"]
+
+
+def test_a_later_attempts_line_says_its_scheduling_holds_the_earlier_attempts():
+    """Issue 36: a restarted attempt's "trainer and worker scheduling" (from the driver's last mark) held the
+    whole first attempt, and was read as the recovery's time."""
+    from raytune_ft.env import process_start
+
+    created = process_start()
+    marks = {"driver": created - 4.0, "ray_start": created - 3.0, "datasets": created - 2.0, "tracking": created - 1.0}
+    first, later = StartupClock(created - 6.0, marks), StartupClock(created - 6.0, marks)
+    later.attempt = 2
+    assert "trainer and worker scheduling 1.0" in first.line() and "earlier attempts" not in first.line()
+    assert "earlier attempts, then attempt 2's trainer and worker scheduling 1.0" in later.line()

@@ -197,6 +197,7 @@ class StartupClock:
         self._cache_counts = _compile_cache_counts()
         self._part_mark, self._part_inner = now, 0.0
         self.done: dict | None = None
+        self.attempt = 1    # Ray Train's attempt of this job: a later one's scheduling part holds the earlier ones
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -243,13 +244,18 @@ class StartupClock:
                 self.done |= {f"startup/compile.{k}": v for k, v in looked_up.items()}
         return self.done
 
+    def _label(self, phase: str, part: str) -> str:
+        if phase == "ray_workers" and part == "scheduling" and self.attempt > 1:
+            return f"earlier attempts, then attempt {self.attempt}'s trainer and worker scheduling"
+        return PHASE_PARTS[phase][part]
+
     def line(self) -> str:
         m = self.finish()
         parts = [f"{label} {m[f'startup/{p}_s']:.1f} s" for p, label in STARTUP_PHASES.items()]
         for i, phase in enumerate(STARTUP_PHASES):
             inner = [(k.split(".", 1)[1], v) for k, v in self.parts.items() if k.startswith(phase + ".")]
             if inner:
-                parts[i] += " (" + ", ".join(f"{PHASE_PARTS[phase][p]} {v:.1f}" for p, v in inner) + ")"
+                parts[i] += " (" + ", ".join(f"{self._label(phase, p)} {v:.1f}" for p, v in inner) + ")"
         if "startup/compile.fx_cache_hits" in m:
             c = {k.split(".", 1)[1]: int(v) for k, v in m.items() if k.startswith("startup/compile.")}
             i = list(STARTUP_PHASES).index("compile")
@@ -257,6 +263,19 @@ class StartupClock:
                          f"{c['fx_cache_hits'] + c['fx_cache_misses']}, AOT autograd {c['aot_cache_hits']} of "
                          f"{c['aot_cache_hits'] + c['aot_cache_misses']})")
         return f"start-up {m['startup/total_s']:.1f} s to the end of the first step: {', '.join(parts)}"
+
+
+def attempt_of_job(run_name: str, job_start: float) -> int:
+    """Which of this job's attempts rank 0 runs (1, 2, ...), counted in Ray's key-value store; 1 outside Ray."""
+    try:
+        from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
+
+        key = f"raytune-attempt:{run_name}:{job_start:.3f}"
+        n = int(_internal_kv_get(key, namespace="raytune_ft") or 0) + 1
+        _internal_kv_put(key, str(n), overwrite=True, namespace="raytune_ft")
+        return n
+    except Exception:  # noqa: BLE001 - a label of the start-up line only
+        return 1
 
 
 class WorkerLog:
@@ -277,6 +296,8 @@ class WorkerLog:
         self._live = False           # a redrawn progress line is on screen (terminal only)
         self._sender = None          # rank 0's MLflow calls, made by a process of their own
         run_id = run_id or os.environ.get("RAYTUNE_MLFLOW_RUN_ID")
+        if rank == 0 and job_start:
+            self.startup.attempt = attempt_of_job(recipe.tracking.run_name, job_start)
         if rank == 0 and run_id:
             from raytune_ft.train.mlflow_sender import MlflowSender
 
