@@ -32,6 +32,9 @@ def test_a_cpu_run_starts_no_monitor(tmp_path):
     assert start_for_node(r, 0, "some-run", None, print) is None
     log = WorkerLog(0, r, None)
     assert log._system is None
+    # a GPU recipe's loop on a machine without one (as the loop tests run it) starts none either
+    gpu_recipe = validate(Recipe())
+    assert gpu_recipe.scaling.use_gpu and start_for_node(gpu_recipe, 0, "some-run", None, print) is None
 
 
 @pytest.mark.timeout(120)

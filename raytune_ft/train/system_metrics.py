@@ -1,7 +1,7 @@
 """Each node's health in the MLflow run: GPU utilisation, memory and power (pynvml), CPU, memory, disk and
 network, as MLflow's own system metrics (`system/<node>/...`), sampled every 10 s.
 
-`tracking.system_metrics`: "auto" (on where the workers have GPUs), "on", "off". On each node the worker of
+`tracking.system_metrics`: "auto" (on where the recipe asks for GPUs and the worker has one), "on", "off". On each node the worker of
 local rank 0 starts a process of its own that runs MLflow's `SystemMetricsMonitor` on the run: MLflow's
 imports and the store's calls stay out of the training process, and the node's GPUs are all visible to it
 (pynvml counts the node's devices, whatever CUDA_VISIBLE_DEVICES says). The process ends when the worker
@@ -22,6 +22,15 @@ SAMPLE_EVERY_S = 10.0
 def wanted(mode: str, use_gpu: bool) -> bool:
     """Whether `tracking.system_metrics` asks for the monitor on this run."""
     return mode == "on" or (mode == "auto" and use_gpu)
+
+
+def _sees_gpu() -> bool:
+    """Whether this worker has a GPU (a GPU recipe's loop run on a CPU, as the tests do, has none)."""
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_available())
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def node_id(node_rank: int) -> str:
@@ -82,7 +91,7 @@ def start_for_node(recipe, rank: int, run_id: str | None, run_key: str | None,
                    say: Callable[[str], None]) -> NodeMonitor | None:
     """This node's monitor, where this worker is the node's local rank 0 and the recipe asks for one; the run
     id is `run_id`, or awaited in a thread through Ray's key-value store (`run_key`). None elsewhere."""
-    if not wanted(recipe.tracking.system_metrics, recipe.scaling.use_gpu) or not (run_id or run_key):
+    if not wanted(recipe.tracking.system_metrics, recipe.scaling.use_gpu and _sees_gpu()) or not (run_id or run_key):
         return None
     try:
         import ray.train
