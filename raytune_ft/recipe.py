@@ -115,6 +115,8 @@ class TrainConfig:
     master_weights: Literal["fp32", "bf16"] = "fp32"
     log_every: int = 100
     checkpoint_every: int = 500
+    # FSDP2 loop: write and upload each periodic checkpoint in the background (train/checkpointer.py)
+    async_checkpoint: Literal["auto", "on", "off"] = "auto"   # auto: on GPU workers
     eval_every: int | None = 0               # held-out loss every N steps and at the end; 0 or None: off
     # sample generations at the start, each checkpoint and the end (FSDP2 loop; MLflow table samples.json):
     # N (the first N held-out conversations, cut before their last answer), or a .jsonl/.json file of

@@ -140,8 +140,8 @@ def train_state(ckpt_dir, rank: int = 0) -> dict:
 
 
 def run_with_fault(recipe, fault_env: dict[str, str]) -> Exception | None:
-    """run(recipe, local=True) with `fault_env` set for this run only (launch._worker_env forwards the
-    RAYTUNE_FAULT_* variables to the workers); the exception the run raised, None when it finished."""
+    """run(recipe, local=True) with `fault_env` set for this run only (tests/faults.fault_env: launch forwards
+    it to the workers); the exception the run raised, None when it finished."""
     from raytune_ft.env import scoped_env
     from raytune_ft.run import run
 

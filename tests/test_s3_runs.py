@@ -3,7 +3,7 @@
 
 27B recipe (FSDP2, 2 workers, 10 steps, checkpoints at 4 and 8, final at 10, keep_checkpoints=2):
 1. rank 1 exits right after uploading its part of the final checkpoint, before reporting it, on every attempt
-   (RAYTUNE_FAULT_AFTER_UPLOAD=10:1, max_failures=1): both attempts die in the checkpoint window, Ray
+   (tests/faults.py exit_after_upload=10:1, max_failures=1): both attempts die in the checkpoint window, Ray
    restarting the worker group after the first. Every restart removes the folder the dead attempt left; a watcher
    listing the bucket all along never sees more than keep_checkpoints + 1 checkpoint folders. The first
    attempt's orphan holds the per-step losses of an uninterrupted run (every rank keeps the all-reduced
@@ -16,7 +16,7 @@
 Nothing of the run is written under the local storage default (./runs of the launch folder).
 
 TRL 4B recipe (1 worker, 8 steps, checkpoint + eval every 4): its worker SIGKILLs itself at step 6
-(RAYTUNE_FAULT_AT_STEP); Ray restarts it, it rebuilds the trainer from the step-4 checkpoint read from S3, and
+(tests/faults.py kill_at_step); Ray restarts it, it rebuilds the trainer from the step-4 checkpoint read from S3, and
 step 5, trained by both attempts, logs the same loss twice. Registration cannot run either; the retry command
 works.
 
@@ -24,7 +24,7 @@ works.
 Ray Train's state actor) once the step-4 checkpoint is registered on S3; Ray restarts the worker group, which
 resumes from S3 and finishes with the uninterrupted run's losses.
 
-Small storage: the free-space probe is patched (RAYTUNE_FAULT_FREE_BYTES, read by the workers; no filesystem
+Small storage: the free-space probe is patched (tests/faults.py free_bytes, in the workers; no filesystem
 of a few kB can be mounted portably here) to report 1000 bytes from step 8: the step-4 checkpoint is written,
 the step-8 one is refused before anything is written, the run stops with an error naming the storage path,
 the bytes needed and the bytes free, and the step-4 checkpoint is intact and still Ray's latest. Ray does not
@@ -46,13 +46,11 @@ import pytest
 from raytune_ft import storage
 from raytune_ft.env import scoped_env
 from tests.conftest import run_with_fault
+from tests.faults import fault_env
 from tests.test_fault_tolerance import (STATE_TRACKING_ENV, STEPS, RankKiller, _assert_history_matches,
                                        run_attempts)
 
 EVERY = 4
-FAULT_UPLOAD = "RAYTUNE_FAULT_AFTER_UPLOAD"
-FAULT_AT_STEP = "RAYTUNE_FAULT_AT_STEP"
-FAULT_FREE = "RAYTUNE_FAULT_FREE_BYTES"
 REL_TOL = 1e-5
 # the post-fit registration task asks for more CPUs than this local Ray has: it never starts, and is given up
 NO_ROOM_TO_REGISTER = ("registry.num_cpus=512", "registry.timeout_s=2")
@@ -148,7 +146,7 @@ def s3_runs(s3_server, s3_ray):
     out["r27"] = r27
     watcher = FolderWatcher(fs, f"{bucket}/runs/s3-27b")
     watcher.start()
-    out["faulty_error"] = run_with_fault(r27, {FAULT_UPLOAD: f"{STEPS}:1"})   # every attempt dies
+    out["faulty_error"] = run_with_fault(r27, fault_env(exit_after_upload=f"{STEPS}:1"))   # every attempt dies
     out["after_faulty"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
     t = time.time()
     out["finished"] = run(r27, local=True)
@@ -170,7 +168,7 @@ def s3_runs(s3_server, s3_ray):
                  "train.eval_every=4", "train.log_every=1", "scaling.max_failures=1", *NO_ROOM_TO_REGISTER,
                  "registry.name=main.default.s3_4b")
     out["r4"] = r4
-    with scoped_env({FAULT_AT_STEP: "6:0"}):
+    with scoped_env(fault_env(kill_at_step="6:0")):
         out["trl"] = run(r4, local=True)
     cmd = out["trl"].retry_command
     out["trl_retry"] = _run_cli(cmd, dict(os.environ), work) if cmd else None
@@ -206,12 +204,12 @@ def small_storage(s3_ray):
               f"tracking.tracking_uri=sqlite:///{work / 'small_mlflow.db'}")
     out["recipe"] = _recipe("qwen27b_b300", str(work / "small_storage"), "small", f"train.max_steps={STEPS}",
                             f"train.checkpoint_every={EVERY}", *common)
-    out["error"] = run_with_fault(out["recipe"], {FAULT_FREE: "1000@8"})   # meant to stop
+    out["error"] = run_with_fault(out["recipe"], fault_env(free_bytes="1000@8"))   # meant to stop
     out["attempts"] = len(run_attempts("small"))
     out["trl_recipe"] = _recipe("qwen3_4b_full", str(work / "small_storage"), "small-trl", "train.max_steps=8",
                                 "train.checkpoint_every=4", "train.eval_every=4", "train.log_every=1", *common)
     t = time.time()
-    out["trl_error"] = run_with_fault(out["trl_recipe"], {FAULT_FREE: "1000"})
+    out["trl_error"] = run_with_fault(out["trl_recipe"], fault_env(free_bytes="1000"))
     out["trl_s"] = time.time() - t
     out["trl_attempts"] = len(run_attempts("small-trl"))
     return out

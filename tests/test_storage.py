@@ -190,6 +190,7 @@ def _dcp_worker(rank: int, world: int, port: int, local_dir: str, s3_dir: str, o
 
     from raytune_ft.train import checkpoint as ckpt_io
     from raytune_ft.train import dcp_io
+    from raytune_ft.train.state import TrainState
 
     import faulthandler
     faulthandler.enable(all_threads=True)   # an abort (below) prints where each thread was
@@ -215,9 +216,12 @@ def _dcp_worker(rank: int, world: int, port: int, local_dir: str, s3_dir: str, o
     model, opt = build()
     train(model, opt, 3)
     saved = {k: v.full_tensor().clone() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
-    ckpt_io.save_train_checkpoint(os.path.join(local_dir, "per_rank"), model, opt, rank, {"step": 3, "rank": rank})
+    saving = TrainState(model, opt)
+    saving.schedule.step, saving.data.blocks_consumed = 3, rank
+    ckpt_io.save_train_checkpoint(os.path.join(local_dir, "per_rank"), saving, rank)
     import torch.distributed.checkpoint as dcp
-    dcp.save({"app": dcp_io._LegacyTrainState(model, opt, rank)}, checkpoint_id=os.path.join(local_dir, "legacy", "dcp"))
+    dcp.save({"app": dcp_io._LegacyTrainState(saving.sharded, rank)},
+             checkpoint_id=os.path.join(local_dir, "legacy", "dcp"))
     dist.barrier()
     st = storage.resolve(s3_dir)
     if rank == 0:                   # the upload Ray does after a report
@@ -227,7 +231,9 @@ def _dcp_worker(rank: int, world: int, port: int, local_dir: str, s3_dir: str, o
 
     fresh, fresh_opt = build()
     opened: list[str] = []      # what the FSDP2 loop's resume calls, reading from S3
-    train_state = ckpt_io.load_train_checkpoint(st.path("per_rank"), fresh, fresh_opt, rank, fs=st.fs, reads=opened)
+    loading = TrainState(fresh, fresh_opt)
+    ckpt_io.load_train_checkpoint(st.path("per_rank"), loading, rank, fs=st.fs, reads=opened)
+    train_state = loading.state_dict()
     loaded = {k: v.full_tensor() for k, v in fresh.state_dict().items() if hasattr(v, "full_tensor")}
     same_weights = all(torch.equal(saved[k], loaded[k]) for k in saved)
     steps = sorted({float(s["step"]) for s in fresh_opt.state_dict()["state"].values()})
@@ -240,7 +246,7 @@ def _dcp_worker(rank: int, world: int, port: int, local_dir: str, s3_dir: str, o
     same_after_step = all(torch.equal(full(a), full(b))
                           for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     legacy_model, legacy_opt = build()
-    legacy_opened = dcp_io.load(st.fs, st.path("legacy"), legacy_model, legacy_opt, rank)
+    legacy_opened = dcp_io.load(st.fs, st.path("legacy"), TrainState(legacy_model, legacy_opt).sharded, rank)
     n_params = sum(p.numel() for p in model.parameters())  # DTensors: the global count
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"opened": opened, "legacy_opened": legacy_opened, "same_weights": same_weights,
@@ -275,7 +281,7 @@ def test_dcp_resume_reads_only_own_shards_from_s3(s3_env, tmp_path):
         files = sorted({"/".join(p.rsplit("/", 2)[-2:]) for p in r["opened"]})
         # the metadata, this rank's own shard file and train state, nothing of the other rank
         assert files == ["dcp/.metadata", f"dcp/__{rank}_0.distcp", f"train_state/rank{rank}.json"], r["opened"]
-        assert r["train_state"] == {"step": 3, "rank": rank}
+        assert r["train_state"]["step"] == 3 and r["train_state"]["blocks_consumed"] == rank
         assert all(p.startswith(storage.resolve(s3_dir).path("per_rank")) for p in r["opened"])
         assert r["same_weights"] and r["same_after_step"] and r["steps"] == [3.0]
     # what the per-rank layout avoids: DCP's de-duplication of replicated entries spreads them over

@@ -2,7 +2,7 @@
 qwen3 on CPU, one worker, 8 steps, checkpoint + evaluation every 4).
 
 An uninterrupted run is the reference. A second run's worker SIGKILLs itself at the end of step 6
-(RAYTUNE_FAULT_AT_STEP=6:0, after the step-4 checkpoint is registered; deterministic, where a killer
+(tests/faults.py, kill_at_step=6:0, after the step-4 checkpoint is registered; deterministic, where a killer
 thread outside raced the run on a busy host); with max_failures=1 Ray starts a new worker, which rebuilds
 the Hugging Face checkpoint folder from the Ray checkpoint (weights, optimizer, scheduler, RNG), skips the
 packed blocks it already trained on and carries on. Its losses after the resume point, its evaluation losses and the
@@ -19,7 +19,6 @@ import pytest
 from tests.conftest import REPO
 
 STEPS, EVERY, KILL_AT = 8, 4, 6
-FAULT_ENV = "RAYTUNE_FAULT_AT_STEP"
 
 
 def _recipe(storage, run_name: str, max_failures: int, *overrides: str):
@@ -69,7 +68,9 @@ def assert_close_weights(ckpt: str, reference: str) -> None:
 def runs(tmp_path_factory):
     import ray
 
+    from raytune_ft.env import scoped_env
     from raytune_ft.run import run
+    from tests.faults import fault_env
 
     storage = tmp_path_factory.mktemp("trl_resume")
     ray.init(address="local", num_cpus=8, include_dashboard=False)
@@ -77,11 +78,8 @@ def runs(tmp_path_factory):
         ref = _recipe(storage, "reference", max_failures=0)
         out = {"ref": (ref, run(ref, local=True))}
         killed = _recipe(storage, "killed", max_failures=1)
-        os.environ[FAULT_ENV] = f"{KILL_AT}:0"        # forwarded to the workers by launch._worker_env
-        try:
+        with scoped_env(fault_env(kill_at_step=f"{KILL_AT}:0")):    # forwarded to the workers by launch
             out["killed"] = (killed, run(killed, local=True))
-        finally:
-            os.environ.pop(FAULT_ENV, None)
         out["again"] = run(ref, local=True)            # the finished reference submitted again
         return out
     finally:

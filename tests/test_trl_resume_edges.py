@@ -1,5 +1,5 @@
 """The TRL loop resumed where the common case does not reach: real local Ray, the Qwen3-4B recipe's --local
-job (tiny qwen3 on CPU, one worker), workers SIGKILLed by the loop's fault hook (RAYTUNE_FAULT_AT_STEP).
+job (tiny qwen3 on CPU, one worker), workers SIGKILLed by the test fault plan (tests/faults.py, kill_at_step).
 
 With data.max_rows=40 a pass is 2 optimizer steps (4 packed blocks, 2 per step), its length counted.
 
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_trl_resume import FAULT_ENV, _history, _recipe, _weights, assert_close_weights
+from tests.faults import fault_env
+from tests.test_trl_resume import _history, _recipe, _weights, assert_close_weights
 
 EPOCH_STEPS = 2
 COUNTED = ("train.max_steps=null", "data.max_rows=40", f"train.checkpoint_every={EPOCH_STEPS}",
@@ -30,7 +31,7 @@ def _run_with_fault(recipe, spec: str | None):
     from raytune_ft.env import scoped_env
     from raytune_ft.run import run
 
-    with scoped_env({FAULT_ENV: spec} if spec else {}):
+    with scoped_env(fault_env(kill_at_step=spec) if spec else {}):
         try:
             return run(recipe, local=True), None
         except Exception as e:  # noqa: BLE001 - some runs are meant to fail

@@ -3,7 +3,8 @@
 Layout of one Ray Train checkpoint directory (every rank's files merged by Ray into one folder):
     dcp/                 torch.distributed.checkpoint shards (model + optimizer), one file per rank; each
                          rank's copy of the replicated state is in its own file (train/dcp_io.py)
-    train_state/rank{R}.json   step, blocks consumed by that rank, data counters, scheduler state
+    train_state/rank{R}.json   this rank's schedule, data position, progress and evaluation parts
+                         (train/state.py), one flat JSON object
     hf/                  (final checkpoint only) config.json, sharded *.safetensors + index, tokenizer
     raytune_meta.json    job, model name, family, step, final loss (read by the registry)
 
@@ -21,32 +22,38 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from raytune_ft.train import dcp_io
+from raytune_ft.train.state import TrainState
 
 SHARD_BYTES = 4 * 1024**3
 META_FILE = "raytune_meta.json"
 
 
-def save_train_checkpoint(directory: str, model, optimizer, rank: int, train_state: dict) -> None:
-    """Every rank writes its own DCP shard and its own train-state file into `directory` (a local folder)."""
+def save_train_checkpoint(directory: str, state: TrainState, rank: int, *, process_group=None) -> None:
+    """Every rank writes its DCP shard and its train-state file into `directory` (a local folder)."""
+    dcp_io.save(directory, state.sharded, rank, process_group=process_group)
+    write_train_state(directory, rank, state.state_dict())
+
+
+def write_train_state(directory: str, rank: int, train_state: dict) -> None:
+    """train_state/rank{R}.json in `directory` (a local folder)."""
     os.makedirs(os.path.join(directory, "train_state"), exist_ok=True)
-    dcp_io.save(directory, model, optimizer, rank)
     with open(os.path.join(directory, "train_state", f"rank{rank}.json"), "w") as f:
         json.dump(train_state, f)
 
 
-def load_train_checkpoint(directory: str, model, optimizer, rank: int, *, fs: pafs.FileSystem | None = None,
-                          reads: list[str] | None = None) -> dict:
-    """Load this rank's model + optimizer shards into the (already sharded) model; return its train state.
+def load_train_checkpoint(directory: str, state: TrainState, rank: int, *, fs: pafs.FileSystem | None = None,
+                          reads: list[str] | None = None) -> None:
+    """Load this rank's model + optimizer shards into the (already sharded) model and its train state into
+    `state`'s parts.
 
     `directory` is a path on `fs` (default: the local filesystem), read where it lies: `.metadata`, this
     rank's shard file and its train-state file, nothing of the other ranks. `reads` gets the files opened.
     """
     fs, directory = _located(directory, fs)
-    state = read_train_state(fs, directory, rank)
-    opened = dcp_io.load(fs, directory, model, optimizer, rank)
+    state.load_state_dict(read_train_state(fs, directory, rank))
+    opened = dcp_io.load(fs, directory, state.sharded, rank)
     if reads is not None:
         reads.extend(opened + [train_state_path(directory, rank)])
-    return state
 
 
 def checkpoint_train_state(directory: str, rank: int, *, fs: pafs.FileSystem | None = None) -> dict:
@@ -161,5 +168,5 @@ def read_meta(directory: str) -> dict:
         return json.load(f)
 
 
-__all__ = ["save_train_checkpoint", "load_train_checkpoint", "export_hf_folder", "write_meta",
+__all__ = ["save_train_checkpoint", "load_train_checkpoint", "write_train_state", "export_hf_folder", "write_meta",
            "read_meta", "read_meta_at", "StateDictOptions"]

@@ -21,10 +21,7 @@ import torch.distributed as dist
 
 from raytune_ft import lease, storage
 from raytune_ft.env import redact_exception
-
-# Fault injection for tests: "BYTES" or "BYTES@STEP" makes the free-space probe report BYTES free (from
-# checkpoint step STEP on), as a filesystem that small would.
-FAULT_FREE_BYTES_ENV = "RAYTUNE_FAULT_FREE_BYTES"
+from raytune_ft.train import hooks
 
 
 def run_location() -> tuple[pafs.FileSystem, str]:
@@ -100,12 +97,7 @@ def start_attempt(rank: int, log: Callable[[str], None] = storage._print) -> lis
 
 
 def _probe(st: storage.Storage, step: int) -> int | None:
-    spec = os.environ.get(FAULT_FREE_BYTES_ENV, "").strip()
-    if spec:
-        value, _, from_step = spec.partition("@")
-        if not from_step or step >= int(from_step):
-            return int(value)
-    return storage.free_bytes(st)
+    return hooks.value("storage.free_bytes", storage.free_bytes(st), step=step)
 
 
 def _same_device(a: str, b: str) -> bool:

@@ -21,7 +21,6 @@ import pyarrow.fs as pafs
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 DCP_DIR = "dcp"
@@ -54,31 +53,31 @@ def _merge(a: Any, b: Any) -> Any:
 
 
 class ShardedTrainState:
-    """Model + optimizer as DCP sees them: sharded entries shared by all ranks, the rest under rank{R}."""
+    """The checkpoint's DCP parts (train/state.py: "model", "optim") as DCP sees them: sharded entries
+    shared by all ranks, the rest under rank{R}. Loaded part by part in the order given."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int):
-        self.model, self.optimizer, self.rank = model, optimizer, rank
+    def __init__(self, parts: dict[str, Any], rank: int):
+        self.parts, self.rank = parts, rank
 
     def state_dict(self) -> dict[str, Any]:
-        msd, osd = get_state_dict(self.model, self.optimizer)
-        sharded, local = _split({"model": msd, "optim": osd})
+        sharded, local = _split({name: part.state_dict() for name, part in self.parts.items()})
         return {**(sharded or {}), f"rank{self.rank}": local or {}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        full = _merge({k: v for k, v in state.items() if k in ("model", "optim")}, state.get(f"rank{self.rank}"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=full.get("model", {}),
-                       optim_state_dict=full.get("optim", {}))
+        full = _merge({k: v for k, v in state.items() if k in self.parts}, state.get(f"rank{self.rank}")) or {}
+        for name, part in self.parts.items():
+            part.load_state_dict(full.get(name, {}))
 
 
 class _LegacyTrainState(ShardedTrainState):
     """Checkpoints written before replicated state was kept per rank: plain {"model", "optim"}."""
 
     def state_dict(self) -> dict[str, Any]:
-        msd, osd = get_state_dict(self.model, self.optimizer)
-        return {"model": msd, "optim": osd}
+        return {name: part.state_dict() for name, part in self.parts.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for name, part in self.parts.items():
+            part.load_state_dict(state[name])
 
 
 class ArrowFileSystem(FileSystemBase):
@@ -144,20 +143,20 @@ class ArrowReader(FileSystemReader):
         return self.fs.opened
 
 
-def save(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
-    """Every rank writes its shard (and its copy of the replicated state) to `directory`/dcp (a local folder)."""
-    dcp.save({"app": ShardedTrainState(model, optimizer, rank)}, checkpoint_id=os.path.join(directory, DCP_DIR))
+def save(directory: str, parts: dict[str, Any], rank: int, *, process_group=None) -> None:
+    """Every rank writes its shard of `parts` (and its copy of the replicated state) to `directory`/dcp
+    (a local folder)."""
+    dcp.save({"app": ShardedTrainState(parts, rank)}, checkpoint_id=os.path.join(directory, DCP_DIR),
+             process_group=process_group)
 
 
-def load(fs: pafs.FileSystem, checkpoint_path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         rank: int) -> list[str]:
-    """Load this rank's part of `checkpoint_path`/dcp from `fs` into the sharded model and optimizer.
-
-    Returns the paths of the files it opened (`.metadata` and this rank's own shard files)."""
+def load(fs: pafs.FileSystem, checkpoint_path: str, parts: dict[str, Any], rank: int) -> list[str]:
+    """Load this rank's part of `checkpoint_path`/dcp from `fs` into `parts` (the sharded model's, the
+    optimizer's). Returns the paths of the files it opened (`.metadata` and this rank's own shard files)."""
     reader = ArrowReader(fs, f"{checkpoint_path.rstrip('/')}/{DCP_DIR}")
     md = reader.read_metadata()
     reader.opened.clear()  # read again by dcp.load; counted once from here on
     per_rank = any(k.startswith(f"app.rank{rank}.") for k in md.state_dict_metadata)
     state_cls = ShardedTrainState if per_rank else _LegacyTrainState
-    dcp.load({"app": state_cls(model, optimizer, rank)}, storage_reader=reader)
+    dcp.load({"app": state_cls(parts, rank)}, storage_reader=reader)
     return list(dict.fromkeys(reader.opened))

@@ -23,6 +23,7 @@ from raytune_ft.data.packing import DataCounters, padding_block
 from raytune_ft.recipe import Recipe
 from raytune_ft.train.batch import StepBatch
 from raytune_ft.train.sampling import probe_uncompiled
+from raytune_ft.train.state import EvaluationState
 
 
 def rank_share(blocks: Sequence[dict], rank: int, world: int, *, multiple: int, seq_len: int) -> list[dict]:
@@ -147,19 +148,17 @@ class EvalAndSamples:
         every = self.recipe.train.eval_every
         return bool(self.blocks is not None and every and step % every == 0)
 
-    def at_start(self, model, state: dict) -> dict:
-        """The base model's samples, on a run that starts from step 0."""
-        if self.sampler is None or state["step"]:
+    def at_start(self, model, state: EvaluationState, step: int) -> dict:
+        """The base model's samples, on a run that starts from step 0 (`step`: the attempt's first)."""
+        if self.sampler is None or step:
             return {}
         return self.sampler.run(model, 0, state)
 
-    def at_end(self, model, step: int, state: dict) -> dict:
+    def at_end(self, model, step: int, state: EvaluationState) -> dict:
         """The held-out loss and the samples of the final weights, unless this step already had them."""
-        evaluated = (state.get("eval_history") or [{}])[-1].get("step") == step
-        sampled = (state.get("samples") or [{}])[0].get("step") == step
-        return self.run(model, step, state, evaluate=not evaluated, sample=not sampled)
+        return self.run(model, step, state, evaluate=not state.evaluated_at(step), sample=not state.sampled_at(step))
 
-    def run(self, model, step: int, state: dict, *, evaluate: bool, sample: bool) -> dict:
+    def run(self, model, step: int, state: EvaluationState, *, evaluate: bool, sample: bool) -> dict:
         """The held-out loss (`evaluate`) and the samples (`sample`) at `step`, as metrics."""
         m: dict = {}
         if evaluate and self.blocks is not None:
@@ -168,7 +167,7 @@ class EvalAndSamples:
                                     device=self.device)
             m = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 700.0)), "eval/tokens": n,
                  "eval/seconds": time.perf_counter() - t0}
-            state.setdefault("eval_history", []).append({"step": step, "eval_loss": loss})
+            state.add_eval(step, loss)
             self.log.info(f"eval at step {step}: loss {loss:.4f}, perplexity {m['eval/perplexity']:.2f} over "
                           f"{n:,} held-out tokens in {m['eval/seconds']:.1f} s")
         if sample and self.sampler is not None:

@@ -12,7 +12,6 @@ host syncs anyway (log and checkpoint steps), so the step itself never waits on 
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 
 import torch
@@ -23,12 +22,14 @@ from raytune_ft.data.packing import DataCounters
 from raytune_ft.recipe import Recipe
 from raytune_ft.train import checkpoint as ckpt_io
 from raytune_ft.train import ckpt_storage, jit_cache
+from raytune_ft.train.checkpointer import Checkpointer, async_enabled
 from raytune_ft.train.batch import (EpochFeeds, StepBatch, count_run_steps, needs_counting_pass,
                                     run_schedule_steps, schedule_settings, worker_blocks)
 from raytune_ft.train.common import WorkerLog, lr_at, mlflow_run_of, recipe_from_config, report
 from raytune_ft.train.evaluate import EvalAndSamples, start_reading_held_out
 from raytune_ft.train.fp8 import precompute_fp8_scales
 from raytune_ft.train.fsdp_model import PackedCausalLM, build_fsdp_model, compile_pointwise, shard_packed_model
+from raytune_ft.train.state import Progress, TrainState
 
 # the model's parts are importable from here too (benchmarks build exactly what the loop trains)
 __all__ = ["train_fsdp", "forward_backward", "clip_gradients", "StepBatch", "PackedCausalLM", "build_fsdp_model",
@@ -72,7 +73,6 @@ def train_fsdp(config: dict) -> None:
     log = WorkerLog(rank, recipe, mlflow_run_of(config, rank), job_start=config.get("job_start"),
                     startup_marks=config.get("startup_marks"))
     t_cfg = recipe.train
-    fp8_recipe = t_cfg.fp8_recipe if t_cfg.precision == "fp8" else None
     if ckpt_storage.report_if_finished(log):
         return
     # train.read_ahead: the data starts flowing first (Ray Data's split coordinator and tokenizing processes
@@ -97,19 +97,38 @@ def train_fsdp(config: dict) -> None:
                             fused=device.type == "cuda")
     export_bytes = sum(p.numel() for p in params) * (2 if recipe.model.dtype == "bfloat16" else 4)
     guard = ckpt_storage.SaveGuard(rank, device, ckpt_storage.model_checkpoint_bytes(params), export_bytes)
-    state = _resume_state(model, opt, rank, log)
+    state = _resume_state(TrainState(model, opt), rank, log)
     # a storage that cannot take the next checkpoint stops the attempt here, before training to it
-    guard.check_first(state["step"], t_cfg)
-    feed = feed or _open_data(recipe, config, state, rank=rank, device=device)
+    guard.check_first(state.step, t_cfg)
+    saver = Checkpointer(state, rank, device, guard, log, background=async_enabled(t_cfg.async_checkpoint, device),
+                         meta=_meta(recipe))
+    feed = feed or _open_data(recipe, config, state.data.state_dict(), rank=rank, device=device)
     total_steps = _schedule_length(recipe, state, feed, log)
     with log.startup.phase("eval_setup"):      # 0 s with train.eval_every=0 and train.sample_prompts=0
         probes = EvalAndSamples.open(recipe, tok, rank=rank, world=world, device=device, log=log,
                                      held_out=held_out)
-        log.log_metrics(probes.at_start(model, state), 0)     # the base model's samples, before any timing
-    window = _Window(device, lm.config, world, state)
+        log.log_metrics(probes.at_start(model, state.evaluation, state.step), 0)   # the base model's samples
+    window = _Window(device, lm.config, world, state.progress)
     log.mfu_basis(window.mfu_basis)
+    dtype = torch.bfloat16 if recipe.model.dtype == "bfloat16" else torch.float32
 
-    step = state["step"]
+    def export(folder: str) -> None:     # the final checkpoint's hf/ folder
+        ckpt_io.export_hf_folder(folder, model, lm.config, tok, rank, dtype=dtype, prefix_strip="lm.",
+                                 arch=type(lm).__name__)
+
+    try:
+        _train(recipe, model, opt, params, feed, window, probes, saver, state, total_steps, log, rank, world,
+               device, jit, export)
+    finally:
+        saver.close()
+
+
+def _train(recipe, model, opt, params, feed, window, probes, saver, state, total_steps, log, rank, world,
+           device, jit, export) -> None:
+    """The training loop, from the attempt's first step to the run's end (`_finish`)."""
+    t_cfg = recipe.train
+    fp8_recipe = t_cfg.fp8_recipe if t_cfg.precision == "fp8" else None
+    step = state.step
     last_metrics: dict = {}
     while total_steps == 0 or step < total_steps:
         waited = time.time()
@@ -130,6 +149,7 @@ def train_fsdp(config: dict) -> None:
             precompute_fp8_scales(model, fp8_recipe)
         step += 1
         window.add(step, loss_sum, denom, grad_norm.detach(), lr, micro_batches)
+        saver.poll()            # a background save that finished is reported now, one that failed raised
         if log.startup.done is None:
             log.first_step_done(step, device)
             if rank == 0 and jit is not None:    # what the first step compiled, for the next node and run
@@ -140,22 +160,22 @@ def train_fsdp(config: dict) -> None:
         at_eval = probes.eval_due(step) and step != total_steps     # the last step's comes with the end
         if not (at_log or at_ckpt or at_eval):
             continue
-        last_metrics = window.close(state, rank)
+        last_metrics = window.close(state.progress, rank)
         last_metrics["epoch_progress"] = step / total_steps if total_steps else 0.0
         last_metrics["epoch"] = feed.epoch
         _record_position(state, step, feed)
         # after the window closed: evaluation and sampling are not counted as training time
-        last_metrics |= probes.run(model, step, state, evaluate=at_eval, sample=at_ckpt)
+        last_metrics |= probes.run(model, step, state.evaluation, evaluate=at_eval, sample=at_ckpt)
         log.progress(last_metrics, total_steps, window.elapsed(), steps=window.closed)
         if at_ckpt:
-            _save_and_report(recipe, model, opt, rank, state, last_metrics, log, final=False, guard=guard)
+            saver.save(last_metrics)
         else:
             report(last_metrics | feed.total_counters().as_metrics())
         # the next window starts after the report/checkpoint, so saving is not counted as training
         window.restart()
 
     feed.close()
-    _finish(recipe, model, opt, lm, tok, rank, state, step, feed, window, last_metrics, log, guard, probes)
+    _finish(recipe, model, rank, state, step, feed, window, last_metrics, log, probes, saver, export)
 
 
 def _checkpoint_position(rank: int) -> dict:
@@ -167,23 +187,29 @@ def _checkpoint_position(rank: int) -> dict:
     return {} if resume is None else ckpt_io.checkpoint_train_state(resume.path, rank, fs=resume.filesystem)
 
 
-def _resume_state(model, opt, rank: int, log: WorkerLog) -> dict:
-    """The train state of the checkpoint Ray hands this attempt (model and optimizer loaded), or a fresh one."""
+def _resume_state(state: TrainState, rank: int, log: WorkerLog) -> TrainState:
+    """`state` loaded from the checkpoint Ray hands this attempt (model and optimizer too), or fresh."""
     import ray.train
 
-    state = {"step": 0, "blocks_consumed": 0, "history": [], "counters": {}}
     resume = ray.train.get_checkpoint()
     if resume is None:
         return state
     reads: list[str] = []   # read where it lies: the DCP metadata, this rank's shard and train state only
-    state = ckpt_io.load_train_checkpoint(resume.path, model, opt, rank, fs=resume.filesystem, reads=reads)
+    ckpt_io.load_train_checkpoint(resume.path, state, rank, fs=resume.filesystem, reads=reads)
     print(f"[raytune_ft] rank {rank} resumed reading {len(reads)} files of the checkpoint: "
           f"{', '.join('/'.join(p.rsplit('/', 2)[-2:]) for p in reads)}", flush=True)
     # where each restart (Ray's, after a worker died, or a re-submit) picked the run up
-    state.setdefault("resumed_from", []).append(state["step"])
-    log.info(f"resumed from checkpoint at step {state['step']} ({state['blocks_consumed']} blocks consumed "
+    state.progress.resumed(state.step)
+    log.info(f"resumed from checkpoint at step {state.step} ({state.data.blocks_consumed} blocks consumed "
              f"on rank {rank})")
     return state
+
+
+def _meta(recipe: Recipe) -> dict:
+    """raytune_meta.json's fields every checkpoint of the run shares (the registry reads them)."""
+    m = recipe.model
+    return {"job": recipe.job, "model_name": m.name, "revision": m.revision, "family": m.family,
+            "run_name": recipe.tracking.run_name, "loop": "fsdp2"}
 
 
 def clip_gradients(params: list, max_norm: float | None) -> torch.Tensor:
@@ -213,27 +239,27 @@ def _open_data(recipe: Recipe, config: dict, state: dict, *, rank: int, device: 
                       rank=rank, state=state, group=group, read_ahead=2 * per_step if read_ahead else 0)
 
 
-def _schedule_length(recipe: Recipe, state: dict, feed: EpochFeeds, log: WorkerLog) -> int:
+def _schedule_length(recipe: Recipe, state: TrainState, feed: EpochFeeds, log: WorkerLog) -> int:
     """Optimizer steps of the run, for an LR schedule that must know its end (0: none needed).
 
     `train.max_steps` when set; else, for a decaying schedule, counted: one extra pass per epoch
     (tokenize + pack, no training) counts every rank's blocks exactly as the feed will run them, so
     the schedule ends on the run's last step. A resumed attempt reads it back, or counts again when
     a setting it depends on changed (`batch.run_schedule_steps`)."""
-    t = recipe.train
+    t, schedule = recipe.train, state.schedule
     total = int(t.max_steps or 0)
     if not total and t.schedule != "constant":
-        total = run_schedule_steps(recipe, state, lambda: count_run_steps(
+        total = run_schedule_steps(recipe, schedule.state_dict(), lambda: count_run_steps(
             feed.open_blocks, feed.per_step, t.epochs, group=feed.group), log.info)
-        state["counted_steps"], state["counted_for"] = total, schedule_settings(recipe)
-    state["total_steps"] = total
+        schedule.counted_steps, schedule.counted_for = total, schedule_settings(recipe)
+    schedule.total_steps = total
     return total
 
 
-def _record_position(state: dict, step: int, feed: EpochFeeds) -> None:
+def _record_position(state: TrainState, step: int, feed: EpochFeeds) -> None:
     """Where the run stands, for the next checkpoint: step, epoch, blocks consumed, counters, fingerprint."""
-    state["step"] = step
-    state.update(feed.position())
+    state.schedule.step = step
+    state.data.load_state_dict(feed.position())
 
 
 class _Window:
@@ -241,12 +267,12 @@ class _Window:
     tokens and model FLOPs, and a non-finite flag checked at each sync. Also this attempt's tokens and
     seconds, apart from the run's (a resumed run's earlier attempts are in `state`)."""
 
-    def __init__(self, device: torch.device, model_config, world: int, state: dict):
+    def __init__(self, device: torch.device, model_config, world: int, progress: Progress):
         from raytune_ft.hardware import mfu_basis
 
         self.device, self.model_config, self.world = device, model_config, world
-        self.tokens_before = int(state.get("tokens_total", 0))
-        self.seconds_before = float(state.get("run_train_seconds", 0.0))
+        self.tokens_before = int(progress.tokens_total or 0)
+        self.seconds_before = float(progress.run_train_seconds or 0.0)
         self.t_start = time.perf_counter()
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         self.mfu_basis = mfu_basis(self.device_name)
@@ -267,9 +293,9 @@ class _Window:
             self.tokens += mb.n_real
             self.flops += flops_per_block(self.model_config, mb.seq_lens)
 
-    def close(self, state: dict, rank: int) -> dict:
+    def close(self, progress: Progress, rank: int) -> dict:
         """Host sync: all-reduce the window's losses and tokens (a collective), stop on a non-finite
-        value, append the steps to `state["history"]`, and return the window's metrics."""
+        value, append the steps to `progress.history`, and return the window's metrics."""
         from raytune_ft.hardware import mfu_metrics
 
         dt = max(time.perf_counter() - self.t0, 1e-9)
@@ -282,19 +308,19 @@ class _Window:
                     f"(rank {rank}); stopping without saving: the last good checkpoint is kept. "
                     "Lower train.lr, check the data, or use train.master_weights=fp32.")
             for (s, _, d, gn, lr_s), loss in zip(self.pending, losses.tolist()):
-                state["history"].append({"step": s, "loss": loss / float(d), "lr": lr_s, "grad_norm": float(gn)})
+                progress.history.append({"step": s, "loss": loss / float(d), "lr": lr_s, "grad_norm": float(gn)})
         # each step's own figures, for MLflow (the returned metrics are the window's last step)
-        self.closed = state["history"][len(state["history"]) - len(self.pending):]
+        self.closed = progress.history[len(progress.history) - len(self.pending):]
         tokens_all = torch.tensor(float(self.tokens), device=self.device)
         dist.all_reduce(tokens_all)
-        state["tokens_total"] = state.get("tokens_total", 0) + int(tokens_all.item())
-        state["run_train_seconds"] = self.seconds_before + self.elapsed()
+        progress.tokens_total = (progress.tokens_total or 0) + int(tokens_all.item())
+        progress.run_train_seconds = self.seconds_before + self.elapsed()
         if not self.pending:
             return {}
         tps = float(tokens_all) / dt
-        last = state["history"][-1]
+        last = progress.history[-1]
         m = {"step": last["step"], "loss": last["loss"], "lr": last["lr"], "grad_norm": last["grad_norm"],
-             "tokens_per_s": tps, "tokens_per_s_per_worker": tps / self.world, "tokens": state["tokens_total"],
+             "tokens_per_s": tps, "tokens_per_s_per_worker": tps / self.world, "tokens": progress.tokens_total,
              **mfu_metrics(self.flops / dt, self.device_name)}
         if self.device.type == "cuda":
             m["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
@@ -305,84 +331,38 @@ class _Window:
         """Seconds of this attempt so far (checkpoint saves included)."""
         return time.perf_counter() - self.t_start
 
-    def attempt_metrics(self, state: dict) -> dict:
+    def attempt_metrics(self, progress: Progress) -> dict:
         """Tokens and seconds of this attempt and of the run, for the end-of-run report (the run's seconds
-        also into `state`, for the final checkpoint)."""
+        also into `progress`, for the final checkpoint)."""
         seconds = self.elapsed()
-        state["run_train_seconds"] = self.seconds_before + seconds
-        return {"tokens": state["tokens_total"], "attempt_tokens": state["tokens_total"] - self.tokens_before,
-                "train_seconds": seconds, "run_train_seconds": state["run_train_seconds"]}
+        progress.run_train_seconds = self.seconds_before + seconds
+        tokens = progress.tokens_total or 0
+        return {"tokens": tokens, "attempt_tokens": tokens - self.tokens_before, "train_seconds": seconds,
+                "run_train_seconds": progress.run_train_seconds}
 
 
-def _finish(recipe: Recipe, model, opt, lm, tok, rank: int, state: dict, step: int, feed: EpochFeeds,
-            window: _Window, last_metrics: dict, log: WorkerLog, guard: ckpt_storage.SaveGuard,
-            probes: EvalAndSamples) -> None:
+def _finish(recipe: Recipe, model, rank: int, state: TrainState, step: int, feed: EpochFeeds, window: _Window,
+            last_metrics: dict, log: WorkerLog, probes: EvalAndSamples, saver: Checkpointer, export) -> None:
     """End of the run: the steps since the last log go into the history, then the final checkpoint
-    (with the hf/ export) or, with train.save_final=false, only the final metrics."""
-    window.close(state, rank)
+    (with the hf/ export) or, with train.save_final=false, only the final metrics; a background save still
+    in flight is completed and reported first either way."""
+    window.close(state.progress, rank)
     log.log_metrics({}, step, steps=window.closed)     # steps past the last log (the data ran out first)
     _record_position(state, step, feed)
+    history = state.progress.history
     final = dict(last_metrics)
-    final.update({"step": step, "loss": state["history"][-1]["loss"] if state["history"] else float("nan"),
-                  "done": True, **window.attempt_metrics(state)})
+    final.update({"step": step, "loss": history[-1]["loss"] if history else float("nan"),
+                  "done": True, **window.attempt_metrics(state.progress)})
     final |= feed.total_counters().as_metrics() | (log.startup.done or {})
-    end = probes.at_end(model, step, state)     # the final weights' held-out loss and samples
+    end = probes.at_end(model, step, state.evaluation)     # the final weights' held-out loss and samples
     log.log_metrics(end, step)
     final |= end
     if recipe.train.save_final:
-        _save_and_report(recipe, model, opt, rank, state, final, log, final=True, lm=lm, tokenizer=tok,
-                         guard=guard)
+        saver.save(final, final=True, export=export)
     else:
+        saver.wait()
         log.info("train.save_final=false: no final checkpoint or hf/ export")
         # the summary reads the end of the run from MLflow; the last step's own points are there already
         log.log_metrics(final, step, skip=("loss", "lr", "grad_norm"))
         report(final)
     log.close()
-
-
-def _save_and_report(recipe, model, opt, rank, state, metrics, log, *, final: bool, guard: ckpt_storage.SaveGuard,
-                     lm=None, tokenizer=None):
-    import ray.train
-
-    guard.check(state["step"], final=final)
-    with tempfile.TemporaryDirectory(prefix="raytune_ckpt_") as d:
-        guard.write(lambda: ckpt_io.save_train_checkpoint(d, model, opt, rank, state), state["step"])
-        if final:
-            guard.write(lambda: ckpt_io.export_hf_folder(
-                os.path.join(d, "hf"), model, lm.config, tokenizer, rank,
-                dtype=torch.bfloat16 if recipe.model.dtype == "bfloat16" else torch.float32,
-                prefix_strip="lm.", arch=type(lm).__name__), state["step"])
-        if rank == 0:
-            ckpt_io.write_meta(d, {
-                "job": recipe.job, "model_name": recipe.model.name, "revision": recipe.model.revision,
-                "family": recipe.model.family, "step": state["step"], "final": final,
-                "final_loss": state["history"][-1]["loss"] if state["history"] else None,
-                "run_name": recipe.tracking.run_name, "loop": "fsdp2",
-            })
-        log.info(f"checkpoint at step {state['step']}{' (final, with hf/ export)' if final else ''}")
-        log.flush()       # the checkpoint's steps are in MLflow before Ray has the checkpoint
-        extra = {}
-        if _dies_after_upload(state["step"], rank):
-            extra["checkpoint_upload_fn"] = _upload_then_die
-        guard.write(lambda: ray.train.report(  # the upload to storage happens in here
-            {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))},
-            checkpoint=ray.train.Checkpoint.from_directory(d), **extra), state["step"])
-
-
-# Fault injection for the fault-tolerance tests: "STEP:RANK" makes that rank's process exit right
-# after its part of the step-STEP checkpoint is on storage, before its report reaches Ray, i.e. a
-# worker dying in the checkpoint window. Ray must keep the previous checkpoint as the latest.
-FAULT_AFTER_UPLOAD_ENV = "RAYTUNE_FAULT_AFTER_UPLOAD"
-
-
-def _dies_after_upload(step: int, rank: int) -> bool:
-    spec = os.environ.get(FAULT_AFTER_UPLOAD_ENV, "")
-    return bool(spec) and spec.strip() == f"{step}:{rank}"
-
-
-def _upload_then_die(checkpoint, checkpoint_dir_name: str):
-    import ray.train
-
-    ray.train.get_context().get_storage().persist_current_checkpoint(checkpoint, checkpoint_dir_name)
-    print(f"[raytune_ft] {FAULT_AFTER_UPLOAD_ENV}: exiting after uploading {checkpoint_dir_name}", flush=True)
-    os._exit(1)

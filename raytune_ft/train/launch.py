@@ -14,6 +14,7 @@ from ray.train.v2._internal.execution.failure_handling import FailureDecision, F
 
 from raytune_ft.lease import TOKEN_ENV, RunFolderInUse
 from raytune_ft.recipe import Recipe, absolute_local_paths, recipe_from_dict
+from raytune_ft.train import hooks
 
 
 def _worker_env() -> dict[str, str]:
@@ -21,8 +22,7 @@ def _worker_env() -> dict[str, str]:
     keep = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "RAYTUNE_HF_ROOT", "HF_HOME",
             "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
             "TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "FLA_CACHE_RESULTS",
-            "RAYTUNE_FAULT_AFTER_UPLOAD", "RAYTUNE_FAULT_AT_STEP", "RAYTUNE_FAULT_FREE_BYTES",
-            "RAYTUNE_COMPILE_KEYS")
+            hooks.PLUGIN_ENV, "RAYTUNE_COMPILE_KEYS")
     from raytune_ft.console import QUIET_ENV, PLAIN_ENV
     from raytune_ft.env import BYTECODE_ENV
 
@@ -94,6 +94,7 @@ def run_fsdp_loop(config: dict) -> None:
     never imports it, and its start-up threads do not wait on those imports (bench/NOTES.md, start-up)."""
     from raytune_ft.train.fsdp_loop import train_fsdp
 
+    hooks.load_plugin()     # a test's fault plan, where one is named (train/hooks.py)
     try:
         train_fsdp(config)
     except Exception as e:
@@ -104,6 +105,7 @@ def run_trl_loop(config: dict) -> None:
     """The TRL loop's Ray Train entry point, imported in the worker as `run_fsdp_loop`'s."""
     from raytune_ft.train.trl.loop import train_trl
 
+    hooks.load_plugin()
     try:
         train_trl(config)
     except Exception as e:

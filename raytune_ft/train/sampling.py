@@ -174,9 +174,10 @@ class Sampler:
         self.prompts, self.tok, self.max_new_tokens = prompts, tokenizer, max_new_tokens
         self.stop_ids, self.device, self.rank, self.log = stop_ids, device, rank, log
 
-    def run(self, model, step: int, state: dict) -> dict:
-        """Generate every prompt at `step` (a collective); the rows go to `state["samples"]` and, on
-        rank 0, to MLflow. Returns samples/seconds and samples/tokens."""
+    def run(self, model, step: int, state) -> dict:
+        """Generate every prompt at `step` (a collective); the rows go to `state.samples` (`state`: the
+        checkpoint's evaluation part, train/state.EvaluationState) and, on rank 0, to MLflow. Returns
+        samples/seconds and samples/tokens."""
         was_training = model.training
         model.eval()
         t0 = time.perf_counter()
@@ -187,13 +188,13 @@ class Sampler:
             model.train(was_training)
         seconds = time.perf_counter() - t0
         completions = [self._text(ids) for ids, _ in done]
-        if step == 0 or "sample_base" not in state:
-            state["sample_base"] = completions if step == 0 else [""] * len(completions)
-        base = state["sample_base"]
+        if step == 0 or state.sample_base is None:
+            state.sample_base = completions if step == 0 else [""] * len(completions)
+        base = state.sample_base
         rows = [{"step": step, "prompt": p.text, "completion": c, "tokens": len(ids), "seconds": round(s, 3),
                  "base_completion": b}
                 for p, c, (ids, s), b in zip(self.prompts, completions, done, base)]
-        state["samples"] = rows
+        state.samples = rows
         self._log_table(rows)
         n_tokens = sum(len(ids) for ids, _ in done)
         self.log.info(f"samples at step {step}: {len(rows)} prompts, {n_tokens} tokens in {seconds:.1f} s; "

@@ -4,7 +4,7 @@ generated chat data) moved onto the GPUs (bf16 compute, fp32 master weights, NCC
 Three runs on one local Ray, as tests/test_fault_tolerance.py does on CPU:
 - "straight": 8 steps, a checkpoint at step 4, the final one (with the hf/ export) at step 8;
 - "resumed": the same recipe whose rank 0 exits right after uploading its part of the step-8 checkpoint,
-  before Ray registers it (RAYTUNE_FAULT_AFTER_UPLOAD); with max_failures=0 the run fails and step 4's
+  before Ray registers it (tests/faults.py, exit_after_upload); with max_failures=0 the run fails and step 4's
   checkpoint stays the latest; then the same run submitted again, which resumes from step 4.
 The resumed run's per-step losses must match the straight run's within LOSS_REL (bf16 compute: the unit
 roundoff is 3.9e-3, and the GPU kernels' backward passes are not bitwise deterministic), its data position
@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from tests.conftest import run_with_fault, train_state
+from tests.faults import fault_env
 
 STEPS, EVERY = 8, 4
 LOSS_REL = 1e-2
 WEIGHT_REL = 2e-2
-FAULT_ENV = "RAYTUNE_FAULT_AFTER_UPLOAD"
 
 
 def _recipe(storage, run_name: str, ngpu: int):
@@ -52,7 +52,7 @@ def gpu_runs(tmp_path_factory):
     try:
         out["straight"] = run(_recipe(storage, "straight", ngpu), local=True)
         resumed = _recipe(storage, "resumed", ngpu)
-        out["fault_error"] = run_with_fault(resumed, {FAULT_ENV: f"{STEPS}:0"})   # meant to fail
+        out["fault_error"] = run_with_fault(resumed, fault_env(exit_after_upload=f"{STEPS}:0"))   # meant to fail
         out["resumed"] = run(resumed, local=True)
     finally:
         ray.shutdown()

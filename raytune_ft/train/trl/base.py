@@ -16,14 +16,6 @@ import torch.distributed as dist
 TRAINER_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", "training_args.bin",
                  "rng_state.pth")
 
-# Fault injection for the TRL resume tests: "STEP:RANK" SIGKILLs that rank's worker at the end of
-# optimizer step STEP, in an attempt that did not resume (so the restarted worker runs on), once Ray has
-# registered a checkpoint of the run (its controller takes reports in asynchronously: a worker dying
-# right after reporting can lose that report, as a real crash would); "STEP:RANK:saved" once step STEP's
-# checkpoint is registered (after the last save of a pass, say).
-FAULT_AT_STEP_ENV = "RAYTUNE_FAULT_AT_STEP"
-
-
 @contextlib.contextmanager
 def not_training(pause: dict):
     """Add the time spent inside to pause["s"]: evaluation and checkpointing, left out of tokens/s."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import tempfile
 import time
 
@@ -14,10 +13,11 @@ import torch
 import torch.distributed as dist
 
 from raytune_ft.recipe import Recipe, TrainConfig
+from raytune_ft.train import hooks
 from raytune_ft.train.batch import collate_blocks
 from raytune_ft.train.ckpt_storage import SaveGuard
 from raytune_ft.train.common import WorkerLog, lr_at
-from raytune_ft.train.trl.base import FAULT_AT_STEP_ENV, not_training, ray_report, sum_over_ranks
+from raytune_ft.train.trl.base import not_training, ray_report, sum_over_ranks
 from raytune_ft.train.trl.checkpoint import (fetch_best, has_weights, save_meta, save_train_state,
                                              stage_checkpoint)
 from raytune_ft.train.trl.data import RankBlocks
@@ -124,29 +124,6 @@ def recipe_scheduler(optimizer, train: TrainConfig, total_steps: int):
     return LambdaLR(optimizer, lambda step: lr_at(step, train, total_steps))
 
 
-def _die_for_test(rank: int, step: int, output_dir: str, *, saved: bool = False) -> None:
-    """SIGKILL this worker (FAULT_AT_STEP_ENV) once Ray has registered a checkpoint of the run (`saved`:
-    step `step`'s), its local Hugging Face folders removed first, as a restart on another node finds them."""
-    import shutil
-
-    from raytune_ft import storage
-    from raytune_ft.train.ckpt_storage import run_location
-
-    def registered() -> bool:
-        if not saved:
-            return storage.exists(fs, f"{run_path}/{storage.SNAPSHOT_FILE}")
-        reported = storage.reported_checkpoints(fs, run_path)
-        return bool(reported) and any(m.get("step") == step for m in reported.metrics.values())
-
-    fs, run_path = run_location()          # local or object storage alike
-    deadline = time.time() + 120
-    while not registered() and time.time() < deadline:
-        time.sleep(0.1)
-    shutil.rmtree(output_dir, ignore_errors=True)
-    print(f"[raytune_ft] {FAULT_AT_STEP_ENV}: killing rank {rank} at step {step}", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 _SHOWN = ("loss", "eval_loss", "learning_rate", "grad_norm", "mean_token_accuracy", "eval_mean_token_accuracy")
 
 
@@ -224,8 +201,8 @@ def report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ran
                 log.first_step_done(state.global_step, args.device)
                 if rank == 0 and self.jit is not None:    # what the first step compiled, for the next node and run
                     self.jit.save(log.info)
-            if not resumed and os.environ.get(FAULT_AT_STEP_ENV, "").strip() == f"{state.global_step}:{rank}":
-                _die_for_test(rank, state.global_step, args.output_dir)
+            hooks.fire("trl.step_end", step=state.global_step, rank=rank, output_dir=args.output_dir,
+                       resumed=bool(resumed))
             # Hugging Face saves at the end of training whatever save_steps says; with train.save_final
             # false only the checkpoint_every saves are wanted
             if (not recipe.train.save_final and state.global_step >= state.max_steps
@@ -277,8 +254,8 @@ def report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: Ran
                 from raytune_ft.train.ckpt_storage import run_storage, write_checkpoint
 
                 write_checkpoint(lambda: ray_report(metrics, d), run_storage(), state.global_step)
-            if not resumed and os.environ.get(FAULT_AT_STEP_ENV, "").strip() == f"{state.global_step}:{rank}:saved":
-                _die_for_test(rank, state.global_step, args.output_dir, saved=True)
+            hooks.fire("trl.saved", step=state.global_step, rank=rank, output_dir=args.output_dir,
+                       resumed=bool(resumed))
 
         def metrics(self, state, blocks: RankBlocks) -> dict:
             """The last logged figures, with this attempt's and the run's tokens and seconds (a

@@ -1,0 +1,123 @@
+"""The tests' fault plan, installed inside the training workers through the loops' hook points
+(raytune_ft/train/hooks.py): the production code holds no fault code and reads no fault setting.
+
+A test asks for faults with `fault_env(...)`, a RAYTUNE_TEST_FAULTS value naming this module and the plan
+as JSON (launch forwards it to the workers, whose loop entry point calls `hooks.load_plugin()`, which calls
+`install` below). The faults, each "STEP:RANK" (that rank, at that step):
+
+    exit_after_upload    the FSDP2 loop: the process exits once its part of the step's checkpoint is on the
+                         run's storage, before its report reaches Ray (a worker dying in the checkpoint window)
+    exit_after_write     the FSDP2 loop: the process exits once the step's checkpoint files are written
+                         locally, before the upload, and once Ray has registered an earlier checkpoint of the
+                         run; once per run, so the restarted attempt runs on (with train.async_checkpoint on:
+                         in the writer thread, while the loop trains on: a worker dying during a background
+                         save)
+    fail_after_write     the FSDP2 loop: the save raises an OSError there instead (a background save failing)
+    kill_at_step         the TRL loop: SIGKILL at the end of optimizer step STEP, in an attempt that did not
+                         resume, once Ray has registered a checkpoint of the run (its controller takes reports
+                         in asynchronously: a worker dying right after reporting can lose that report, as a
+                         real crash would); "STEP:RANK:saved": once step STEP's own checkpoint is registered
+    free_bytes           "BYTES" or "BYTES@STEP": the checkpoint guard reads BYTES free (from step STEP on),
+                         as on a filesystem that small
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+from raytune_ft.train import hooks
+
+MODULE = __name__
+
+
+def fault_env(**plan: str) -> dict[str, str]:
+    """The environment that installs `plan` in the workers of the next run (see the module's docstring)."""
+    unknown = set(plan) - {"exit_after_upload", "exit_after_write", "fail_after_write", "kill_at_step", "free_bytes"}
+    if unknown:
+        raise ValueError(f"unknown faults: {sorted(unknown)}")
+    return {hooks.PLUGIN_ENV: f"{MODULE}:{json.dumps(plan)}"}
+
+
+def install(argument: str) -> None:
+    plan = json.loads(argument)
+    if "exit_after_upload" in plan:
+        hooks.attach("checkpoint.uploaded", _exit_at(plan["exit_after_upload"], "after uploading"))
+    if "exit_after_write" in plan:
+        hooks.attach("checkpoint.written", _exit_at(plan["exit_after_write"], "after writing, before the upload of",
+                                                    once_registered=True))
+    if "fail_after_write" in plan:
+        hooks.attach("checkpoint.written", _fail_at(plan["fail_after_write"]))
+    if "kill_at_step" in plan:
+        spec = plan["kill_at_step"]
+        hooks.attach("trl.saved" if spec.endswith(":saved") else "trl.step_end", _kill_at(spec))
+    if "free_bytes" in plan:
+        value, _, from_step = str(plan["free_bytes"]).partition("@")
+        hooks.attach("storage.free_bytes",
+                     lambda free, step: int(value) if not from_step or step >= int(from_step) else free)
+
+
+def _exit_at(spec: str, when: str, *, once_registered: bool = False):
+    def handler(step: int, rank: int) -> None:
+        if spec == f"{step}:{rank}":
+            if once_registered:
+                if not _first_time(f"exit_after_write-{spec}"):
+                    return
+                _wait_registered(lambda reported: bool(reported))
+            print(f"[raytune_ft] test fault: rank {rank} exiting {when} the step-{step} checkpoint", flush=True)
+            os._exit(1)
+    return handler
+
+
+def _fail_at(spec: str):
+    def handler(step: int, rank: int) -> None:
+        if spec == f"{step}:{rank}":
+            raise OSError(f"test fault: rank {rank} could not write the step-{step} checkpoint")
+    return handler
+
+
+def _first_time(name: str) -> bool:
+    """True the first time a worker of the run asks for `name` (a marker file in the run's folder)."""
+    from raytune_ft import storage
+    from raytune_ft.train.ckpt_storage import run_location
+
+    fs, run_path = run_location()
+    marker = f"{run_path}/test_fault_{name.replace(':', '_')}"
+    if storage.exists(fs, marker):
+        return False
+    storage.write_bytes(fs, marker, b"")
+    return True
+
+
+def _wait_registered(done, timeout_s: float = 120) -> None:
+    """Wait until `done(Ray's record of the run's registered checkpoints)` holds (or the timeout)."""
+    from raytune_ft import storage
+    from raytune_ft.train.ckpt_storage import run_location
+
+    fs, run_path = run_location()          # local or object storage alike
+    deadline = time.time() + timeout_s
+    while not done(storage.reported_checkpoints(fs, run_path)) and time.time() < deadline:
+        time.sleep(0.1)
+
+
+def _kill_at(spec: str):
+    saved = spec.endswith(":saved")
+    target = spec.removesuffix(":saved")
+
+    def handler(step: int, rank: int, output_dir: str, resumed: bool) -> None:
+        if not resumed and target == f"{step}:{rank}":
+            _die(rank, step, output_dir, saved=saved)
+    return handler
+
+
+def _die(rank: int, step: int, output_dir: str, *, saved: bool) -> None:
+    """SIGKILL this worker once Ray has registered a checkpoint of the run (`saved`: step `step`'s), its
+    local Hugging Face folders removed first, as a restart on another node finds them."""
+    import shutil
+
+    _wait_registered(lambda reported: bool(reported) and (
+        not saved or any(m.get("step") == step for m in reported.metrics.values())))
+    shutil.rmtree(output_dir, ignore_errors=True)
+    print(f"[raytune_ft] test fault: killing rank {rank} at step {step}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,133 @@
+"""The FSDP2 loop's background checkpoints (train/checkpointer.py), in-process on a one-rank gloo group with
+DCP's real async_save, a real Ray Train storage context over a local folder and the real hook seam.
+
+Two stand-ins, for what needs a running Ray Train attempt: Ray Train's report (a barrier with the
+controller) is a function recording what it was handed, and the storage guard (its free-space check reads
+the attempt's storage through Ray Train's context) lets every save through.
+"""
+from __future__ import annotations
+
+import io
+import threading
+
+import pytest
+import torch
+
+from tests.test_train_state import full, one_rank_group, sharded_model_and_optimizer, train
+
+
+class LetThrough:
+    """The storage guard's interface, without its check (see the module's docstring)."""
+
+    def check(self, step: int, final: bool = False) -> None:
+        pass
+
+    def write(self, fn, step: int):
+        return fn()
+
+
+def _saver(tmp_path, state, *, background: bool, reports: list):
+    from ray.train.v2._internal.execution.storage import StorageContext
+
+    from raytune_ft.recipe import Recipe
+    from raytune_ft.train.checkpointer import Checkpointer
+    from raytune_ft.train.common import WorkerLog
+
+    storage = StorageContext(str(tmp_path / "runs"), "run")
+    log = WorkerLog(0, Recipe(), None, stream=io.StringIO())
+    return Checkpointer(state, 0, torch.device("cpu"), LetThrough(), log, background=background,
+                        meta={"job": "test"}, storage=storage,
+                        report=lambda metrics, ckpt, name: reports.append((metrics, ckpt, name)))
+
+
+def _load_weights(path: str):
+    from raytune_ft.train import checkpoint as ckpt_io
+    from raytune_ft.train.state import TrainState
+
+    model, opt = sharded_model_and_optimizer()
+    state = TrainState(model, opt)
+    ckpt_io.load_train_checkpoint(path, state, 0)
+    return {k: full(v) for k, v in model.state_dict().items()}, state
+
+
+@pytest.mark.timeout(120)
+def test_a_background_save_holds_the_state_of_its_step_and_is_reported_only_once_complete(tmp_path):
+    from raytune_ft.train import hooks
+    from raytune_ft.train.state import TrainState
+
+    release = threading.Event()
+    hooks.clear()
+    hooks.attach("checkpoint.written", lambda step, rank: release.wait(60))   # the write is slow
+    reports: list = []
+    try:
+        with one_rank_group():
+            torch.manual_seed(0)
+            model, opt = sharded_model_and_optimizer()
+            state = TrainState(model, opt)
+            saver = _saver(tmp_path, state, background=True, reports=reports)
+            train(model, opt, 2)
+            state.schedule.step = 2
+            at_save = {k: full(v).clone() for k, v in model.state_dict().items()}
+            saver.save({"step": 2, "loss": 1.5})
+            train(model, opt, 3)          # the loop trains on while the save is written
+            state.schedule.step = 5
+            saver.poll()
+            assert reports == [] and saver.in_flight is not None, "reported before its files were complete"
+            release.set()
+            saver.wait()
+            saver.close()
+            assert len(reports) == 1
+            metrics, persisted, name = reports[0]
+            assert metrics == {"step": 2, "loss": 1.5} and persisted.path.endswith(name)
+            weights, loaded = _load_weights(persisted.path)
+            assert all(torch.equal(weights[k], at_save[k]) for k in at_save)      # step 2's, not step 5's
+            assert not all(torch.equal(full(v), at_save[k]) for k, v in model.state_dict().items())
+            assert loaded.step == 2
+    finally:
+        hooks.clear()
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_background_save_is_raised_at_the_next_step_and_never_reported(tmp_path):
+    from raytune_ft.train import hooks
+    from raytune_ft.train.state import TrainState
+
+    def fail(step, rank):
+        raise OSError("disk gone")
+
+    hooks.clear()
+    hooks.attach("checkpoint.written", fail)
+    reports: list = []
+    try:
+        with one_rank_group():
+            model, opt = sharded_model_and_optimizer()
+            state = TrainState(model, opt)
+            saver = _saver(tmp_path, state, background=True, reports=reports)
+            train(model, opt, 1)
+            state.schedule.step = 1
+            saver.save({"step": 1})
+            saver.in_flight.future.exception(timeout=60)      # the writer thread has failed by now
+            with pytest.raises(OSError, match="disk gone"):
+                saver.poll()
+            assert saver.in_flight is None and reports == []
+            saver.close()
+    finally:
+        hooks.clear()
+
+
+@pytest.mark.timeout(120)
+def test_a_synchronous_save_is_complete_and_reported_when_it_returns(tmp_path):
+    from raytune_ft.train.state import TrainState
+
+    reports: list = []
+    with one_rank_group():
+        model, opt = sharded_model_and_optimizer()
+        state = TrainState(model, opt)
+        saver = _saver(tmp_path, state, background=False, reports=reports)
+        train(model, opt, 1)
+        state.schedule.step = 1
+        at_save = {k: full(v).clone() for k, v in model.state_dict().items()}
+        blocked = saver.save({"step": 1}, final=True)
+        assert len(reports) == 1 and saver.in_flight is None and blocked > 0
+        weights, _ = _load_weights(reports[0][1].path)
+        assert all(torch.equal(weights[k], at_save[k]) for k in at_save)
