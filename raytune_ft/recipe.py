@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from raytune_ft.typed_values import RecipeError, check_range, check_value, coerce
+from raytune_ft.typed_values import RecipeError, check_range, check_value, coerce, did_you_mean
 
 __all__ = ["RecipeError", "Recipe", "ModelConfig", "DataConfig", "TrainConfig", "ScalingConfig", "TrackingConfig",
            "RegistryConfig", "validate", "apply_overrides", "recipe_from_dict", "absolute_local_paths",
@@ -370,11 +370,13 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
             raise RecipeError(f"--set {key}: expected section.field (sections: {', '.join(classes)})")
         section, name = key.split(".", 1)
         if section not in classes:
-            raise RecipeError(f"{key}: unknown section {section!r} (sections: {', '.join(classes)})")
+            raise RecipeError(f"{key}: unknown section {section!r}{did_you_mean(section, classes, suffix='.' + name)} "
+                              f"(sections: {', '.join(classes)})")
         cls = classes[section]
         hints = typing.get_type_hints(cls)
         if name not in hints:
-            raise RecipeError(f"{key}: unknown field {name!r} of {section} (fields: {', '.join(hints)})")
+            raise RecipeError(f"{key}: unknown field {name!r} of {section}{did_you_mean(name, hints, section + '.')} "
+                              f"(fields: {', '.join(hints)})")
         setattr(getattr(recipe, section), name, coerce(key, raw.strip(), hints[name]))
     return recipe
 

@@ -114,3 +114,12 @@ def check_range(path: str, value: float, lo: float | None = None, hi: float | No
         hi_txt = "" if hi is None else f"<= {hi}"
         allowed = " and ".join(t for t in (lo_txt, hi_txt) if t)
         raise RecipeError(f"{path}: {value!r} is out of range (allowed: {allowed})")
+
+
+def did_you_mean(name: str, known, prefix: str = "", suffix: str = "") -> str:
+    """' (did you mean <prefix><nearest><suffix>?)' for a misspelled `name` among `known`, or '' when none
+    is close."""
+    import difflib
+
+    near = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {prefix}{near[0]}{suffix}?)" if near else ""
