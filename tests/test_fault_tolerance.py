@@ -1,9 +1,10 @@
 """Fault tolerance of the 27B recipe's --local job on a real local Ray: workers that die mid-run.
 
-Three runs of the same recipe (10 steps, checkpoints at 4 and 8, final at 10), sharing one Ray:
+Runs of the same recipe (10 steps, checkpoints at 4 and 8, final at 10), sharing one Ray, the faults
+planted through the test fault plan (tests/faults.py):
 
 - "window": rank 1 exits right after uploading its part of the final (step-10) checkpoint, before
-  its report reaches Ray (RAYTUNE_FAULT_AFTER_UPLOAD). With max_failures=0 the run fails. Ray must
+  its report reaches Ray (exit_after_upload). With max_failures=0 the run fails. Ray must
   not have registered that folder: the latest checkpoint stays step 8's. Rank 1's files in the
   unregistered folder are the reference: its history holds the per-step losses of steps 1..10 of
   an uninterrupted run (every rank keeps the all-reduced loss history).
@@ -11,6 +12,12 @@ Three runs of the same recipe (10 steps, checkpoints at 4 and 8, final at 10), s
 - "killed": a watcher thread in this test SIGKILLs rank 1's RayTrainWorker process (found by PID
   through Ray Train's state actor) once the first checkpoint is registered; max_failures=1 lets Ray
   restart the worker group, which resumes from the last registered checkpoint.
+- "background": checkpoints written in the background (train.async_checkpoint=on); rank 1 exits in the
+  writer thread during the step-8 save, its files written locally but not uploaded, while the loop
+  trains on (exit_after_write); max_failures=1: the next attempt resumes from step 4, the last complete
+  checkpoint.
+- "failing": the same, but rank 1's background save of step 4 raises (fail_after_write), max_failures=0:
+  the run stops with that error at the next step boundary, and no checkpoint is registered.
 
 Both resumed runs must reproduce the uninterrupted per-step losses after their resume point, and
 their data counters, i.e. the same blocks in the same order on each rank, nothing trained twice.
@@ -28,9 +35,9 @@ import pytest
 
 from raytune_ft import storage
 from tests.conftest import REPO, run_with_fault, train_state
+from tests.faults import fault_env
 
 STEPS, EVERY = 10, 4
-FAULT_ENV = "RAYTUNE_FAULT_AFTER_UPLOAD"
 SNAPSHOT = "checkpoint_manager_snapshot.json"
 REL_TOL = 1e-5
 STATE_TRACKING_ENV = "RAY_TRAIN_ENABLE_STATE_TRACKING"
@@ -137,7 +144,7 @@ def runs(tmp_path_factory):
     try:
         # 1. rank 1 dies in the window between uploading the final checkpoint and reporting it
         window = _recipe(storage, "window", max_failures=0)
-        out["window_error"] = run_with_fault(window, {FAULT_ENV: f"{STEPS}:1"})
+        out["window_error"] = run_with_fault(window, fault_env(exit_after_upload=f"{STEPS}:1"))
         out["window_dirs"] = sorted(glob.glob(os.path.join(window.run_dir, "checkpoint_*")))
         with open(os.path.join(window.run_dir, SNAPSHOT)) as f:
             out["window_snapshot"] = f.read()
@@ -165,8 +172,15 @@ def runs(tmp_path_factory):
             killer.join(timeout=30)
         out["killer"] = killer
         out["killed_recipe"] = killed
+
+        # 4. a worker dying during a background save; 5. a background save failing
+        background = _recipe(storage, "background", 1, "train.async_checkpoint=on")
+        out["background_error"] = run_with_fault(background, fault_env(exit_after_write="8:1"))
+        out["background_recipe"] = background
+        failing = _recipe(storage, "failing", 0, "train.async_checkpoint=on")
+        out["failing_error"] = run_with_fault(failing, fault_env(fail_after_write=f"{EVERY}:1"))
+        out["failing_recipe"] = failing
     finally:
-        os.environ.pop(FAULT_ENV, None)
         os.environ.pop(STATE_TRACKING_ENV, None)
         ray.shutdown()
     return out
@@ -252,6 +266,34 @@ def test_killed_worker_is_restarted_and_resumes_exactly(runs):
     st1 = train_state(summary.checkpoint, 1)
     assert st1["blocks_consumed"] == ref["blocks_consumed"]
     assert st1["counters"] == ref["counters"]
+
+
+@pytest.mark.timeout(900)
+def test_a_worker_dying_during_a_background_save_resumes_from_the_last_complete_checkpoint(runs):
+    from raytune_ft.train.checkpoint import read_meta
+
+    assert runs["background_error"] is None, repr(runs["background_error"])
+    recipe = runs["background_recipe"]
+    final = [d for d in glob.glob(os.path.join(recipe.run_dir, "checkpoint_*")) if read_meta(d).get("final")]
+    assert len(final) == 1
+    ref = _reference(runs)
+    for rank in (0, 1):
+        st = train_state(final[0], rank)
+        # the step-8 save never completed: the restart came from step 4's
+        assert st["resumed_from"] == [EVERY], st.get("resumed_from")
+        _assert_history_matches(st["history"], ref["history"])
+    st1 = train_state(final[0], 1)
+    assert st1["blocks_consumed"] == ref["blocks_consumed"] and st1["counters"] == ref["counters"]
+
+
+@pytest.mark.timeout(900)
+def test_a_failed_background_save_stops_the_run_and_registers_nothing(runs):
+    err = runs["failing_error"]
+    assert err is not None and "could not write the step-4 checkpoint" in str(err), repr(err)
+    import pyarrow.fs as pafs
+
+    reported = storage.reported_checkpoints(pafs.LocalFileSystem(), str(runs["failing_recipe"].run_dir))
+    assert reported is None or not reported.kept, reported
 
 
 def _unfixable_errors():

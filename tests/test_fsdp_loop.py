@@ -94,14 +94,17 @@ def test_resume_gives_same_losses_as_uninterrupted(ray_local, tmp_path):
     The partial runs end without a final checkpoint (train.save_final=false), so their latest one is a
     step-4 (then step-8) checkpoint to resume from; a finished run is not trained again. The straight run
     reads its data when the loop asks (the CPU default), the others read it ahead from before the model
-    is built (train.read_ahead=on, the GPU default): the same steps either way."""
+    is built (train.read_ahead=on, the GPU default), and write their checkpoints in the background
+    (train.async_checkpoint=on, the GPU default): the same steps either way."""
     straight = tiny_recipe(tmp_path, "straight", max_steps=8, checkpoint_every=4)
     assert straight.train.read_ahead == "auto"
     _, full = fit(straight)
-    first = tiny_recipe(tmp_path, "resumed", max_steps=5, checkpoint_every=4, save_final=False, read_ahead="on")
+    first = tiny_recipe(tmp_path, "resumed", max_steps=5, checkpoint_every=4, save_final=False, read_ahead="on",
+                        async_checkpoint="on")
     _, part = fit(first)
     assert part["step"] == 4
-    again = tiny_recipe(tmp_path, "resumed", max_steps=9, checkpoint_every=4, save_final=False, read_ahead="on")
+    again = tiny_recipe(tmp_path, "resumed", max_steps=9, checkpoint_every=4, save_final=False, read_ahead="on",
+                        async_checkpoint="on")
     _, resumed = fit(again)
     assert resumed["step"] == 8 and resumed["resumed_from"] == [4]
     full_l = {h["step"]: h["loss"] for h in full["history"]}
