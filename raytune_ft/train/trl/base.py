@@ -1,12 +1,10 @@
-"""What every part of the TRL loop shares: file names, schedule names, train-state files, reporting.
+"""What every part of the TRL loop shares: file names, schedule names, reporting.
 
 Imports no sibling, so each part can read it without an import circle.
 """
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import time
 
 import torch
@@ -24,13 +22,6 @@ def not_training(pause: dict):
         yield
     finally:
         pause["s"] += time.perf_counter() - t0
-
-
-def write_train_state(d: str, rank: int, state: dict) -> None:
-    """train_state/rank{R}.json: step, epoch, blocks this rank consumed in it, data fingerprint, counters."""
-    os.makedirs(os.path.join(d, "train_state"), exist_ok=True)
-    with open(os.path.join(d, "train_state", f"rank{rank}.json"), "w") as f:
-        json.dump(state, f)
 
 
 def ray_report(metrics: dict, checkpoint_dir: str | None) -> None:

@@ -18,9 +18,10 @@ import shutil
 
 from raytune_ft.recipe import Recipe
 from raytune_ft.train.batch import schedule_settings
-from raytune_ft.train.checkpoint import read_train_state, write_meta
+from raytune_ft.train.checkpoint import read_train_state, write_meta, write_train_state
 from raytune_ft.train.common import WorkerLog
-from raytune_ft.train.trl.base import TRAINER_FILES, write_train_state
+from raytune_ft.train.state import DataPosition, Progress, Schedule, TrainState
+from raytune_ft.train.trl.base import TRAINER_FILES
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -54,13 +55,15 @@ def stage_checkpoint(src: str, dst: str, *, rank: int, lora: bool) -> None:
 
 def save_train_state(d: str, rank: int, step: int, blocks, metrics: dict) -> None:
     """This rank's place in the data (`blocks`: the loop's RankBlocks) at optimizer step `step`, and the
-    run's tokens and seconds so far (from `metrics`, the callback's report)."""
-    write_train_state(d, rank, {"step": step, "epoch": blocks.epoch, "blocks_consumed": blocks.blocks_consumed,
-                                "data_fingerprint": blocks.fingerprint, "counters": blocks.counters.to_dict(),
-                                "tokens_total": metrics["tokens"],
-                                "run_train_seconds": metrics["run_train_seconds"],
-                                "counted_steps": blocks.counted_steps,
-                                "counted_for": schedule_settings(blocks.recipe) if blocks.counted_steps else None})
+    run's tokens and seconds so far (from `metrics`, the callback's report): the parts of the FSDP2 loop's
+    train state the TRL loop has (train/state.py; its history and evaluation are Hugging Face's trainer state)."""
+    state = TrainState()
+    state.schedule = Schedule(step=step, counted_steps=blocks.counted_steps,
+                              counted_for=schedule_settings(blocks.recipe) if blocks.counted_steps else None)
+    state.data = DataPosition(epoch=blocks.epoch, blocks_consumed=blocks.blocks_consumed,
+                              data_fingerprint=blocks.fingerprint, counters=blocks.counters.to_dict())
+    state.progress = Progress(tokens_total=metrics["tokens"], run_train_seconds=metrics["run_train_seconds"])
+    write_train_state(d, rank, state.state_dict())
 
 
 def save_meta(d: str, recipe: Recipe, state, last: dict, *, final: bool, extra: dict | None = None) -> None:
