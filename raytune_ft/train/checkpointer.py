@@ -98,15 +98,22 @@ class Checkpointer:
         meta = self._meta(step, final) if self.rank == 0 else None
         self.log.info(f"checkpoint at step {step}{' (final, with hf/ export)' if final else ''}"
                       f"{' (written in the background)' if self.background and not final else ''}")
-        if self.background and not final:
-            staged = self.guard.write(lambda: self._stage(folder), step)
+        background = self.background and not final
+        try:
+            if background:
+                staged = self.guard.write(lambda: self._stage(folder), step)
+            else:
+                self.guard.write(lambda: dcp_io.save(folder, self.state.sharded, self.rank,
+                                                     process_group=self.save_group), step)
+                if export is not None:
+                    self.guard.write(lambda: export(os.path.join(folder, "hf")), step)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        if background:
             future = self.writer.submit(self._complete, folder, name, step, staged, train_state, meta)
             self.in_flight = _InFlight(step, name, dict(metrics), future, time.perf_counter())
         else:
-            self.guard.write(lambda: dcp_io.save(folder, self.state.sharded, self.rank,
-                                                 process_group=self.save_group), step)
-            if export is not None:
-                self.guard.write(lambda: export(os.path.join(folder, "hf")), step)
             persisted = self._complete(folder, name, step, None, train_state, meta)
             self._report(metrics, persisted, name, step)
         blocked = time.perf_counter() - t0

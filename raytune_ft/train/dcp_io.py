@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import pyarrow.fs as pafs
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
 from torch.distributed.tensor import DTensor

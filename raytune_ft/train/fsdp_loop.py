@@ -11,7 +11,6 @@ host syncs anyway (log and checkpoint steps), so the step itself never waits on 
 """
 from __future__ import annotations
 
-import os
 import time
 
 import torch
