@@ -81,8 +81,9 @@ def _print_storage_plan(recipe: Recipe, shape) -> None:
 def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = None, *, prog: str = "job") -> int:
     """Parse a job's flags, then dry-run or run it; a bad recipe exits 2 before Ray starts.
 
-    Exit codes: 0 trained (and registered when enabled), 2 bad recipe, unusable storage or a run folder
-    another job holds (nothing started), 3 trained but not registered.
+    Exit codes: 0 trained (and registered when enabled), 1 failed, 2 bad recipe, unusable storage, a
+    check before Ray starts or a run folder another job holds (nothing started), 3 trained but not
+    registered, 130 interrupted (Ctrl-C), 143 stopped (SIGTERM, `ray job stop`).
     """
     args = job_parser(prog, (recipe_fn.__doc__ or "").strip() or None).parse_args(argv)
     try:
@@ -110,6 +111,18 @@ def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = No
     except (RecipeError, StorageAccessError, RunFolderInUse) as e:   # found before anything was trained: no traceback
         print(f"error: {redact(str(e))}", file=sys.stderr)
         return 2
+    except BaseException as e:  # Ctrl-C, SIGTERM (`ray job stop`), an error: the run closed its MLflow run
+        from raytune_ft.endings import Stopped, ending_line, exit_code
+
+        line = ending_line(e)
+        if line is None:
+            raise
+        if not isinstance(e, (KeyboardInterrupt, Stopped)):   # an error's trace, above what to do about it
+            from raytune_ft.env import redact_exception
+
+            print(redact_exception(e, with_traceback=True), file=sys.stderr)
+        print(f"[raytune_ft] {line}", file=sys.stderr, flush=True)
+        return exit_code(e)
     print("\n".join(summary.lines()), flush=True)
     return 0 if summary.status != "trained_not_registered" else 3
 

@@ -75,6 +75,12 @@ class RunSummary:
         return out
 
 
+def local_cpus(local: bool) -> int | None:
+    """The logical CPUs of the Ray a --local job starts (None: Ray's own count, the cores). More than the
+    cores: Ray Data operators inside the trainer must not starve."""
+    return max(8, 2 * (os.cpu_count() or 2)) if local else None
+
+
 def ensure_ray(local: bool) -> None:
     """Join the cluster when RAY_ADDRESS is set (as under `ray job submit`), else start a local Ray.
 
@@ -99,9 +105,8 @@ def ensure_ray(local: bool) -> None:
         except ValueError:  # the submitted job's runtime_env sets the same fields: it wins
             ray.init(logging_level=logging.WARNING)
         return
-    # more logical CPUs than cores: Ray Data operators inside the trainer must not starve
-    ncpu = max(8, 2 * (os.cpu_count() or 2)) if local else None
-    for k, v in own_ray_env(ncpu if local else None).items():
+    ncpu = local_cpus(local)
+    for k, v in own_ray_env(ncpu).items():
         os.environ.setdefault(k, v)
     ray.init(address="local", num_cpus=ncpu, include_dashboard=False, runtime_env=quiet,
              logging_level=logging.WARNING)
@@ -254,9 +259,12 @@ def _set_throughput(summary: RunSummary, metrics: dict) -> None:
 
 def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) -> RunSummary:
     """Validate, train on Ray Train, then register the final checkpoint from a separate Ray task."""
-    # the run folder's lease, taken once the storage is checked, is given back however the run ends
-    with contextlib.ExitStack() as held:
-        return _run(recipe, local=local, register=register, held=held)
+    from raytune_ft.endings import RunEnding, sigterm_raises
+
+    # the run folder's lease, taken once the storage is checked, is given back however the run ends; a run
+    # that does not finish is closed in MLflow first (endings.py)
+    with sigterm_raises(), contextlib.ExitStack() as held, RunEnding(recipe) as ending:
+        return _run(recipe, local=local, register=register, held=held, ending=ending)
 
 
 def tokenizer_memo(recipe: Recipe) -> str:
@@ -275,6 +283,7 @@ def _prepare_driver(recipe: Recipe) -> None:
     loaded again: its class is remembered (through AutoTokenizer, the load imports torch, which under `ray
     job submit` nothing hides). The training loop's own modules (the model code) are imported by the
     workers only (train/launch.loop_function), and torch by neither (train/backend.py)."""
+    import mlflow  # noqa: F401 - ending a stopped run must fit in the 3 s `ray job stop` leaves it
     import ray.train.v2.api.data_parallel_trainer  # noqa: F401
 
     from raytune_ft.data import pipeline  # noqa: F401
@@ -284,12 +293,13 @@ def _prepare_driver(recipe: Recipe) -> None:
     load_once(recipe.model, tokenizer_memo(recipe))
 
 
-def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib.ExitStack) -> RunSummary:
-    from raytune_ft import lease, storage, tracking
+def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib.ExitStack, ending) -> RunSummary:
+    from raytune_ft import lease, preflight, storage, tracking
     from raytune_ft.storage_check import check_storage
 
     # every local path absolute here, once: Ray workers resolve nothing against their own folders
     validate(absolute_local_paths(recipe))
+    preflight.check_durable_paths(recipe)
     # object storage that cannot be used fails here, in words: before Ray starts or an MLflow run is opened
     check_storage(recipe)
     # a run over several nodes needs a tracking store they all reach: the scaling's nodes before Ray
@@ -300,7 +310,19 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     # one job per run folder: a second one stops here, before Ray starts, an MLflow run opens or a checkpoint
     # is touched
     run_lease = held.enter_context(lease.hold(st, run_path))
+    ending.storage, ending.run_path = st, run_path
     t0 = time.time()
+    do_register = recipe.registry.enabled if register is None else register
+    finished = preflight.finished_run_summary(recipe, st, run_path, do_register)
+    if finished is not None:   # nothing to train or register: Ray is not started, the MLflow run not touched
+        known = {k: v for k, v in finished.items() if k in RunSummary.__dataclass_fields__}
+        return RunSummary(**{**known, "seconds": time.time() - min(process_start() or t0, t0)})
+    joins = bool(os.environ.get("RAY_ADDRESS")) or ("ray" in sys.modules and sys.modules["ray"].is_initialized())
+    preflight.check_data_source(recipe)
+    if not joins:   # the Ray this job starts: what ensure_ray gives it
+        preflight.check_resources(recipe, {"CPU": local_cpus(local) or os.cpu_count() or 1,
+                                           "GPU": preflight.local_gpus() if recipe.scaling.use_gpu else 0},
+                                  "this machine")
     # the start-up breakdown's driver side (train/common.DRIVER_MARKS), from this process's start: what a
     # user waits for includes the imports and checks above
     marks, job_start = {"driver": t0}, min(process_start() or t0, t0)
@@ -308,24 +330,22 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     # node, so the node check below cannot fail), the MLflow run (a process of its own: tracking.RunOpening):
     # none of them needs Ray. A cluster joined (RAY_ADDRESS, or a Ray this process is connected to already)
     # is checked before the run opens
-    pool = held.enter_context(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raytune-start"))
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raytune-start")
+    held.callback(pool.shutdown, wait=False)   # a stopped run gives its lease back without waiting for imports
     prepared = pool.submit(_prepare_driver, recipe)
-    joins = bool(os.environ.get("RAY_ADDRESS")) or ("ray" in sys.modules and sys.modules["ray"].is_initialized())
-    opened = None if joins else tracking.RunOpening(recipe)
-    try:
-        ensure_ray(local)
-    except BaseException:
-        if opened is not None and opened.exception() is None:
-            tracking.end_run(recipe, opened.result(), status="FAILED",
-                             tags={"raytune.status": "failed", "raytune.error": "Ray did not start"})
-        raise
+    opened = ending.opened = None if joins else tracking.RunOpening(recipe)
+    ensure_ray(local)
     marks["ray_start"] = time.time()
     submitted = submitted_at() if joins else None
     if submitted is not None:   # `ray job submit`: the wait starts at the submission (the process's start
         # time has a resolution of 10 ms: a driver Ray started at once may seem to start before it)
         marks["process"], job_start = job_start, min(submitted, job_start)
     check_tracking_store(recipe, cluster_nodes(), "nodes of the Ray cluster it joined")
-    opened = opened or tracking.RunOpening(recipe)
+    if joins:
+        import ray
+
+        preflight.check_resources(recipe, ray.cluster_resources(), "the Ray cluster it joined")
+    opened = ending.opened = opened or tracking.RunOpening(recipe)
     start_train_helpers()
     prepared.result()
     # imported by the thread beside Ray's start (torch, Ray Train): not on the way to it
@@ -349,14 +369,12 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
                             lease_token=run_lease.token, job_start=job_start, startup_marks=marks, prebuilt=datasets)
     try:
         result = trainer.fit()
-    except BaseException as e:
+    except Exception as e:
         # a run that did not open stops here, in its own words (FinishedRunError, the store's error)
         run_id = run_id or opened.result()
-        # an error no retry can fix (storage full, ...) is said in plain words, not as Ray's wrapping of it
+        # an error no retry can fix (storage full, ...) is said in plain words, not as Ray's wrapping of it;
+        # the ending (endings.RunEnding) closes the MLflow run with it
         unfixable = unfixable_error(e)
-        shown = unfixable or e
-        tracking.end_run(recipe, run_id, status="FAILED", tags={
-            "raytune.status": "failed", "raytune.error": redact_exception(shown)[:4000]})
         if unfixable is not None:
             raise unfixable from e
         raise
@@ -386,7 +404,6 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     _set_throughput(summary, metrics)
     summary.startup = {k[len("startup/"):]: float(v) for k, v in metrics.items() if k.startswith("startup/")}
 
-    do_register = recipe.registry.enabled if register is None else register
     # a run that ended without its final checkpoint (train.save_final=false) is resumed by a re-submit
     status_tags = {"raytune.status": "trained", "raytune.checkpoint": ckpt_uri or "",
                    tracking.FINAL_CHECKPOINT_TAG: "true" if meta.get("final") else "false"}
@@ -423,19 +440,6 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     except Exception as e:  # the run is trained and (maybe) registered: tracking must not lose it
         print(f"[raytune_ft] could not close the MLflow run: {type(e).__name__}")
     storage.write_json(st.fs, f"{run_path}/summary.json", asdict(summary))
-    _keep_tracking_db(recipe, st, run_path)
+    tracking.keep_tracking_db(recipe, st, run_path)
     return summary
 
-
-def _keep_tracking_db(recipe: Recipe, st, run_path: str) -> None:
-    """On object storage, a copy of the run's sqlite tracking store (which cannot live there) goes into the
-    run folder at the end, so nothing of the run stays only on the launching machine."""
-    uri = recipe.tracking_uri
-    if not st.remote or not uri.startswith("sqlite:///") or recipe.tracking.tracking_uri:
-        return
-    from raytune_ft import storage
-
-    try:
-        storage.upload(uri[len("sqlite:///"):], st.fs, f"{run_path}/mlflow.db")
-    except OSError as e:
-        print(f"[raytune_ft] could not copy the tracking store to {st.uri(run_path)}: {redact_exception(e)}")

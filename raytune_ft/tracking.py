@@ -28,6 +28,8 @@ STARTUP_PARAM = "startup."
 # "false" on a finished run whose latest checkpoint is not a final one (train.save_final=false): a
 # re-submit resumes it from there, as the loops do, instead of handing back its weights
 FINAL_CHECKPOINT_TAG = "raytune.final_checkpoint"
+# what a failed or stopped attempt leaves on the run (endings.RunEnding), removed when a later attempt finishes it
+ENDING_TAGS = ("raytune.error", "raytune.ended_by")
 
 
 def mlflow_metric_name(key: str) -> str:
@@ -138,6 +140,22 @@ def start_run(recipe: Recipe) -> str:
     return run.info.run_id
 
 
+def finished_run_id(recipe: Recipe) -> str | None:
+    """The id of this run name's MLflow run when it finished with its final checkpoint (a re-submit then
+    trains nothing: FinishedRunError when its training settings differ), else None. Reads the store only."""
+    import mlflow
+
+    client = mlflow.MlflowClient(recipe.tracking_uri)
+    exp = client.get_experiment_by_name(recipe.tracking.experiment)
+    if exp is None:
+        return None
+    found = client.search_runs([exp.experiment_id], max_results=1, order_by=["attributes.start_time DESC"],
+                               filter_string=f"tags.`raytune.run_name` = '{recipe.tracking.run_name}'")
+    if not found or found[0].info.status != "FINISHED" or found[0].data.tags.get(FINAL_CHECKPOINT_TAG) == "false":
+        return None
+    return _resubmitted_finished_run(client, found[0], recipe)
+
+
 class RunOpening:
     """`start_run(recipe)` in a Python process of its own, started at once; `result()` waits for the run id
     or raises start_run's error (FinishedRunError, the store's), `exception()` waits and returns it.
@@ -186,6 +204,15 @@ class RunOpening:
             return not self._thread.is_alive()
         proc = self._proc
         return proc is None or proc.poll() is not None
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the run to open (or fail to); whether it is done."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not self.done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.done()
 
     def _wait(self) -> None:
         if self._thread is not None:
@@ -356,5 +383,24 @@ def end_run(recipe: Recipe, run_id: str, status: str = "FINISHED", tags: dict | 
             client.log_metric(run_id, k, float(v))
     for name, doc in (json_artifacts or {}).items():
         client.log_dict(run_id, scrub(doc), name)
+    if status == "FINISHED":   # a resumed run that finishes carries nothing of an earlier attempt's ending
+        stale = [k for k in ENDING_TAGS if k in client.get_run(run_id).data.tags]
+        for k in stale:
+            client.delete_tag(run_id, k)
     with scoped_env(NO_RUN_URL_PRINT):
         client.set_terminated(run_id, status=status)
+
+
+def keep_tracking_db(recipe: Recipe, st, run_path: str) -> None:
+    """On object storage, a copy of the run's sqlite tracking store (which cannot live there) goes into the
+    run folder at the end, so nothing of the run stays only on the launching machine."""
+    uri = recipe.tracking_uri
+    if not st.remote or not uri.startswith("sqlite:///") or recipe.tracking.tracking_uri:
+        return
+    from raytune_ft import storage
+    from raytune_ft.env import redact_exception
+
+    try:
+        storage.upload(uri[len("sqlite:///"):], st.fs, f"{run_path}/mlflow.db")
+    except OSError as e:
+        print(f"[raytune_ft] could not copy the tracking store to {st.uri(run_path)}: {redact_exception(e)}")

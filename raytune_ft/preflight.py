@@ -1,0 +1,115 @@
+"""Checks a run makes before Ray starts (or, on a cluster it joins, before anything of the run is placed on
+it), each failing with a one-line RecipeError: what would otherwise fail minutes later as a traceback
+(an unreachable hub after its retries), or never fail at all (a job waiting for CPUs no node has, behind
+Ray's "The job may hang forever" warning).
+"""
+from __future__ import annotations
+
+import os
+
+from raytune_ft.recipe import Recipe, RecipeError
+
+# Ray's folder of the packages it unpacks for a job (`--working-dir`): deleted with the Ray session
+_RAY_PACKAGES = "runtime_resources"
+
+
+def _truthy(name: str) -> bool:
+    return (os.environ.get(name) or "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def in_ray_package(path: str) -> bool:
+    """Whether a local path lies in Ray's unpacked copy of a job's working directory."""
+    return _RAY_PACKAGES in os.path.realpath(os.path.expanduser(path)).split(os.sep)
+
+
+def check_durable_paths(recipe: Recipe) -> None:
+    """Refuse a run folder (or sqlite store) in Ray's temporary copy of the working directory: under
+    `ray job submit --working-dir .` a relative tracking.storage_path resolves there and is lost."""
+    t = recipe.tracking
+    where = {"tracking.storage_path": t.storage_path}
+    if (t.tracking_uri or "").startswith("sqlite:///"):
+        where["tracking.tracking_uri"] = t.tracking_uri[len("sqlite:///"):]
+    for name, path in where.items():
+        if "://" not in path and in_ray_package(path):
+            raise RecipeError(
+                f"{name}: {path} lies in Ray's temporary copy of the job's working directory, deleted when "
+                f"the Ray session ends: under `ray job submit --working-dir` give an absolute path "
+                f"(e.g. --set {name}=$HOME/raytune_runs, expanded by the submitting shell) or s3://...")
+
+
+def check_data_source(recipe: Recipe) -> None:
+    """An hf:// source must be reachable now: offline, or a hub that does not answer, fails in one line
+    instead of after the hub client's minute of retries inside Ray Data."""
+    src = recipe.data.source
+    if not src.startswith("hf://") or os.environ.get("RAYTUNE_HF_ROOT"):
+        return   # local paths are checked by validate(); RAYTUNE_HF_ROOT is the hub's offline stand-in
+    repo = src[len("hf://"):].removeprefix("datasets/").strip("/")
+    if _truthy("HF_HUB_OFFLINE"):
+        raise RecipeError(f"data.source: {src} needs the Hugging Face hub, and HF_HUB_OFFLINE is set: "
+                          "unset it, or give a local file or folder")
+    try:
+        from huggingface_hub import HfApi
+
+        HfApi().dataset_info(repo, revision=recipe.data.revision, timeout=15)
+    except Exception as e:  # noqa: BLE001 - any failure to reach it is said in one line
+        from raytune_ft.endings import one_line
+
+        raise RecipeError(f"data.source: {src} cannot be read from the Hugging Face hub ({one_line(e, 300)})") from None
+
+
+def tokenize_processes(recipe: Recipe) -> int:
+    """As train/launch.tokenize_processes (which imports Ray Train: too slow to import before Ray starts)."""
+    return recipe.data.tokenize_workers or max(2, recipe.scaling.num_workers)
+
+
+def cpus_needed(recipe: Recipe) -> float:
+    """Logical CPUs the run holds at once: its workers, the tokenizing processes and one Ray Data read."""
+    return (recipe.scaling.num_workers * recipe.scaling.cpus_per_worker
+            + (tokenize_processes(recipe) + 1) * recipe.data.num_cpus_per_op)
+
+
+def local_gpus() -> int:
+    """GPUs Ray would find on this machine (CUDA_VISIBLE_DEVICES respected)."""
+    try:
+        from ray._private.accelerators import get_accelerator_manager_for_resource
+    except ImportError:   # another Ray: nothing is checked here, Ray's own scheduling decides
+        return 1 << 30
+    manager = get_accelerator_manager_for_resource("GPU")
+    visible = manager.get_current_process_visible_accelerator_ids()
+    return len(visible) if visible is not None else manager.get_current_node_num_accelerators()
+
+
+def check_resources(recipe: Recipe, resources: dict, where: str) -> None:
+    """The cluster (`resources`: Ray's totals, or what a local Ray will have) holds what the run needs at
+    once: a GPU per worker on GPU recipes, and the CPUs of `cpus_needed`."""
+    s = recipe.scaling
+    gpus = float(resources.get("GPU", 0))
+    if s.use_gpu and gpus < s.num_workers:
+        raise RecipeError(f"scaling.use_gpu: the recipe asks for {s.num_workers} GPU workers and {where} has "
+                          f"{gpus:g} GPUs: run it where they are, or run the CPU form (--local)")
+    cpus, need = float(resources.get("CPU", 0)), cpus_needed(recipe)
+    if cpus + 1e-9 < need:
+        raise RecipeError(
+            f"scaling.cpus_per_worker: the run needs {need:g} CPUs at once ({s.num_workers} workers x "
+            f"{s.cpus_per_worker:g}, {tokenize_processes(recipe) + 1} data tasks x {recipe.data.num_cpus_per_op:g}) "
+            f"and {where} has {cpus:g}: lower scaling.cpus_per_worker or data.num_cpus_per_op, or give Ray more "
+            "CPUs (ray start --head --num-cpus N)")
+
+
+def finished_run_summary(recipe: Recipe, st, run_path: str, register: bool) -> dict | None:
+    """The summary a finished run left in its folder, when a re-submit of it has nothing to do: the store
+    holds the run as finished with its final checkpoint, with the same training settings (else
+    FinishedRunError), and registered under this recipe's name when registering. None: the run goes on."""
+    from raytune_ft import storage
+
+    summary = storage.read_json(st.fs, f"{run_path.rstrip('/')}/summary.json")
+    if not summary or summary.get("status") not in ("registered", "trained"):
+        return None
+    if register and (summary["status"] != "registered" or summary.get("registered_name") != recipe.registry.name):
+        return None     # the run registers (again, or under another name): that needs Ray
+    from raytune_ft.tracking import finished_run_id
+
+    run_id = finished_run_id(recipe)
+    if run_id is None or summary.get("mlflow_run_id") not in (None, run_id):
+        return None
+    return summary
