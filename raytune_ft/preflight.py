@@ -79,6 +79,13 @@ def local_gpus() -> int:
     return len(visible) if visible is not None else manager.get_current_node_num_accelerators()
 
 
+def cluster_nodes() -> int:
+    """Alive nodes of the Ray cluster this process is connected to."""
+    import ray
+
+    return sum(1 for n in ray.nodes() if n.get("Alive"))
+
+
 def check_resources(recipe: Recipe, resources: dict, where: str) -> None:
     """The cluster (`resources`: Ray's totals, or what a local Ray will have) holds what the run needs at
     once: a GPU per worker on GPU recipes, and the CPUs of `cpus_needed`."""

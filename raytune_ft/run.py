@@ -12,6 +12,10 @@ from raytune_ft.env import process_start, public_uri, redact_exception
 from raytune_ft.recipe import Recipe, absolute_local_paths, check_tracking_store, nodes_of, validate
 
 
+# `mlflow ui`'s page of an experiment's training runs (its routes are behind a # in MLflow 3's UI)
+RUNS_VIEW = "http://127.0.0.1:5000/#/experiments/{}/runs"
+
+
 @dataclass
 class RunSummary:
     job: str
@@ -33,6 +37,7 @@ class RunSummary:
     registration_error: str | None = None
     retry_command: str | None = None
     mlflow_run_id: str | None = None
+    mlflow_experiment_id: str | None = None
     tracking_uri: str | None = None
     data: dict = field(default_factory=dict)
     seconds: float = 0.0
@@ -69,6 +74,8 @@ class RunSummary:
 
             # a store on this machine has no server to open: this serves it on http://127.0.0.1:5000
             out.append(f"  browse with      mlflow ui --backend-store-uri {shlex.quote(self.tracking_uri)}")
+            if self.mlflow_experiment_id:   # MLflow 3's UI opens on GenAI traces: the training runs' tab
+                out.append(f"  then open        {RUNS_VIEW.format(self.mlflow_experiment_id)}")
         if self.plots:
             out.append(f"  plots            {', '.join(self.plots)} (also MLflow artifacts under plots/)")
         out.append(f"  wall time        {self.seconds:.0f} s")
@@ -150,13 +157,6 @@ def submitted_at() -> float | None:
         return float(start_ms) / 1000.0 if start_ms else None
     except Exception:  # noqa: BLE001 - the breakdown then counts from the job's process, as without Ray
         return None
-
-
-def cluster_nodes() -> int:
-    """Alive nodes of the Ray cluster this process is connected to."""
-    import ray
-
-    return sum(1 for n in ray.nodes() if n.get("Alive"))
 
 
 def merged_data_counters(checkpoint_dir: str, fs=None) -> dict:
@@ -340,7 +340,7 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     if submitted is not None:   # `ray job submit`: the wait starts at the submission (the process's start
         # time has a resolution of 10 ms: a driver Ray started at once may seem to start before it)
         marks["process"], job_start = job_start, min(submitted, job_start)
-    check_tracking_store(recipe, cluster_nodes(), "nodes of the Ray cluster it joined")
+    check_tracking_store(recipe, preflight.cluster_nodes(), "nodes of the Ray cluster it joined")
     if joins:
         import ray
 
@@ -434,7 +434,7 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
             status_tags.update({"raytune.status": "trained_not_registered"})
     summary.seconds = time.time() - job_start
     try:
-        tracking.end_run(recipe, run_id, tags=status_tags,
+        summary.mlflow_experiment_id = tracking.end_run(recipe, run_id, tags=status_tags,
                          metrics={"final_loss": summary.final_loss or float("nan"), "total_tokens": summary.tokens},
                          json_artifacts={"data.json": _data_record(data)} if data else None)
     except Exception as e:  # the run is trained and (maybe) registered: tracking must not lose it

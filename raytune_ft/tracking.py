@@ -369,8 +369,9 @@ def _resubmitted_finished_run(client, found, recipe: Recipe) -> str:
 
 
 def end_run(recipe: Recipe, run_id: str, status: str = "FINISHED", tags: dict | None = None,
-            metrics: dict | None = None, json_artifacts: dict[str, dict] | None = None) -> None:
-    """Close the run with its status, tags, end-of-run metrics and JSON files (name -> document)."""
+            metrics: dict | None = None, json_artifacts: dict[str, dict] | None = None) -> str:
+    """Close the run with its status, tags, end-of-run metrics and JSON files (name -> document); returns
+    its experiment's id."""
     import mlflow
 
     from raytune_ft.env import scrub
@@ -389,6 +390,7 @@ def end_run(recipe: Recipe, run_id: str, status: str = "FINISHED", tags: dict | 
             client.delete_tag(run_id, k)
     with scoped_env(NO_RUN_URL_PRINT):
         client.set_terminated(run_id, status=status)
+    return client.get_run(run_id).info.experiment_id
 
 
 def keep_tracking_db(recipe: Recipe, st, run_path: str) -> None:
