@@ -111,8 +111,10 @@ class Checkpointer:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         if background:
-            future = self.writer.submit(self._complete, folder, name, step, staged, train_state, meta)
-            self.in_flight = _InFlight(step, name, dict(metrics), future, time.perf_counter())
+            started = time.perf_counter()
+            future = self.writer.submit(lambda: (self._complete(folder, name, step, staged, train_state, meta),
+                                                 time.perf_counter()))
+            self.in_flight = _InFlight(step, name, dict(metrics), future, started)
         else:
             persisted = self._complete(folder, name, step, None, train_state, meta)
             self._report(metrics, persisted, name, step)
@@ -202,10 +204,11 @@ class Checkpointer:
 
     def _report_in_flight(self) -> None:
         done, self.in_flight = self.in_flight, None
-        background = time.perf_counter() - done.started
+        persisted, finished = done.future.result()
+        background = finished - done.started
         self.log.info(f"checkpoint at step {done.step}: written and uploaded in the background in {background:.1f} s")
         self.log.log_metrics({"checkpoint/background_s": background}, done.step)
-        self._report(done.metrics, done.future.result(), done.name, done.step)
+        self._report(done.metrics, persisted, done.name, done.step)
 
     def _report(self, metrics: dict, persisted, name: str, step: int) -> None:
         self.log.flush()       # the checkpoint's steps are in MLflow before Ray has the checkpoint
