@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 
@@ -53,15 +54,40 @@ def loop_metric_name(name: str) -> str:
     return name
 
 
-def startup_params(breakdown: dict) -> dict[str, str]:
-    """The start-up breakdown (`startup/<phase>_s` seconds) as MLflow params `startup.<phase>_s`: six
-    one-off values per run, not curves."""
-    return {STARTUP_PARAM + k.split("/", 1)[1]: f"{float(v):.3f}" for k, v in breakdown.items()}
+def startup_prefix(first_step: int = 1, attempt: int = 1) -> str:
+    """The params' prefix of an attempt's start-up: `startup.` for the run's first (its first step is step 1,
+    Ray's attempt 1 of the job), `startup.step<N>.attempt<A>.` for a later one, whose first step was N: MLflow
+    params cannot change, so each attempt logs under names of its own."""
+    if first_step <= 1 and attempt <= 1:
+        return STARTUP_PARAM
+    return f"{STARTUP_PARAM}step{first_step}.attempt{attempt}."
+
+
+_LATER_ATTEMPT = re.compile(r"step(\d+)\.attempt(\d+)\.(.+)")
+
+
+def startup_params(breakdown: dict, first_step: int = 1, attempt: int = 1) -> dict[str, str]:
+    """The start-up breakdown (`startup/<phase>_s` seconds) as MLflow params `<startup_prefix><phase>_s`:
+    one-off values per attempt, not curves."""
+    prefix = startup_prefix(first_step, attempt)
+    return {prefix + k.split("/", 1)[1]: f"{float(v):.3f}" for k, v in breakdown.items()}
 
 
 def startup_from_params(params: dict) -> dict[str, float]:
-    """The start-up breakdown a run's params hold, by phase (`ray_workers_s`: seconds, ...)."""
-    return {k[len(STARTUP_PARAM):]: float(v) for k, v in params.items() if k.startswith(STARTUP_PARAM)}
+    """The start-up breakdown of the run's latest attempt its params hold, by phase (`ray_workers_s`:
+    seconds, ...)."""
+    first: dict[str, float] = {}
+    later: dict[tuple[int, int], dict[str, float]] = {}
+    for k, v in params.items():
+        if not k.startswith(STARTUP_PARAM):
+            continue
+        name = k[len(STARTUP_PARAM):]
+        m = _LATER_ATTEMPT.fullmatch(name)
+        if m:
+            later.setdefault((int(m[1]), int(m[2])), {})[m[3]] = float(v)
+        else:
+            first[name] = float(v)
+    return later[max(later)] if later else first
 
 
 class FinishedRunError(RecipeError):

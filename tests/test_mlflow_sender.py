@@ -42,6 +42,7 @@ def test_a_workers_mlflow_calls_are_made_in_order_by_a_process_of_their_own(mlfl
     from mlflow import MlflowClient
 
     recipe, run_id = mlflow_run
+    recipe.tracking.system_metrics = "off"        # the worker's own lines only (train/system_metrics.py)
     proc = subprocess.run([sys.executable, "-c", WORKER, json.dumps(recipe.to_dict(), default=str), run_id],
                           env=env_with_path(REPO), capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -83,8 +84,129 @@ def test_an_unreachable_store_turns_logging_off_and_training_goes_on(tmp_path):
 
     recipe = Recipe()
     recipe.tracking.tracking_uri = "nosuchscheme://nowhere"
+    recipe.tracking.system_metrics = "off"        # the sender's lines only (train/system_metrics.py)
     out = io.StringIO()
     log = WorkerLog(0, recipe, "0123456789abcdef", stream=out)
     log.log_metrics({"loss": 2.0}, 1)
     log.close()
     assert out.getvalue().startswith("[raytune_ft] MLflow logging off:"), out.getvalue()
+
+
+def _never_reached(tmp_path):
+    """A recipe with a store the stopped sender never reaches (it is stopped before it reads a line)."""
+    recipe = Recipe()
+    recipe.tracking.storage_path = str(tmp_path / "runs")
+    return recipe, "0123456789abcdef"
+
+
+def _stopped_sender(recipe, run_id, said: list):
+    """A sender whose process is stopped (SIGSTOP) before it reads a call: a tracking store that stalls,
+    so the pipe to it fills. The sender's own process, a real one, is what is stopped."""
+    import signal
+
+    from raytune_ft.train.mlflow_sender import MlflowSender
+
+    sender = MlflowSender(recipe.tracking_uri, run_id, said.append)
+    os.kill(sender._proc.pid, signal.SIGSTOP)
+    return sender
+
+
+def _calls_in_a_thread(sender, steps) -> "threading.Thread":
+    import threading
+
+    def calls():             # each call a few KiB: a pipe holds 64 KiB, 60 calls more than twice that
+        for step in steps:
+            sender.call("log_batch", "MLflow metric logging failed ({error})",
+                        metrics=[[f"train/m{i:03d}", float(step), 0, step] for i in range(100)])
+
+    t = threading.Thread(target=calls, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.slow          # thousands of points into a real store
+@pytest.mark.timeout(300)
+def test_a_stalled_sender_never_blocks_the_training_thread_and_its_calls_are_made_later(mlflow_run):
+    import signal
+
+    from mlflow import MlflowClient
+
+    recipe, run_id = mlflow_run
+    said: list[str] = []
+    sender = _stopped_sender(recipe, run_id, said)
+    try:
+        t = _calls_in_a_thread(sender, range(1, 61))
+        t.join(timeout=30)
+        assert not t.is_alive(), "the training thread blocked on the sender's full pipe"
+        os.kill(sender._proc.pid, signal.SIGCONT)            # the store answers again
+        assert sender.flush(timeout=240) is True, said
+        sender.close(timeout=60)
+    finally:
+        if sender._proc is not None and sender._proc.poll() is None:
+            sender._proc.kill()
+    assert said == []
+    history = MlflowClient(recipe.tracking_uri).get_metric_history(run_id, "train/m007")
+    assert [m.step for m in history] == list(range(1, 61))           # none lost, in order
+
+
+@pytest.mark.timeout(300)
+def test_a_flush_that_times_out_says_so_and_close_is_bounded(tmp_path, monkeypatch):
+    import time
+
+    from raytune_ft.train import mlflow_sender
+
+    monkeypatch.setattr(mlflow_sender, "EXIT_GRACE_S", 5.0, raising=False)
+    recipe, run_id = _never_reached(tmp_path)
+    said: list[str] = []
+    sender = _stopped_sender(recipe, run_id, said)
+    pid = sender._proc.pid
+    try:
+        t = _calls_in_a_thread(sender, range(1, 61))
+        t.join(timeout=30)
+        assert not t.is_alive(), "the training thread blocked on the sender's full pipe"
+        assert sender.flush(timeout=1) is False                     # before a checkpoint: curves missing
+        assert len(said) == 1 and said[0].startswith("MLflow: 60 call(s) still not made after 1 s"), said
+        start = time.monotonic()
+        closing = _closing_in_a_thread(sender, timeout=2)
+        closing.join(timeout=60)
+        assert not closing.is_alive(), "close() held the end of the run"
+        assert time.monotonic() - start < 2 + 2 * 5.0 + 5
+        assert said[-1] == "MLflow: 60 call(s) not made after 2 s; the sender is stopped", said
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    finally:
+        if sender._proc is not None and sender._proc.poll() is None:
+            sender._proc.kill()
+
+
+def _closing_in_a_thread(sender, timeout: float):
+    import threading
+
+    t = threading.Thread(target=sender.close, kwargs={"timeout": timeout}, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.timeout(120)
+def test_calls_beyond_the_senders_queue_are_dropped_and_said(tmp_path, monkeypatch):
+    from raytune_ft.train import mlflow_sender
+
+    monkeypatch.setattr(mlflow_sender, "QUEUE_CALLS", 20, raising=False)
+    recipe, run_id = _never_reached(tmp_path)
+    said: list[str] = []
+    sender = _stopped_sender(recipe, run_id, said)
+    try:
+        t = _calls_in_a_thread(sender, range(1, 61))
+        t.join(timeout=30)
+        assert not t.is_alive(), "the training thread blocked on the sender's full pipe"
+        assert any(s.startswith("MLflow: 1 call(s) dropped so far: 20 calls wait for the sender") for s in said), said
+        sender.close(timeout=1)
+        # the queue holds 20; the sender's thread moved a few more into the pipe before it filled
+        import re
+        lost = re.fullmatch(r"MLflow: (\d+) call\(s\) not made after 1 s; the sender is stopped", said[-2])
+        dropped = re.fullmatch(r"MLflow: (\d+) call\(s\) were dropped while the sender was behind", said[-1])
+        assert lost and dropped, said
+        assert int(lost[1]) + int(dropped[1]) == 60 and 20 <= int(lost[1]) < 60, said
+    finally:
+        if sender._proc is not None and sender._proc.poll() is None:
+            sender._proc.kill()

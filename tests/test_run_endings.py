@@ -170,3 +170,23 @@ def test_a_finished_run_resubmitted_answers_without_ray_and_leaves_its_mlflow_ru
                                                                             before.data.metrics)
     assert "nothing is trained" in capsys.readouterr().out
     assert not os.path.exists(os.path.join(_run_folder(recipe), LEASE_FILE))
+
+
+def test_each_attempt_logs_its_start_up_under_its_own_names(tmp_path):
+    """A resumed attempt's start-up params were refused (MLflow params cannot change): a real store takes
+    every attempt's, and the run's breakdown reads the latest."""
+    from mlflow.entities import Param
+
+    from raytune_ft.tracking import startup_from_params, startup_params
+
+    recipe = _recipe(tmp_path)
+    run_id = start_run(recipe)
+    client = MlflowClient(recipe.tracking_uri)
+    for first_step, attempt, seconds in ((1, 1, 10.0), (11, 1, 20.0), (11, 2, 30.0)):
+        params = startup_params({"startup/total_s": seconds}, first_step, attempt)
+        client.log_batch(run_id, params=[Param(k, v) for k, v in params.items()])
+    logged = client.get_run(run_id).data.params
+    assert {k: v for k, v in logged.items() if k.startswith("startup.")} == {
+        "startup.total_s": "10.000", "startup.step11.attempt1.total_s": "20.000",
+        "startup.step11.attempt2.total_s": "30.000"}
+    assert startup_from_params(logged) == {"total_s": 30.0}

@@ -423,9 +423,9 @@ class WorkerLog:
             torch.cuda.synchronize(device)
         m = self.startup.finish()
         self.info(self.startup.line())
-        if self._sender is not None:    # MLflow params do not change: a resumed attempt keeps the first one's
+        if self._sender is not None:    # MLflow params do not change: each attempt logs under its own names
             self._sender.call("log_batch", "MLflow params startup.* not logged ({error}); summary.json has them",
-                              params=[[k, str(v)] for k, v in startup_params(m).items()])
+                              params=[[k, str(v)] for k, v in startup_params(m, step, self.startup.attempt).items()])
         return m
 
     def flush(self) -> None:
