@@ -1,7 +1,6 @@
-"""The order of a run: validate -> fit -> register. The only module that knows training and registry."""
+"""The order of a run: validate -> open run -> fit -> register. The only module that knows training and registry."""
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import os
 import sys
@@ -10,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 from raytune_ft.env import process_start, public_uri, redact_exception
 from raytune_ft.recipe import Recipe, absolute_local_paths, check_tracking_store, nodes_of, validate
+from raytune_ft.start_ahead import StartAhead, local_cpus
 
 
 # `mlflow ui`'s page of an experiment's training runs (its routes are behind a # in MLflow 3's UI)
@@ -80,83 +80,6 @@ class RunSummary:
             out.append(f"  plots            {', '.join(self.plots)} (also MLflow artifacts under plots/)")
         out.append(f"  wall time        {self.seconds:.0f} s")
         return out
-
-
-def local_cpus(local: bool) -> int | None:
-    """The logical CPUs of the Ray a --local job starts (None: Ray's own count, the cores). More than the
-    cores: Ray Data operators inside the trainer must not starve."""
-    return max(8, 2 * (os.cpu_count() or 2)) if local else None
-
-
-def ensure_ray(local: bool) -> None:
-    """Join the cluster when RAY_ADDRESS is set (as under `ray job submit`), else start a local Ray.
-
-    A bare `ray.init()` would join whatever /tmp/ray/ray_current_cluster names, even a dead cluster.
-    """
-    import logging
-
-    import ray
-
-    from raytune_ft.console import WORKER_SETUP_HOOK, is_terminal, own_ray_env, quiet_env
-    from raytune_ft.env import bytecode_env
-
-    if ray.is_initialized():
-        return
-    # every process of the job (Train controller and workers, Ray Data's actors, the registration task)
-    # runs the console's setup hook: they print most of what reaches the driver's console
-    quiet = {"worker_process_setup_hook": WORKER_SETUP_HOOK,
-             "env_vars": {**quiet_env(is_terminal(sys.stdout)), **bytecode_env()}}
-    if os.environ.get("RAY_ADDRESS"):
-        try:
-            ray.init(runtime_env=quiet, logging_level=logging.WARNING)
-        except ValueError:  # the submitted job's runtime_env sets the same fields: it wins
-            ray.init(logging_level=logging.WARNING)
-        return
-    ncpu = local_cpus(local)
-    for k, v in own_ray_env(ncpu).items():
-        os.environ.setdefault(k, v)
-    ray.init(address="local", num_cpus=ncpu, include_dashboard=False, runtime_env=quiet,
-             logging_level=logging.WARNING)
-
-
-def start_train_helpers() -> None:
-    """Start the actor Ray Train's controller waits for when it starts: Ray Data's autoscaling coordinator,
-    asked for the workers' resources with a wait of up to 5 s (a detached actor, created on first use: a
-    new Python process, 4-5 s on a GPU node). Created as soon as Ray is up, it starts beside the MLflow
-    run and the datasets. A Ray without it (another version) leaves the controller to create it."""
-    try:
-        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-            get_or_create_autoscaling_coordinator)
-    except ImportError:
-        return
-    try:
-        get_or_create_autoscaling_coordinator()
-    except Exception as e:  # noqa: BLE001 - a head start only: the controller creates it otherwise
-        print(f"[raytune_ft] could not start Ray Data's autoscaling coordinator ahead: {type(e).__name__}")
-
-
-def submitted_at() -> float | None:
-    """When Ray accepted this job's submission (epoch seconds), for a driver started by `ray job submit`
-    and connected to its cluster; else None. The time between it and this process's start (Ray's job
-    supervisor, the working directory's upload and unpacking, the job's process) is part of the wait."""
-    from raytune_ft.lease import job_id
-
-    submission = job_id()
-    if not submission:
-        return None
-    try:   # Ray's own job table in the cluster's key-value store: private names, so any failure is None
-        import json
-
-        from ray.dashboard.modules.job.common import JobInfoStorageClient
-        from ray.experimental.internal_kv import _internal_kv_get
-        from ray._private import ray_constants
-
-        raw = _internal_kv_get(JobInfoStorageClient.JOB_DATA_KEY.format(job_id=submission),
-                               namespace=ray_constants.KV_NAMESPACE_JOB)
-        start_ms = (json.loads(raw) if raw else {}).get("start_time")
-        return float(start_ms) / 1000.0 if start_ms else None
-    except Exception:  # noqa: BLE001 - the breakdown then counts from the job's process, as without Ray
-        return None
 
 
 def merged_data_counters(checkpoint_dir: str, fs=None) -> dict:
@@ -267,34 +190,10 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
         return _run(recipe, local=local, register=register, held=held, ending=ending)
 
 
-def tokenizer_memo(recipe: Recipe) -> str:
-    """The file that remembers which class AutoTokenizer chose for a tokenizer (models/tokenizer.load_once):
-    beside the JIT caches, `train.cache_dir` or the per-user default."""
-    from raytune_ft.models.tokenizer import MEMO_NAME
-    from raytune_ft.train.jit_cache import cache_root
-
-    return os.path.join(cache_root(recipe), MEMO_NAME)
-
-
-def _prepare_driver(recipe: Recipe) -> None:
-    """The driver's slow imports (Ray Train's trainer, Ray Data's pipeline) and the recipe's tokenizer,
-    in a thread beside Ray's start: a tokenizer that cannot load fails the job here, in the driver's
-    words, before any Ray process tries it. A tokenizer an earlier run loaded from the same files is not
-    loaded again: its class is remembered (through AutoTokenizer, the load imports torch, which under `ray
-    job submit` nothing hides). The training loop's own modules (the model code) are imported by the
-    workers only (train/launch.loop_function), and torch by neither (train/backend.py)."""
-    import mlflow  # noqa: F401 - ending a stopped run must fit in the 3 s `ray job stop` leaves it
-    import ray.train.v2.api.data_parallel_trainer  # noqa: F401
-
-    from raytune_ft.data import pipeline  # noqa: F401
-    from raytune_ft.models.tokenizer import load_once
-    from raytune_ft.train import launch  # noqa: F401
-
-    load_once(recipe.model, tokenizer_memo(recipe))
-
-
-def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib.ExitStack, ending) -> RunSummary:
-    from raytune_ft import lease, preflight, storage, tracking
+def _validate(recipe: Recipe, held: contextlib.ExitStack, ending):
+    """The checks that need neither Ray nor the MLflow run, and the run folder's lease, taken once its
+    storage is checked: the run's storage and folder, its lease."""
+    from raytune_ft import lease, preflight, storage
     from raytune_ft.storage_check import check_storage
 
     # every local path absolute here, once: Ray workers resolve nothing against their own folders
@@ -303,7 +202,7 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     # object storage that cannot be used fails here, in words: before Ray starts or an MLflow run is opened
     check_storage(recipe)
     # a run over several nodes needs a tracking store they all reach: the scaling's nodes before Ray
-    # starts, then those of the cluster joined (which may have more)
+    # starts, then those of the cluster joined (StartAhead.start_ray)
     check_tracking_store(recipe, nodes_of(recipe.scaling), f"scaling.num_workers={recipe.scaling.num_workers} "
                          f"with {recipe.scaling.gpus_per_node} GPUs per node")
     st, run_path = storage.run_storage(recipe)
@@ -311,74 +210,45 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
     # is touched
     run_lease = held.enter_context(lease.hold(st, run_path))
     ending.storage, ending.run_path = st, run_path
-    t0 = time.time()
-    do_register = recipe.registry.enabled if register is None else register
-    finished = preflight.finished_run_summary(recipe, st, run_path, do_register)
-    if finished is not None:   # nothing to train or register: Ray is not started, the MLflow run not touched
-        known = {k: v for k, v in finished.items() if k in RunSummary.__dataclass_fields__}
-        return RunSummary(**{**known, "seconds": time.time() - min(process_start() or t0, t0)})
-    joins = bool(os.environ.get("RAY_ADDRESS")) or ("ray" in sys.modules and sys.modules["ray"].is_initialized())
+    return st, run_path, run_lease
+
+
+def _check_before_ray(recipe: Recipe, *, local: bool, joins: bool) -> None:
+    """The data source, and the resources of a Ray this job starts (a cluster joined: StartAhead.start_ray)."""
+    from raytune_ft import preflight
+
     preflight.check_data_source(recipe)
     if not joins:   # the Ray this job starts: what ensure_ray gives it
         preflight.check_resources(recipe, {"CPU": local_cpus(local) or os.cpu_count() or 1,
                                            "GPU": preflight.local_gpus() if recipe.scaling.use_gpu else 0},
                                   "this machine")
-    # the start-up breakdown's driver side (train/common.DRIVER_MARKS), from this process's start: what a
-    # user waits for includes the imports and checks above
-    marks, job_start = {"driver": t0}, min(process_start() or t0, t0)
-    # while Ray starts: the driver's imports and the tokenizer (a thread), and, on a Ray this job starts (one
-    # node, so the node check below cannot fail), the MLflow run (a process of its own: tracking.RunOpening):
-    # none of them needs Ray. A cluster joined (RAY_ADDRESS, or a Ray this process is connected to already)
-    # is checked before the run opens
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raytune-start")
-    held.callback(pool.shutdown, wait=False)   # a stopped run gives its lease back without waiting for imports
-    prepared = pool.submit(_prepare_driver, recipe)
-    opened = ending.opened = None if joins else tracking.RunOpening(recipe)
-    ensure_ray(local)
-    marks["ray_start"] = time.time()
-    submitted = submitted_at() if joins else None
-    if submitted is not None:   # `ray job submit`: the wait starts at the submission (the process's start
-        # time has a resolution of 10 ms: a driver Ray started at once may seem to start before it)
-        marks["process"], job_start = job_start, min(submitted, job_start)
-    check_tracking_store(recipe, preflight.cluster_nodes(), "nodes of the Ray cluster it joined")
-    if joins:
-        import ray
 
-        preflight.check_resources(recipe, ray.cluster_resources(), "the Ray cluster it joined")
-    opened = ending.opened = opened or tracking.RunOpening(recipe)
-    start_train_helpers()
-    prepared.result()
-    # imported by the thread beside Ray's start (torch, Ray Train): not on the way to it
-    from raytune_ft.train.launch import build_datasets, build_trainer, start_tokenizing, unfixable_error
 
-    # the tokenizing processes start now, beside Ray Train's, and have the tokenizer loaded (the driver's
-    # choice of class) when the first read reaches them
-    start_tokenizing(recipe)
-    # the datasets while the MLflow run opens in its own process. A run still opening (under `ray job
-    # submit` it opens after the cluster's check, with nothing else to hide it) is not waited for: its id
-    # reaches rank 0 through Ray's key-value store, long before the workers first log
-    datasets = build_datasets(recipe)
-    marks["datasets"] = time.time()
-    run_id = handoff = None
-    if opened.done():
-        run_id = opened.result()
-    else:
-        handoff = held.enter_context(tracking.RunIdHandoff(opened, run_lease.token))
-    marks["tracking"] = time.time()
-    trainer = build_trainer(recipe, mlflow_run_id=run_id, mlflow_run_key=handoff and handoff.key,
-                            lease_token=run_lease.token, job_start=job_start, startup_marks=marks, prebuilt=datasets)
+def _fit(recipe: Recipe, ahead: StartAhead, lease_token: str):
+    """Ray Train's result and the MLflow run's id. An error no retry can fix (storage full, ...) is said in
+    plain words, not as Ray's wrapping of it; the ending (endings.RunEnding) closes the MLflow run with it."""
+    from raytune_ft.train.launch import build_trainer, unfixable_error
+
+    datasets = ahead.datasets()
+    run_key = ahead.run_key(lease_token)
+    trainer = build_trainer(recipe, mlflow_run_key=run_key, lease_token=lease_token, job_start=ahead.job_start,
+                            startup_marks=ahead.marks, prebuilt=datasets)
     try:
         result = trainer.fit()
     except Exception as e:
-        # a run that did not open stops here, in its own words (FinishedRunError, the store's error)
-        run_id = run_id or opened.result()
-        # an error no retry can fix (storage full, ...) is said in plain words, not as Ray's wrapping of it;
-        # the ending (endings.RunEnding) closes the MLflow run with it
+        ahead.run_id()   # a run that did not open stops here, in its own words (FinishedRunError, the store's)
         unfixable = unfixable_error(e)
         if unfixable is not None:
             raise unfixable from e
         raise
-    run_id = run_id or opened.result()
+    return result, ahead.run_id()
+
+
+def _summarize(recipe: Recipe, result, run_id: str, st, run_path: str) -> tuple[RunSummary, dict, str | None]:
+    """The run's summary from Ray Train's result and its final checkpoint's small files (plots made); the
+    checkpoint's meta and URI."""
+    from raytune_ft import storage
+
     ckpt = result.checkpoint
     metrics = result.metrics or {}
     if not recipe.train.save_final:
@@ -403,7 +273,39 @@ def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib
         tracking_uri=public_uri(recipe.tracking_uri), data=data, plots=plots)
     _set_throughput(summary, metrics)
     summary.startup = {k[len("startup/"):]: float(v) for k, v in metrics.items() if k.startswith("startup/")}
+    return summary, meta, ckpt_uri
 
+
+def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib.ExitStack, ending) -> RunSummary:
+    from raytune_ft import preflight
+
+    joins = bool(os.environ.get("RAY_ADDRESS")) or ("ray" in sys.modules and sys.modules["ray"].is_initialized())
+    # validate
+    st, run_path, run_lease = _validate(recipe, held, ending)
+    t0 = time.time()
+    do_register = recipe.registry.enabled if register is None else register
+    finished = preflight.finished_run_summary(recipe, st, run_path, do_register)
+    if finished is not None:   # nothing to train or register: Ray is not started, the MLflow run not touched
+        known = {k: v for k, v in finished.items() if k in RunSummary.__dataclass_fields__}
+        return RunSummary(**{**known, "seconds": time.time() - min(process_start() or t0, t0)})
+    _check_before_ray(recipe, local=local, joins=joins)
+    # open the run, with Ray started beside it
+    ahead = held.enter_context(StartAhead(recipe, ending, local=local, joins=joins, t0=t0))
+    ahead.start_ray()
+    # fit
+    result, run_id = _fit(recipe, ahead, run_lease.token)
+    summary, meta, ckpt_uri = _summarize(recipe, result, run_id, st, run_path)
+    # register
+    return _register_and_close(recipe, summary, meta, ckpt_uri, do_register, st, run_path, ahead.job_start)
+
+
+def _register_and_close(recipe: Recipe, summary: RunSummary, meta: dict, ckpt_uri: str | None, do_register: bool,
+                        st, run_path: str, job_start: float) -> RunSummary:
+    """Register the final checkpoint (once: a re-submit finds the version it has), close the MLflow run with
+    the outcome, write summary.json."""
+    from raytune_ft import storage, tracking
+
+    run_id, data = summary.mlflow_run_id, summary.data
     # a run that ended without its final checkpoint (train.save_final=false) is resumed by a re-submit
     status_tags = {"raytune.status": "trained", "raytune.checkpoint": ckpt_uri or "",
                    tracking.FINAL_CHECKPOINT_TAG: "true" if meta.get("final") else "false"}

@@ -13,7 +13,7 @@ from tests.conftest import REPO
 # a driver that starts its Ray as a job does, waits, and counts the Python workers its raylet started
 IDLE_WORKERS = """
 import time, psutil
-from raytune_ft.run import ensure_ray
+from raytune_ft.start_ahead import ensure_ray
 ensure_ray(local={local})
 time.sleep(6)
 # a Python worker names itself ray::IDLE once started (default_worker.py before)
@@ -40,7 +40,7 @@ def test_a_ray_the_job_starts_starts_no_idle_workers(local):
 
 # the train dataset a job builds, read whole
 TOKENIZING = """
-from raytune_ft.run import ensure_ray
+from raytune_ft.start_ahead import ensure_ray
 from raytune_ft.train.launch import build_datasets, tokenize_processes
 from tests.conftest import local_job_recipe
 ensure_ray(local=True)
@@ -121,7 +121,7 @@ def test_the_actor_ray_trains_controller_waits_for_is_started_with_ray():
     up beside the MLflow run and the datasets, and the controller finds it running."""
     code = """
 import ray
-from raytune_ft.run import ensure_ray, start_train_helpers
+from raytune_ft.start_ahead import ensure_ray, start_train_helpers
 ensure_ray(local=True)
 start_train_helpers()
 actor = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
@@ -188,11 +188,11 @@ def test_a_tokenizing_process_loads_the_class_the_driver_chose_without_torch(fix
 # the driver's work beside Ray's start, in a fresh process: whether it imported torch, and the class carried
 DRIVER_PREPARES = """
 import json, sys
-from raytune_ft.run import _prepare_driver
+from raytune_ft.start_ahead import prepare_driver
 from raytune_ft.models.tokenizer import TokenizerOf
 from tests.conftest import local_job_recipe
 r = local_job_recipe(sys.argv[1:])
-_prepare_driver(r)
+prepare_driver(r)
 print(json.dumps({"torch": "torch" in sys.modules, "class": TokenizerOf.of(r.model).tokenizer_class}))
 """
 

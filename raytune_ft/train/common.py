@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import re
 import sys
 import time
@@ -21,9 +20,9 @@ _run_key: str | None = None     # the run id's key in Ray's key-value store, whe
 
 
 def mlflow_run_of(config: dict, rank: int) -> str | None:
-    """The MLflow run rank 0 logs to: the id in the loop's config, or, where the run was still opening when
-    the driver started the trainer, the id it hands over through Ray's key-value store (tracking.RunIdHandoff),
-    waited for here. Other ranks log nothing and wait for nothing."""
+    """The MLflow run rank 0 logs to: the id `run()` hands over through Ray's key-value store
+    (tracking.RunIdHandoff), waited for here; or, for a trainer built with the id (tests, benchmarks), the id in
+    the loop's config. Other ranks log nothing and wait for nothing."""
     global _run_key
     _run_key = config.get("mlflow_run_key")     # each node's system metrics wait for the run there too
     if rank != 0 or config.get("mlflow_run_id") or not config.get("mlflow_run_key"):
@@ -160,7 +159,7 @@ def _compile_seconds() -> float:
 
 
 # torch.compile's cache lookups up to the first step's end, `startup/compile.<name>`: counts, not seconds.
-# A warm start should find every graph (bench/NOTES.md, start-up)
+# A warm start should find every graph
 COMPILE_CACHE_COUNTERS = {"fx_cache_hits": ("inductor", "fxgraph_cache_hit"),
                           "fx_cache_misses": ("inductor", "fxgraph_cache_miss"),
                           "aot_cache_hits": ("aot_autograd", "autograd_cache_hit"),
@@ -295,7 +294,6 @@ class WorkerLog:
         self._stream = stream
         self._live = False           # a redrawn progress line is on screen (terminal only)
         self._sender = None          # rank 0's MLflow calls, made by a process of their own
-        run_id = run_id or os.environ.get("RAYTUNE_MLFLOW_RUN_ID")
         if rank == 0 and job_start:
             self.startup.attempt = attempt_of_job(recipe.tracking.run_name, job_start)
         if rank == 0 and run_id:

@@ -91,7 +91,7 @@ def _trainer_class():
 def run_fsdp_loop(config: dict) -> None:
     """The FSDP2 loop's Ray Train entry point. The loop's module (torch's distributed code, the model code,
     transformers) is imported here, in the worker: the driver, which pickles this function by reference,
-    never imports it, and its start-up threads do not wait on those imports (bench/NOTES.md, start-up)."""
+    never imports it, and its start-up threads do not wait on those imports."""
     from raytune_ft.train.fsdp_loop import train_fsdp
 
     hooks.load_plugin()     # a test's fault plan, where one is named (train/hooks.py)
@@ -139,14 +139,15 @@ def loop_function(recipe: Recipe):
     return run_fsdp_loop if recipe.train.loop == "fsdp2" else run_trl_loop
 
 
-def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, mlflow_run_key: str | None = None,
+def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None = None, mlflow_run_key: str | None = None,
                   blocks_by_rank: dict | None = None,
                   lease_token: str | None = None, job_start: float | None = None,
                   startup_marks: dict | None = None, prebuilt: tuple | None = None):
     """The Ray Train trainer for `recipe`; re-running with the same run name resumes from its last checkpoint.
 
-    `mlflow_run_key`: where rank 0 finds the run id in Ray's key-value store when `mlflow_run_id` is None (the
-    run was still opening: tracking.RunIdHandoff). `lease_token`: the run folder's lease this job holds
+    The MLflow run rank 0 logs to: `mlflow_run_key`, where it finds the run id in Ray's key-value store
+    (tracking.RunIdHandoff: how `run()` hands it over), or `mlflow_run_id` for a caller that has the id (tests,
+    benchmarks); neither: no tracking. `lease_token`: the run folder's lease this job holds
     (lease.py); each attempt's workers check it is still theirs before they clear the checkpoints dead attempts
     left. `prebuilt`: `build_datasets(recipe)`'s answer, where the caller built them already (run.py, while
     the MLflow run opens)."""
@@ -198,8 +199,8 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None, mlflow_run_key: 
 
 
 def tokenize_processes(recipe: Recipe) -> int:
-    """`data.tokenize_workers`, or one per training worker and at least 2: one process tokenizes
-    ~0.5M tokens/s (bench/NOTES.md), several times what a GPU trains on."""
+    """`data.tokenize_workers`, or one per training worker and at least 2: one tokenizing process keeps up
+    with several times what a GPU trains on (bench/NOTES.md)."""
     return recipe.data.tokenize_workers or max(2, recipe.scaling.num_workers)
 
 
