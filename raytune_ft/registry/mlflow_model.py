@@ -233,8 +233,19 @@ def _find_version(client, name: str, ckpt_id: str, run_id: str | None):
         return None
     mine = [v for v in versions
             if (v.tags or {}).get(CHECKPOINT_TAG) == ckpt_id
-            or (run_id and CHECKPOINT_TAG not in (v.tags or {}) and v.run_id == run_id)]
+            or (CHECKPOINT_TAG not in (v.tags or {}) and v.run_id
+                and (v.run_id == run_id or _run_made(client, v.run_id, ckpt_id, name)))]
     return max(mine, key=lambda v: int(v.version)) if mine else None
+
+
+def _run_made(client, run_id: str, ckpt_id: str, name: str) -> bool:
+    """Whether the run an untagged version was logged under registered this checkpoint as `name`: its
+    own tags say so. A version whose tag write failed is found this way by a retry with no run id."""
+    try:
+        tags = client.get_run(run_id).data.tags
+    except Exception:   # a run of another store or deleted: not ours to reuse
+        return False
+    return tags.get(CHECKPOINT_TAG) == ckpt_id and tags.get("raytune.registered_model_name") == name
 
 
 def find_registered_version(checkpoint_path: str, name: str, *, tracking_uri: str,
@@ -296,8 +307,9 @@ def _tag_version(name: str, version: str, ckpt_id: str) -> None:
 
     try:
         MlflowClient().set_model_version_tag(name, version, CHECKPOINT_TAG, ckpt_id)
-    except Exception as e:  # a registry without version tags: the run id still identifies it
-        logger.info("could not tag %s version %s: %s", name, version, redact_exception(e))
+    except Exception as e:  # a registry without version tags: its run's tags still identify it
+        logger.warning("could not tag %s version %s with its checkpoint (a retry finds it by its run's "
+                       "tags): %s", name, version, redact_exception(e))
 
 
 def register_checkpoint(checkpoint_path: str, name: str, *, tracking_uri: str,
