@@ -13,6 +13,8 @@ dozen steps.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import random
 
@@ -102,3 +104,26 @@ def builtin_source(src: str):
         raise ValueError(f"{src!r} is not a builtin dataset (known: "
                          f"{', '.join(f'builtin:{k}[:N]' for k in BUILTIN_SOURCES)})")
     return make, int(parts[2]) if len(parts) == 3 else None
+
+
+def row_hash(row: dict) -> str:
+    """A row's content hash: equal rows (the same messages) hash alike, however they were made."""
+    return hashlib.sha256(json.dumps(row, sort_keys=True).encode()).hexdigest()
+
+
+def split_rows(src: str, n_default: int, seed: int, held_out: bool) -> list[dict]:
+    """The rows of `builtin:NAME[:N]` for one split: training rows are the generator's N rows with
+    `seed`; held-out rows come from `seed + 1` with every row equal to a training row left out (a small
+    generated dataset repeats rows across seeds), so evaluation never scores rows trained on."""
+    make, n = builtin_source(src)
+    n = n or n_default
+    train = make(n, seed)
+    if not held_out:
+        return train
+    seen = {row_hash(r) for r in train}
+    draw = 2 * n + 64
+    while True:
+        rows = [r for r in make(draw, seed + 1) if row_hash(r) not in seen]
+        if len(rows) >= n or draw > 64 * n + 4096:
+            return rows[:n]
+        draw *= 2

@@ -38,7 +38,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from raytune_ft.data.builtin import builtin_source
+from raytune_ft.data.builtin import split_rows
 from raytune_ft.data.packing import DataCounters, pack_blocks
 from raytune_ft.data.sft import SpanNotFound, render_sft
 from raytune_ft.data.sources import to_messages
@@ -141,13 +141,10 @@ def _read_source(data, split_name: str):
     src = data.source
     if src.startswith("builtin:"):
         try:
-            make, n = builtin_source(src)
+            rows = split_rows(src, BUILTIN_DEFAULT_ROWS, data.seed, held_out=split_name != data.split)
         except ValueError as e:
             raise ValueError(f"data.source: {e}") from None
-        n = n or BUILTIN_DEFAULT_ROWS
-        # Distinct rows for the separate validation split of a builtin source.
-        seed = data.seed if split_name == data.split else data.seed + 1
-        return ray.data.from_items([{"text": json.dumps(r)} for r in make(n, seed)])
+        return ray.data.from_items([{"text": json.dumps(r)} for r in rows])
     if src.startswith("hf://"):
         repo = src[len("hf://"):].removeprefix("datasets/").strip("/")
         paths, fs = resolve_hf_parquet(repo, split_name, data.revision)
