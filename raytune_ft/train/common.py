@@ -119,12 +119,13 @@ RAY_WORKERS_PARTS = {"submission": "job submission", "driver": "job process: imp
                      "tracking": "MLflow run", "scheduling": "trainer and worker scheduling",
                      "worker_setup": "worker imports and process group"}
 DRIVER_MARKS = ("driver", "ray_start", "datasets", "tracking")
-# `model_build` split where the worker marks it (`StartupClock.part`), each reported as
+# `model_build` split where the worker marks it (`StartupClock.mark("model_build.<part>")`), each reported as
 # `startup/model_build.<part>_s`; a part the loop does not mark is left out
 MODEL_BUILD_PARTS = {"setup": "attempt set-up, JIT caches and data", "tokenizer": "tokenizer",
                      "skeleton": "model code and skeleton", "wrapping": "compile set-up and sharding",
                      "weights": "weights on the device"}
-# the first step's time spent waiting for its blocks (`StartupClock.note`), `startup/first_step.data_wait_s`
+# the first step's time spent waiting for its blocks (`StartupClock.mark("first_step.data_wait", since)`),
+# `startup/first_step.data_wait_s`
 PHASE_PARTS = {"ray_workers": RAY_WORKERS_PARTS, "model_build": MODEL_BUILD_PARTS,
                "first_step": {"data_wait": "waiting for data"}}
 
@@ -181,9 +182,9 @@ def _compile_cache_counts() -> dict[str, int]:
 class StartupClock:
     """Where the time from the job's start to the end of the first optimizer step went.
 
-    The phases split that span without overlap: `ray_workers` up to this clock's creation in the worker,
-    then `lap(name)` gives the time since the previous lap to `name`, less what `phase()` blocks timed
-    inside it; `finish()` ends `first_step`, less the torch.compile time inside it (`compile`)."""
+    The phases split that span without overlap: `ray_workers` up to this clock's creation in the worker, then
+    each phase and part ends where the loop marks it (`mark`); `finish()` ends `first_step`, less the
+    torch.compile time inside it (`compile`)."""
 
     def __init__(self, job_start: float | None = None, marks: dict | None = None):
         now = time.time()
@@ -198,34 +199,32 @@ class StartupClock:
         self.done: dict | None = None
         self.attempt = 1    # Ray Train's attempt of this job: a later one's scheduling part holds the earlier ones
 
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        t0 = time.time()
-        try:
-            yield
-        finally:
-            dt = time.time() - t0
-            self.seconds[name] += dt
-            self._inner += dt
-            self._part_inner += dt
+    def mark(self, name: str, since: float | None = None) -> None:
+        """`name` (a phase of STARTUP_PHASES, or `<phase>.<part>` of PHASE_PARTS) ends now.
 
-    def part(self, name: str) -> None:
-        """End `name`, a part of the model build (MODEL_BUILD_PARTS): the time since the previous part or
-        lap, less what `phase()` blocks timed inside it."""
+        Without `since`, it ran from the previous mark: a phase from the previous phase's end, a part from the
+        previous part's (or phase's) end, less what marks with `since` took inside it. With `since` (epoch
+        seconds), it is the block from then to now: a phase so marked is taken out of the one it ran inside
+        (the kernel check out of the model build); a part adds to its phase's parts. Nothing counts once
+        the clock has finished."""
+        if self.done is not None:
+            return
         now = time.time()
-        self.note("model_build", name, max(0.0, now - self._part_mark - self._part_inner))
-        self._part_mark, self._part_inner = now, 0.0
-
-    def note(self, phase: str, name: str, seconds: float) -> None:
-        """Add `seconds` to `name`, a part of `phase` (PHASE_PARTS), before the clock finishes."""
-        if self.done is None:
-            key = f"{phase}.{name}"
-            self.parts[key] = self.parts.get(key, 0.0) + seconds
-
-    def lap(self, name: str) -> None:
-        now = time.time()
-        self.seconds[name] += max(0.0, now - self._mark - self._inner)
-        self._mark, self._inner, self._compiled = now, 0.0, _compile_seconds()
+        phase, _, part = name.partition(".")
+        if since is not None:
+            dt = max(0.0, now - since)
+            if part:
+                self.parts[name] = self.parts.get(name, 0.0) + dt
+            else:
+                self.seconds[phase] += dt
+                self._inner += dt
+                self._part_inner += dt
+            return
+        if part:
+            self.parts[name] = self.parts.get(name, 0.0) + max(0.0, now - self._part_mark - self._part_inner)
+        else:
+            self.seconds[phase] += max(0.0, now - self._mark - self._inner)
+            self._mark, self._inner, self._compiled = now, 0.0, _compile_seconds()
         self._part_mark, self._part_inner = now, 0.0
 
     def finish(self) -> dict:
@@ -234,7 +233,7 @@ class StartupClock:
             compiled = max(0.0, _compile_seconds() - self._compiled)
             self.seconds["compile"] += compiled
             self._inner += compiled
-            self.lap("first_step")
+            self.mark("first_step")
             self.done = {f"startup/{p}_s": self.seconds[p] for p in STARTUP_PHASES}
             self.done["startup/total_s"] = self._mark - self.job_start
             self.done |= {f"startup/{p}_s": v for p, v in self.parts.items()}

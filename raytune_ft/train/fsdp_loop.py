@@ -88,9 +88,9 @@ def train_fsdp(config: dict) -> None:
 
     ckpt_storage.start_attempt(rank, log.info)     # checkpoint folders of dead attempts off the storage
     jit = jit_cache.for_worker(recipe, device, log.info)   # before anything compiles
-    log.startup.part("setup")
+    log.startup.mark("model_build.setup")
     model, lm, tok = build_fsdp_model(recipe, device, log)
-    log.startup.lap("model_build")
+    log.startup.mark("model_build")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=t_cfg.lr, betas=tuple(t_cfg.betas), weight_decay=t_cfg.weight_decay,
                             fused=device.type == "cuda")
@@ -103,10 +103,10 @@ def train_fsdp(config: dict) -> None:
                          meta=_meta(recipe))
     feed = feed or _open_data(recipe, config, state.data.state_dict(), rank=rank, device=device)
     total_steps = _schedule_length(recipe, state, feed, log)
-    with log.startup.phase("eval_setup"):      # 0 s with train.eval_every=0 and train.sample_prompts=0
-        probes = EvalAndSamples.open(recipe, tok, rank=rank, world=world, device=device, log=log,
-                                     held_out=held_out)
-        log.log_metrics(probes.at_start(model, state.evaluation, state.step), 0)   # the base model's samples
+    probing = time.time()       # 0 s with train.eval_every=0 and train.sample_prompts=0
+    probes = EvalAndSamples.open(recipe, tok, rank=rank, world=world, device=device, log=log, held_out=held_out)
+    log.log_metrics(probes.at_start(model, state.evaluation, state.step), 0)   # the base model's samples
+    log.startup.mark("eval_setup", since=probing)
     window = _Window(device, lm.config, world, state.progress)
     log.mfu_basis(window.mfu_basis)
     dtype = torch.bfloat16 if recipe.model.dtype == "bfloat16" else torch.float32
@@ -132,7 +132,7 @@ def _train(recipe, model, opt, params, feed, window, probes, saver, state, total
     while total_steps == 0 or step < total_steps:
         waited = time.time()
         blocks = feed.next_blocks()
-        log.startup.note("first_step", "data_wait", time.time() - waited)   # kept until the first step ends
+        log.startup.mark("first_step.data_wait", since=waited)   # kept until the first step ends
         if blocks is None:  # every rank's data is spent
             break
         mbs = t_cfg.micro_batch_size

@@ -5,6 +5,8 @@ Split from the loop (train/fsdp_loop.py) so benchmarks and tests build exactly t
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -45,7 +47,7 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
 
         check_fp8_supported(device, fp8_recipe)
     tok = tokenizer_for(recipe.model)
-    log.startup.part("tokenizer")
+    log.startup.mark("model_build.tokenizer")
     # the model code's imports (transformers' modelling, the kernels) count as the model code's part
     from raytune_ft.train.fp8 import transformers_without_torchao
 
@@ -60,10 +62,11 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
     # Built on the meta device, sharded, then filled: each rank allocates and reads only its own
     # shard of the weights, so no rank ever holds the whole model in host or GPU memory.
     lm = load_causal_lm(recipe.model, tokenizer_vocab_size=len(tok), device="meta", dtype=param_dtype)
-    log.startup.part("skeleton")
+    log.startup.mark("model_build.skeleton")
     # every fast kernel proves itself on this GPU before the first step; a failing one is switched off
-    with log.startup.phase("kernel_check"):
-        check_on_worker(lm.config, device, mode=recipe.train.kernels, dtype=compute_dtype, log=log)
+    checking = time.time()
+    check_on_worker(lm.config, device, mode=recipe.train.kernels, dtype=compute_dtype, log=log)
+    log.startup.mark("kernel_check", since=checking)
     backend = select_attention_backend(device)
     log.info(f"attention backend: {backend}; params {param_dtype}, compute {compute_dtype}, "
              f"reduce fp32; activation checkpointing {recipe.train.activation_checkpointing}")
@@ -84,9 +87,9 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
         log.info("torch.compile: each decoder layer's MLP and RMSNorms")
     model = shard_packed_model(lm, device, compute_dtype=compute_dtype,
                                activation_checkpointing=recipe.train.activation_checkpointing)
-    log.startup.part("wrapping")
+    log.startup.mark("model_build.wrapping")
     materialize_model(lm, recipe.model, device, seed=recipe.train.seed)
-    log.startup.part("weights")
+    log.startup.mark("model_build.weights")
     return model, lm, tok
 
 

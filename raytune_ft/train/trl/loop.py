@@ -13,6 +13,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -71,12 +72,12 @@ def train_trl(config: dict) -> None:
     if not recipe.model.local_tiny:
         lm.config._name_or_path = recipe.model.name  # what a LoRA adapter names as its base
     lm.config.use_cache = False
-    log.startup.lap("model_build")
+    log.startup.mark("model_build")
     # every fast kernel, and Liger's fused loss where it would be used, proves itself on this GPU first
-    with log.startup.phase("kernel_check"):
-        kernels = check_on_worker(lm.config, build_device, mode=t.kernels, log=log,
-                                  liger=_use_liger(recipe, on_gpu, log),
-                                  dtype=torch.bfloat16 if compute_bf16 else torch.float32)
+    checking = time.time()
+    kernels = check_on_worker(lm.config, build_device, mode=t.kernels, log=log, liger=_use_liger(recipe, on_gpu, log),
+                              dtype=torch.bfloat16 if compute_bf16 else torch.float32)
+    log.startup.mark("kernel_check", since=checking)
 
     out_dir = tempfile.mkdtemp(prefix=f"raytune_trl_rank{rank}_")
     base_dir = None
