@@ -131,3 +131,37 @@ def test_a_synchronous_save_is_complete_and_reported_when_it_returns(tmp_path):
         assert len(reports) == 1 and saver.in_flight is None and blocked > 0
         weights, _ = _load_weights(reports[0][1].path)
         assert all(torch.equal(weights[k], at_save[k]) for k in at_save)
+
+
+@pytest.mark.timeout(120)
+def test_background_saves_go_on_when_torchs_stager_closes_itself_after_each_stage(tmp_path, monkeypatch):
+    """torch 2.11's DefaultStager closes its copier at the end of each stage (pytorch#183413): a GPU run's
+    second background save failed with KeyError: <class 'type'>. The torch here (2.13) does not, so its
+    _stage is wrapped to do what 2.11's does: the one stand-in of this test, for a torch not installed."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    from raytune_ft.train.state import TrainState
+
+    stage = DefaultStager._stage
+
+    def stage_then_close(self, state_dict, **kwargs):
+        staged = stage(self, state_dict, **kwargs)
+        self._state_dict_stager.close()
+        return staged
+
+    monkeypatch.setattr(DefaultStager, "_stage", stage_then_close)
+    reports: list = []
+    with one_rank_group():
+        model, opt = sharded_model_and_optimizer()
+        state = TrainState(model, opt)
+        saver = _saver(tmp_path, state, background=True, reports=reports)
+        for step in (1, 2, 3):
+            train(model, opt, 1)
+            state.schedule.step = step
+            at_save = {k: full(v).clone() for k, v in model.state_dict().items()}
+            saver.save({"step": step})
+            saver.wait()
+        saver.close()
+        assert [m["step"] for m, _, _ in reports] == [1, 2, 3]
+        weights, loaded = _load_weights(reports[-1][1].path)
+        assert loaded.step == 3 and all(torch.equal(weights[k], at_save[k]) for k in at_save)

@@ -76,13 +76,26 @@ class Checkpointer:
         self.flag_group = dist.new_group(backend="gloo") if distributed and background else None
         self.in_flight: _InFlight | None = None
         self.stager = self.writer = None
+        self._cuda = device.type == "cuda"
         if background:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            cuda = device.type == "cuda"
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                       use_async_staging=False, use_non_blocking_copy=cuda))
+            self.stager = self._new_stager()
             self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytune-checkpoint")
+
+    def _new_stager(self):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        return DefaultStager(StagingOptions(use_pinned_memory=self._cuda, use_shared_memory=False,
+                                            use_async_staging=False, use_non_blocking_copy=self._cuda))
+
+    def _usable_stager(self):
+        """The stager for this save. torch 2.11's DefaultStager closes its state-dict copier at the end of
+        every stage (pytorch#183413), so its second save fails (KeyError: <class 'type'>): a closed one is
+        replaced by a new one (its pinned buffers are then allocated again)."""
+        copier = getattr(self.stager, "_state_dict_stager", None)
+        if copier is not None and not getattr(copier, "_deepcopy_dispatch", True):
+            self.stager.close()
+            self.stager = self._new_stager()
+        return self.stager
 
     def save(self, metrics: dict, *, final: bool = False, export=None) -> float:
         """Save the state at its step and report it with `metrics` (now, or in the background mode once its
@@ -158,7 +171,7 @@ class Checkpointer:
 
         return dcp.async_save({"app": dcp_io.ShardedTrainState(self.state.sharded, self.rank)},
                               checkpoint_id=os.path.join(folder, dcp_io.DCP_DIR), process_group=self.save_group,
-                              async_stager=self.stager)
+                              async_stager=self._usable_stager())
 
     def _complete(self, folder: str, name: str, step: int, staged: Future | None, train_state: dict,
                   meta: dict | None):
