@@ -12,7 +12,8 @@ or any other source of the AWS SDK's default chain, AWS_REGION / AWS_DEFAULT_REG
 passed to the filesystem object: it is pickled to Ray workers and tasks, and a pickled key would travel
 through Ray's object store; each node's SDK reads its own environment instead.
 
-Storage that cannot fill silently (the plan of what a run writes is in storage_plan.py): a checkpoint folder that no report made Ray's (an attempt died between
+Storage that cannot fill silently (the plan of what a run writes is in storage_plan.py; room on it in
+storage_room.py, re-exported here): a checkpoint folder that no report made Ray's (an attempt died between
 upload and report) is an orphan that Ray never deletes, so `remove_orphans` clears them when an attempt
 starts; `check_room` refuses to start a checkpoint that the free space of a local/shared filesystem cannot
 hold; `disk_full_error` turns torch's or pyarrow's out-of-space failure into one that names the storage,
@@ -21,17 +22,18 @@ and `too_large_error` a file over the filesystem's or the object store's size li
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
-import shutil
 import urllib.parse
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import pyarrow.fs as pafs
+
+from raytune_ft.storage_room import (FileTooLargeError, StorageFullError, check_room, disk_full_error,  # noqa: F401
+                                     fmt_bytes, free_bytes, is_disk_full, too_large_error)
 
 if TYPE_CHECKING:
     from raytune_ft.recipe import Recipe
@@ -43,35 +45,6 @@ SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
 CHECKPOINT_DIR = re.compile(r"^checkpoint_\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}\.\d+$")
 ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 REGION_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION")
-
-
-class StorageFullError(RuntimeError):
-    """The storage cannot take the next checkpoint (or ran out while writing it)."""
-
-    def __init__(self, storage: str, needed: int | None, free: int | None, what: str = "the next checkpoint",
-                 cause: str | None = None):
-        self.storage, self.needed, self.free, self.what, self.cause = storage, needed, free, what, cause
-        parts = [f"storage {storage} is full: {what} needs"]
-        parts.append(f"{fmt_bytes(needed)} ({needed:,} bytes)" if needed is not None else "more space")
-        if free is not None:
-            parts.append(f"and {fmt_bytes(free)} ({free:,} bytes) are free")
-        msg = " ".join(parts) + (". " if not cause else f" ({cause}). ")
-        msg += ("The last good checkpoint is kept. Free space there (old runs, unregistered checkpoint_* "
-                "folders), lower train.keep_checkpoints, or point tracking.storage_path at larger storage, "
-                "then re-submit the run under the same name to resume.")
-        super().__init__(msg)
-
-    def __reduce__(self):  # Ray ships worker exceptions to the driver by pickling them
-        return (type(self), (self.storage, self.needed, self.free, self.what, self.cause))
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "unknown"
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 # ---------------------------------------------------------------- locations and filesystems
@@ -377,106 +350,3 @@ def latest_checkpoint_bytes(fs: pafs.FileSystem, run_path: str) -> int | None:
     if not reported or not reported.latest:
         return None
     return tree_bytes(fs, f"{run_path.rstrip('/')}/{reported.latest}") or None
-
-
-# ---------------------------------------------------------------- room for the next checkpoint
-
-
-def free_bytes(storage: Storage, path: str | None = None) -> int | None:
-    """Free bytes where `path` (default: the root) lives, when the filesystem can say; None for object stores."""
-    if storage.remote:
-        return None
-    p = path or storage.root
-    while p and not os.path.exists(p):
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
-    try:
-        return shutil.disk_usage(p or "/").free
-    except OSError:
-        return None
-
-
-def check_room(storage: Storage, needed: int | None, *, path: str | None = None, what: str = "the next checkpoint",
-               free_probe: Callable[[Storage, str | None], int | None] | None = None) -> int | None:
-    """Raise StorageFullError when the storage says it has less free space than `needed`; return the free bytes."""
-    if not needed:
-        return None
-    free = (free_probe or free_bytes)(storage, path)
-    if free is not None and free < needed:
-        raise StorageFullError(storage.uri(path), needed, free, what)
-    return free
-
-
-_FULL_TEXT = ("no space left on device", "disk quota exceeded", "not enough space", "unexpected pos",
-              "inline_container", "enospc", "quotaexceeded")
-
-
-def is_disk_full(exc: BaseException) -> bool:
-    """Whether `exc` (or what caused it) is an out-of-space failure, however the writer worded it.
-
-    torch's zip writer reports a short write as `[enforce fail at inline_container.cc] unexpected pos`.
-    """
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, StorageFullError):
-            return True
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(exc).lower()
-        if any(t in text for t in _FULL_TEXT):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def disk_full_error(exc: BaseException, storage_uri: str, needed: int | None, free: int | None,
-                    what: str = "the checkpoint") -> StorageFullError | None:
-    """The StorageFullError to raise instead of `exc`, or None when `exc` is not about space."""
-    if isinstance(exc, StorageFullError):
-        return exc
-    if not is_disk_full(exc):
-        return None
-    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-    return StorageFullError(storage_uri, needed, free, what, cause=f"the write failed: {first}")
-
-
-class FileTooLargeError(RuntimeError):
-    """One file of a checkpoint is larger than the storage takes as one file or object: not a full disk."""
-
-    def __init__(self, storage: str, what: str, limit: str, cause: str):
-        self.storage, self.what, self.limit, self.cause = storage, what, limit, cause
-        super().__init__(f"storage {storage}: a file of {what} is too large for it ({cause}). Free space does not "
-                         f"help: {limit}. The last good checkpoint is kept.")
-
-    def __reduce__(self):
-        return (type(self), (self.storage, self.what, self.limit, self.cause))
-
-
-# (how the writer words it, what the limit is and what to do about it)
-_TOO_LARGE = (
-    ("entitytoolarge", "the S3 service refused an object of that size: S3 takes at most 5 GB in one PUT and "
-                       "5 TB in a multipart upload, and an S3-compatible server may set its largest object "
-                       "lower (raise that setting, or use a filesystem path)"),
-    ("file too large", "the filesystem, or the process's `ulimit -f`, has a maximum file size below the "
-                       "file's (FAT32/vfat: 4 GB); use a filesystem without that limit or raise the ulimit"),
-)
-
-
-def too_large_error(exc: BaseException, storage_uri: str, what: str = "the checkpoint") -> FileTooLargeError | None:
-    """The FileTooLargeError to raise instead of `exc` (EFBIG, S3's EntityTooLarge), or None."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, FileTooLargeError):
-            return exc
-        text = str(exc).lower()
-        efbig = isinstance(exc, OSError) and exc.errno == errno.EFBIG
-        for key, limit in _TOO_LARGE:
-            if key in text or (efbig and key == "file too large"):
-                first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-                return FileTooLargeError(storage_uri, what, limit, f"the write failed: {first}")
-        exc = exc.__cause__ or exc.__context__
-    return None
