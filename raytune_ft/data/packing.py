@@ -20,10 +20,9 @@ stream leaves partly filled blocks, and the stream's tail is packed (and its pad
 dropped. Memory: at most `window` conversations plus one block's worth held back.
 
 The windows ramp up: the first is `RAMP_FROM` conversations (or `window`, if smaller), each next one
-twice the last, up to `window`. A run's first block then leaves after 64 conversations have been
-tokenized, not 2,048 (on 8 ranks, 16k rows through Ray Data before any rank could step); the price is
-the first few blocks' packing, best fit over fewer conversations (bench/NOTES.md: over 2,000 and 6,000
-lognormal conversations of three mean lengths at 32k blocks, the same efficiency but once, 0.24 points).
+twice the last, up to `window`. A run's first block then leaves after `RAMP_FROM` conversations have been
+tokenized, not a full window on every rank; the price is the first few blocks' packing, best fit over
+fewer conversations (bench/NOTES.md).
 The ramp is part of the layout: a checkpoint taken before it was added resumes with a data fingerprint
 mismatch, not silently on other blocks.
 

@@ -263,8 +263,8 @@ def start_tokenizing_processes(tokenizer, processes: int, num_cpus: float) -> No
 
     The tokenizing map's first tasks start only when a training worker first reads, at the end of a chain of
     new processes (Ray Train's controller, its dataset manager, Ray Data's split coordinator), and each then
-    starts a Python process and loads the tokenizer before its first row: the first step waited 7-10 s for
-    its data on the GPU node (bench/NOTES.md, start-up). Ray hands a finished task's idle process to the
+    starts a Python process and loads the tokenizer before its first row, and the first step waits for it
+    (bench/NOTES.md, start-up). Ray hands a finished task's idle process to the
     job's next task of the same runtime environment, so these run in the one the map's tasks inherit from
     Ray Train's controller; the tokenizer, loaded once per process, is there when they come. A head start
     only: nothing waits for these tasks."""
@@ -325,8 +325,8 @@ def _iter_rows(shard: Any) -> Iterator[tuple[Any, Any, str]]:
 
     Blocks are passed on as they come (`batch_size=None`, `prefetch_batches=0`): the tokenizing map makes
     them 64 rows, the first packing window's size, so the first block packs from the first tokenizing batch.
-    Ray Data's prefetching (its default) holds each batch back until the next one's blocks exist: the first
-    rows came after eight tokenizing batches (bench/NOTES.md, start-up). Reading ahead is the loop's
+    Ray Data's prefetching (its default) holds each batch back until the next one's blocks exist, so the first
+    rows came late (bench/NOTES.md, start-up). Reading ahead is the loop's
     (`train.read_ahead`, a thread that keeps two steps' blocks ready)."""
     if hasattr(shard, "iter_batches"):
         for batch in shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0):

@@ -51,8 +51,8 @@ def _causal_conv1d_fn():
 
 # flash-linear-attention's package __init__ imports every layer and model class it ships (fla.layers,
 # fla.models: dozens of modules, transformers' model classes among them) to re-export them, and `fla.ops`'
-# __init__ imports every op (abc, comba, kda, rwkv7, ...); the loop needs one op and the modules. On a GPU node
-# those two __init__s were most of the worker's "model code" part (bench/NOTES.md).
+# __init__ imports every op (abc, comba, kda, rwkv7, ...); the loop needs one op and the modules. Importing
+# only those keeps the worker's start-up short (bench/NOTES.md).
 FLA_OPS = ("fla.ops.gated_delta_rule", "fla.modules")     # ours, and what transformers' Qwen3.5 code takes
 FLA_BARE_PACKAGES = ("fla", "fla.ops")                    # put in place without running their __init__
 
@@ -247,7 +247,7 @@ def segment_gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor, backend
     ref = _torch_reference_gated_delta_rule()
     rep = v.shape[2] // q.shape[2]
     if rep > 1:
-        # Qwen3.5 has more value heads than key heads (48 / 16). Some transformers releases' reference
+        # Qwen3.5 has more value heads than key heads. Some transformers releases' reference
         # wants q/k per value head and fails otherwise (bench/NOTES.md); others repeat_interleave
         # inside, so doing it here gives the same result on both.
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)

@@ -95,8 +95,8 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
 
 def compile_pointwise(lm: nn.Module) -> None:
     """torch.compile the memory-bound pieces of each decoder layer: SwiGLU MLP and the fp32 RMSNorms
-    (and the gated norm of gated-delta-net layers): unfused, these element-wise kernels take a large
-    share of the step (bench/NOTES.md has the profile). Blocks have a fixed length, so each module kind
+    (and the gated norm of gated-delta-net layers): unfused, these element-wise kernels are a visible
+    share of the step (bench/NOTES.md). Blocks have a fixed length, so each module kind
     compiles one graph."""
     from raytune_ft.models.build import decoder_layers
     from raytune_ft.train.fp8 import compile_fp8_linears
