@@ -1,4 +1,4 @@
-"""The Ray Data pipeline: read a source, tokenize and mask each conversation, and, inside each Ray
+"""The Ray Data pipeline: read a source (reading.py), tokenize and mask each conversation, and, inside each Ray
 Train worker, pack that worker's share into fixed blocks with every rank running the same steps.
 
 Driver side (before `TorchTrainer.fit`):
@@ -29,7 +29,6 @@ summed across workers by `gather_counters`.
 """
 from __future__ import annotations
 
-import fnmatch
 import functools
 import hashlib
 import json
@@ -38,18 +37,14 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from raytune_ft.data.builtin import split_rows
 from raytune_ft.data.packing import DataCounters, pack_blocks
+from raytune_ft.data.reading import BUILTIN_DEFAULT_ROWS, HF_ROOT_ENV, _read_source, resolve_hf_parquet  # noqa: F401
 from raytune_ft.data.sft import SpanNotFound, render_sft
 from raytune_ft.data.sources import to_messages
 
 __all__ = ["DataCounters", "build_dataset", "iter_blocks", "read_rows", "gather_counters",
            "train_data_config", "resolve_hf_parquet", "HF_ROOT_ENV"]
 
-# Offline stand-in for the hub: hf://org/name reads <root>/org/name/, laid out as the hub repo is
-# (e.g. data/train_sft-00000-of-00003.parquet). Same listing and reading code as the real hub.
-HF_ROOT_ENV = "RAYTUNE_HF_ROOT"
-BUILTIN_DEFAULT_ROWS = 2000
 SHUFFLE_WINDOWS = 4          # an epoch's shuffle buffer, in packing windows
 _SPLIT_BUCKETS = 1 << 32
 
@@ -100,86 +95,6 @@ class _TokenizerRef:
         if self.of is not None:
             return self.of.load()
         return self.obj if self.obj is not None else _tokenizer_from_path(self.path, self.chat_template)
-
-
-# ---------------------------------------------------------------- sources
-
-def resolve_hf_parquet(repo: str, split: str, revision: str | None = None,
-                       hf_root: str | None = None) -> tuple[list[str], Any]:
-    """Parquet files of one split of a hub dataset repo, and the filesystem to read them with.
-
-    Online: `HfFileSystem` at `revision` (streamed by Ray Data, never downloaded whole to one node).
-    Offline (`hf_root` or $RAYTUNE_HF_ROOT): a local folder laid out like the repo. Split files are
-    matched the way the hub names them: `<split>-*.parquet` or `<split>/*.parquet` anywhere in the repo.
-    """
-    import fsspec
-
-    root = hf_root or os.environ.get(HF_ROOT_ENV)
-    if root:
-        fs = fsspec.filesystem("file")
-        base = os.path.join(os.path.abspath(os.path.expanduser(root)), repo)
-    else:
-        from huggingface_hub import HfFileSystem
-
-        fs = HfFileSystem()
-        base = f"datasets/{repo}@{revision or 'main'}"
-    files = sorted(fs.glob(f"{base}/**/*.parquet"))
-    picked = [f for f in files
-              if fnmatch.fnmatch(os.path.basename(f), f"{split}-*.parquet")
-              or os.path.basename(f) == f"{split}.parquet"
-              or os.path.basename(os.path.dirname(f)) == split]
-    if not picked:
-        raise FileNotFoundError(f"no parquet files for split {split!r} in hf://{repo}"
-                                f"{'@' + revision if revision else ''} (looked under {base})")
-    return picked, fs
-
-
-def _read_source(data, split_name: str):
-    """A Ray Dataset of raw rows. jsonl is read as text lines so one bad line is counted, not fatal."""
-    import ray.data
-
-    src = data.source
-    if src.startswith("builtin:"):
-        try:
-            rows = split_rows(src, BUILTIN_DEFAULT_ROWS, data.seed, held_out=split_name != data.split)
-        except ValueError as e:
-            raise ValueError(f"data.source: {e}") from None
-        return ray.data.from_items([{"text": json.dumps(r)} for r in rows])
-    if src.startswith("hf://"):
-        repo = src[len("hf://"):].removeprefix("datasets/").strip("/")
-        paths, fs = resolve_hf_parquet(repo, split_name, data.revision)
-        return ray.data.read_parquet(paths, filesystem=fs)
-    path = os.path.expanduser(src)
-    if os.path.isdir(path):
-        files = sorted(os.path.join(d, f) for d, _, fs_ in os.walk(path) for f in fs_)
-        parquet = [f for f in files if f.endswith(".parquet")]
-        if parquet:
-            return ray.data.read_parquet(parquet)
-        texts = [f for f in files if f.endswith((".jsonl", ".json"))]
-        if not texts:
-            raise FileNotFoundError(f"data.source: no .parquet/.jsonl/.json files under {src!r}")
-        return _read_json_files(texts)
-    if path.endswith(".parquet"):
-        return ray.data.read_parquet(path)
-    return _read_json_files([path])
-
-
-def _read_json_files(files: list[str]):
-    import ray.data
-
-    lines, arrays = [], []
-    for f in files:
-        with open(f, "rb") as fh:
-            head = fh.read(4096).lstrip()
-        (arrays if head.startswith(b"[") else lines).append(f)
-    parts = []
-    if lines:
-        parts.append(ray.data.read_text(lines, drop_empty_lines=True))
-    for f in arrays:                              # a JSON array file: small by nature, parsed here
-        with open(f) as fh:
-            rows = json.load(fh)
-        parts.append(ray.data.from_items([{"text": json.dumps(r)} for r in rows]))
-    return parts[0] if len(parts) == 1 else parts[0].union(*parts[1:])
 
 
 # ---------------------------------------------------------------- tokenize + mask (a Ray Data map)
