@@ -45,6 +45,11 @@ SKIPPED = {
     "ray start --head": "a Ray cluster (tests/test_job_submit.py starts one on loopback)",
     "export RAY_AUTH_MODE=token": "a Ray cluster",
     "ray job submit --working-dir . -- python jobs/qwen27b_b300.py": "a Ray cluster and GPUs",
+    "ray start --head --num-cpus 8": "a Ray cluster (tests/test_job_submit.py starts one with 8 logical CPUs "
+                                     "on loopback)",
+    "ray job submit --working-dir . -- python jobs/qwen27b_b300.py --local "
+    "--set tracking.storage_path=$HOME/raytune_runs":
+        "a Ray cluster: tests/test_job_submit.py submits this --local job with an absolute run folder",
     "ray job submit --working-dir . -- python jobs/qwen27b_b300.py --set scaling.num_workers=16 "
     "--set tracking.storage_path=/mnt/shared/raytune_runs --set tracking.tracking_uri=http://HEAD_NODE:5000":
         "a Ray cluster of two GPU nodes",
