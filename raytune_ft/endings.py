@@ -64,7 +64,7 @@ class RunEnding:
 
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
-        self.opened = None            # tracking.RunOpening
+        self.opened = None            # run_opening.RunOpening
         self.storage = self.run_path = None
         self.line: str | None = None
 

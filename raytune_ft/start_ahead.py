@@ -119,15 +119,15 @@ class StartAhead:
     """The start-up's latency hiding: what `_run` needs later, started early so that it overlaps Ray's start.
 
     Before Ray starts: the driver's imports and the tokenizer (a thread, `_prepare_driver`) and, on a Ray this
-    job starts (one node: the node check cannot fail), the MLflow run (its own process: tracking.RunOpening).
+    job starts (one node: the node check cannot fail), the MLflow run (its own process: run_opening.RunOpening).
     A cluster joined is checked before the run opens. Once Ray is up: Ray Data's coordinator and the
     tokenizing processes. The run id reaches rank 0 one way, through Ray's key-value store
-    (tracking.RunIdHandoff), so the trainer never waits for the run to open. `marks` are the driver's side of
+    (run_opening.RunIdHandoff), so the trainer never waits for the run to open. `marks` are the driver's side of
     the start-up breakdown (train/common.DRIVER_MARKS). A context manager: however the run ends, the opening's
     process and file, the thread and the handed-over key are left behind."""
 
     def __init__(self, recipe: Recipe, ending, *, local: bool, joins: bool, t0: float):
-        from raytune_ft import tracking
+        from raytune_ft import run_opening
 
         self.recipe, self.local, self.joins, self._ending = recipe, local, joins, ending
         self.marks, self.job_start = {"driver": t0}, min(process_start() or t0, t0)
@@ -135,7 +135,7 @@ class StartAhead:
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raytune-start")
         self._held.callback(pool.shutdown, wait=False)   # a stopped run ends without waiting for imports
         self._prepared = pool.submit(prepare_driver, recipe)
-        self.opened = None if joins else self._open(tracking.RunOpening(recipe))
+        self.opened = None if joins else self._open(run_opening.RunOpening(recipe))
 
     def _open(self, opened):
         self._ending.opened = self._held.enter_context(opened)
@@ -149,7 +149,7 @@ class StartAhead:
 
     def start_ray(self) -> None:
         """Ray up (started or joined) and checked; the MLflow run opening; the driver's imports done."""
-        from raytune_ft import preflight, tracking
+        from raytune_ft import preflight, run_opening
 
         ensure_ray(self.local)
         self.marks["ray_start"] = time.time()
@@ -162,7 +162,7 @@ class StartAhead:
             import ray
 
             preflight.check_resources(self.recipe, ray.cluster_resources(), "the Ray cluster it joined")
-        self.opened = self.opened or self._open(tracking.RunOpening(self.recipe))
+        self.opened = self.opened or self._open(run_opening.RunOpening(self.recipe))
         start_train_helpers()
         self._prepared.result()
         from raytune_ft.train.launch import start_tokenizing
@@ -181,11 +181,11 @@ class StartAhead:
     def run_key(self, token: str) -> str:
         """Where rank 0 finds the run id: handed over once the run is open (at once if it is; a run that
         failed to open and is done raises here, in the driver)."""
-        from raytune_ft import tracking
+        from raytune_ft import run_opening
 
         if self.opened.done():
             self.opened.result()
-        handoff = self._held.enter_context(tracking.RunIdHandoff(self.opened, token))
+        handoff = self._held.enter_context(run_opening.RunIdHandoff(self.opened, token))
         self.marks["tracking"] = time.time()
         return handoff.key
 

@@ -20,7 +20,7 @@ def _recipe(tmp_path, *overrides):
 
 
 def _openers() -> list[psutil.Process]:
-    """This process's children that open an MLflow run (tracking.RunOpening's)."""
+    """This process's children that open an MLflow run (run_opening.RunOpening's)."""
     out = []
     for child in psutil.Process().children(recursive=True):
         try:
@@ -46,7 +46,7 @@ def test_a_key_value_store_that_cannot_be_written_fails_the_handoff_at_once(tmp_
     instead of rank 0 waiting for an id that never comes (await_run_id's 600 s)."""
     import ray
 
-    from raytune_ft.tracking import RunIdHandoff, RunIdHandoffError, RunOpening
+    from raytune_ft.run_opening import RunIdHandoff, RunIdHandoffError, RunOpening
 
     assert not ray.is_initialized()
     with RunOpening(_recipe(tmp_path)) as opening:
@@ -60,7 +60,7 @@ def test_a_key_value_store_that_cannot_be_written_fails_the_handoff_at_once(tmp_
 
 @pytest.mark.timeout(120)
 def test_closing_an_opening_still_running_ends_its_process_and_removes_its_file(tmp_path, own_tempdir):
-    from raytune_ft.tracking import RunOpening
+    from raytune_ft.run_opening import RunOpening
 
     opening = RunOpening(_recipe(tmp_path))
     assert not opening.done() and len(list(own_tempdir.glob("raytune_run_*.pickle"))) == 1

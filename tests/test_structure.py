@@ -6,8 +6,8 @@ counts; one under `if TYPE_CHECKING:` does not). Importing `a.b.c` also imports 
 Layers, lowest first (a module imports only its own layer or lower ones):
   1 base       typed_values, env, console, hardware, storage, storage_room: values, the environment,
                printing, the machine, where files live; nothing of the project above them
-  2 parts      recipe, recipe_sections, tracking, lease, shapes, data.*, models.*: the typed recipe and the
-               pieces a run is made of (data pipeline, model build, the MLflow store, the run's lease)
+  2 parts      recipe, recipe_sections, tracking, run_opening, lease, shapes, data.*, models.*: the typed recipe
+               and the pieces a run is made of (data pipeline, model build, the MLflow store, the run's lease)
   3 library    train.* (but train.launch), registry.*: the training loops, checkpoints, registration
   4 driver     plan, storage_plan, storage_check, endings, preflight, plots, train.launch: what the
                launching process checks, starts and reports around one fit
@@ -25,7 +25,7 @@ MAX_LINES = 450
 
 LAYERS = {
     1: {"typed_values", "env", "console", "hardware", "storage", "storage_room"},
-    2: {"recipe", "recipe_sections", "tracking", "lease", "shapes", "data", "models"},
+    2: {"recipe", "recipe_sections", "tracking", "run_opening", "lease", "shapes", "data", "models"},
     3: {"train", "registry"},
     4: {"plan", "storage_plan", "storage_check", "endings", "preflight", "plots", "train.launch"},
     5: {"start_ahead", "run"},

@@ -56,7 +56,8 @@ def test_the_driver_opens_the_run_in_a_process_of_its_own_with_start_runs_answer
     import subprocess
     import sys
 
-    from raytune_ft.tracking import FinishedRunError, RunOpening
+    from raytune_ft.run_opening import RunOpening
+    from raytune_ft.tracking import FinishedRunError
 
     run_id, client = _finished(tmp_path)
     assert RunOpening(_recipe(tmp_path)).result() == run_id           # the finished run's own id, as start_run
@@ -68,7 +69,7 @@ def test_the_driver_opens_the_run_in_a_process_of_its_own_with_start_runs_answer
     assert run_id in str(caught.value)
     assert [r.info.run_id for r in _runs(client)] == [run_id]
 
-    code = ("import json, sys; from raytune_ft.cli import _job_recipe; from raytune_ft.tracking import RunOpening; "
+    code = ("import json, sys; from raytune_ft.cli import _job_recipe; from raytune_ft.run_opening import RunOpening; "
             f"r = _job_recipe('qwen27b_b300', True, ['tracking.storage_path={tmp_path / 'fresh'}']); "
             "rid = RunOpening(r).result(); print(json.dumps([rid, 'mlflow' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -87,7 +88,7 @@ def test_a_run_still_opening_reaches_rank_0_through_rays_key_value_store(tmp_pat
     import ray
     from ray.experimental.internal_kv import _internal_kv_get
 
-    from raytune_ft.tracking import RUN_KEY_NAMESPACE, RunIdHandoff, RunNotOpened, RunOpening
+    from raytune_ft.run_opening import RUN_KEY_NAMESPACE, RunIdHandoff, RunNotOpened, RunOpening
     from raytune_ft.train.common import mlflow_run_of
 
     @ray.remote(num_cpus=0.1, max_retries=0)

@@ -21,13 +21,13 @@ _run_key: str | None = None     # the run id's key in Ray's key-value store, whe
 
 def mlflow_run_of(config: dict, rank: int) -> str | None:
     """The MLflow run rank 0 logs to: the id `run()` hands over through Ray's key-value store
-    (tracking.RunIdHandoff), waited for here; or, for a trainer built with the id (tests, benchmarks), the id in
+    (run_opening.RunIdHandoff), waited for here; or, for a trainer built with the id (tests, benchmarks), the id in
     the loop's config. Other ranks log nothing and wait for nothing."""
     global _run_key
     _run_key = config.get("mlflow_run_key")     # each node's system metrics wait for the run there too
     if rank != 0 or config.get("mlflow_run_id") or not config.get("mlflow_run_key"):
         return config.get("mlflow_run_id")
-    from raytune_ft.tracking import await_run_id
+    from raytune_ft.run_opening import await_run_id
 
     return await_run_id(config["mlflow_run_key"])
 

@@ -146,7 +146,7 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None = None, mlflow_ru
     """The Ray Train trainer for `recipe`; re-running with the same run name resumes from its last checkpoint.
 
     The MLflow run rank 0 logs to: `mlflow_run_key`, where it finds the run id in Ray's key-value store
-    (tracking.RunIdHandoff: how `run()` hands it over), or `mlflow_run_id` for a caller that has the id (tests,
+    (run_opening.RunIdHandoff: how `run()` hands it over), or `mlflow_run_id` for a caller that has the id (tests,
     benchmarks); neither: no tracking. `lease_token`: the run folder's lease this job holds
     (lease.py); each attempt's workers check it is still theirs before they clear the checkpoints dead attempts
     left. `prebuilt`: `build_datasets(recipe)`'s answer, where the caller built them already (run.py, while
