@@ -12,8 +12,8 @@ or any other source of the AWS SDK's default chain, AWS_REGION / AWS_DEFAULT_REG
 passed to the filesystem object: it is pickled to Ray workers and tasks, and a pickled key would travel
 through Ray's object store; each node's SDK reads its own environment instead.
 
-Storage that cannot fill silently (the plan of what a run writes is in storage_plan.py; room on it in
-storage_room.py, re-exported here): a checkpoint folder that no report made Ray's (an attempt died between
+Storage that cannot fill silently (the plan of what a run writes is in storage_plan.py; the errors of a
+full storage in storage_errors.py, re-exported here): a checkpoint folder that no report made Ray's (an attempt died between
 upload and report) is an orphan that Ray never deletes, so `remove_orphans` clears them when an attempt
 starts; `check_room` refuses to start a checkpoint that the free space of a local/shared filesystem cannot
 hold; `disk_full_error` turns torch's or pyarrow's out-of-space failure into one that names the storage,
@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import urllib.parse
 import uuid
 from dataclasses import dataclass
@@ -32,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import pyarrow.fs as pafs
 
-from raytune_ft.storage_room import (FileTooLargeError, StorageFullError, check_room, disk_full_error,  # noqa: F401
-                                     fmt_bytes, free_bytes, is_disk_full, too_large_error)
+from raytune_ft.storage_errors import (FileTooLargeError, StorageFullError, disk_full_error,  # noqa: F401
+                                       fmt_bytes, is_disk_full, too_large_error)
 
 if TYPE_CHECKING:
     from raytune_ft.recipe import Recipe
@@ -350,3 +351,32 @@ def latest_checkpoint_bytes(fs: pafs.FileSystem, run_path: str) -> int | None:
     if not reported or not reported.latest:
         return None
     return tree_bytes(fs, f"{run_path.rstrip('/')}/{reported.latest}") or None
+
+
+# ---------------------------------------------------------------- room for the next checkpoint
+
+def free_bytes(storage: Storage, path: str | None = None) -> int | None:
+    """Free bytes where `path` (default: the root) lives, when the filesystem can say; None for object stores."""
+    if storage.remote:
+        return None
+    p = path or storage.root
+    while p and not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    try:
+        return shutil.disk_usage(p or "/").free
+    except OSError:
+        return None
+
+
+def check_room(storage: Storage, needed: int | None, *, path: str | None = None, what: str = "the next checkpoint",
+               free_probe: Callable[[Storage, str | None], int | None] | None = None) -> int | None:
+    """Raise StorageFullError when the storage says it has less free space than `needed`; return the free bytes."""
+    if not needed:
+        return None
+    free = (free_probe or free_bytes)(storage, path)
+    if free is not None and free < needed:
+        raise StorageFullError(storage.uri(path), needed, free, what)
+    return free

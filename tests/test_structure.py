@@ -4,7 +4,7 @@ counts; one under `if TYPE_CHECKING:` does not). Importing `a.b.c` also imports 
 `a`, so those count as imported too, except the importer's own packages (already being imported).
 
 Layers, lowest first (a module imports only its own layer or lower ones):
-  1 base       typed_values, env, console, hardware, storage, storage_room: values, the environment,
+  1 base       typed_values, env, console, hardware, storage, storage_errors: values, the environment,
                printing, the machine, where files live; nothing of the project above them
   2 parts      recipe, recipe_sections, tracking, run_opening, lease, shapes, data.*, models.*: the typed recipe
                and the pieces a run is made of (data pipeline, model build, the MLflow store, the run's lease)
@@ -24,7 +24,7 @@ PKG = Path(__file__).resolve().parents[1] / "raytune_ft"
 MAX_LINES = 450
 
 LAYERS = {
-    1: {"typed_values", "env", "console", "hardware", "storage", "storage_room"},
+    1: {"typed_values", "env", "console", "hardware", "storage", "storage_errors"},
     2: {"recipe", "recipe_sections", "tracking", "run_opening", "lease", "shapes", "data", "models"},
     3: {"train", "registry"},
     4: {"plan", "storage_plan", "storage_check", "endings", "preflight", "plots", "train.launch"},

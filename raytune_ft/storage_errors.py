@@ -1,15 +1,9 @@
-"""Room on a run's storage: whether the next checkpoint fits (`check_room`), and the failures a full or
-size-limited storage raises turned into errors that name the storage and say what to do
-(`disk_full_error`, `too_large_error`). `raytune_ft.storage` re-exports every name here."""
+"""The failures of a full or size-limited storage turned into errors that name the storage and say what
+to do (`StorageFullError` via `disk_full_error`, `FileTooLargeError` via `too_large_error`).
+`raytune_ft.storage` re-exports every name here."""
 from __future__ import annotations
 
 import errno
-import os
-import shutil
-from typing import TYPE_CHECKING, Callable
-
-if TYPE_CHECKING:
-    from raytune_ft.storage import Storage
 
 
 class StorageFullError(RuntimeError):
@@ -39,36 +33,6 @@ def fmt_bytes(n: float | None) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{int(n)} B"
-
-
-# ---------------------------------------------------------------- room for the next checkpoint
-
-
-def free_bytes(storage: Storage, path: str | None = None) -> int | None:
-    """Free bytes where `path` (default: the root) lives, when the filesystem can say; None for object stores."""
-    if storage.remote:
-        return None
-    p = path or storage.root
-    while p and not os.path.exists(p):
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
-    try:
-        return shutil.disk_usage(p or "/").free
-    except OSError:
-        return None
-
-
-def check_room(storage: Storage, needed: int | None, *, path: str | None = None, what: str = "the next checkpoint",
-               free_probe: Callable[[Storage, str | None], int | None] | None = None) -> int | None:
-    """Raise StorageFullError when the storage says it has less free space than `needed`; return the free bytes."""
-    if not needed:
-        return None
-    free = (free_probe or free_bytes)(storage, path)
-    if free is not None and free < needed:
-        raise StorageFullError(storage.uri(path), needed, free, what)
-    return free
 
 
 _FULL_TEXT = ("no space left on device", "disk quota exceeded", "not enough space", "unexpected pos",
