@@ -1,4 +1,4 @@
-"""Shared test fixtures: paths to tests/fixtures and a local Ray instance per module; the `slow` marker.
+"""Shared test fixtures: paths to tests/fixtures and one local Ray per session; the `slow` marker.
 
 `pytest -m "not slow"` runs the unit-level tests; `make test` runs everything. A test is slow when it
 starts Ray, a server or a training run: marked here from the fixtures that start those and from the
@@ -35,12 +35,22 @@ SLOW_MODULES = {"test_fault_tolerance", "test_fsdp_loop", "test_job_submit", "te
                 "test_trl_recipes", "test_trl_resume"}
 # tests that spawn a process group of their own (torch.multiprocessing)
 SLOW_TESTS = {"test_fsdp2_sharded_load_matches_unsharded", "test_random_init_of_a_sharded_model_matches_transformers_init",
-              "test_a_kernel_failing_on_one_rank_is_off_on_every_rank"}
+              "test_a_kernel_failing_on_one_rank_is_off_on_every_rank",
+              # bench's CPU smokes: a recipe run, `ray start` and `ray job submit`, workers' imports in fresh processes
+              "test_cpu_smoke_of_the_suite_writes_a_dated_record",
+              "test_cpu_smoke_of_the_imports_bench_times_the_workers_import_stages",
+              "test_cpu_smoke_of_the_resubmit_bench_submits_twice_to_its_own_head_and_stops_it",
+              "test_cpu_smoke_of_speed_reports_the_steps_alone_and_end_to_end",
+              "test_cpu_smoke_of_recovery_times_the_kill_to_the_next_attempts_first_step"}
 # a parametrized test's value that starts a server when the test asks for it (tests/test_storage.py's `where`)
 SLOW_PARAMS = {"s3"}
 
 
 def pytest_collection_modifyitems(config, items):
+    RAY_LOCAL_MODULES.update(item.path.stem for item in items
+                             if item.path and "ray_local" in getattr(item, "fixturenames", ()))
+    # the modules sharing ray_local's Ray last, one after another, so it starts once (a stable sort)
+    items.sort(key=lambda item: bool(item.path) and item.path.stem in RAY_LOCAL_MODULES)
     for item in items:
         module = item.path.stem if item.path else ""
         params = set(map(str, getattr(getattr(item, "callspec", None), "params", {}).values()))
@@ -63,15 +73,56 @@ def fixtures() -> Path:
     return FIXTURES
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """A real local Ray with more logical CPUs than cores, so Ray Data inside a trainer does not starve."""
+# Ray started by ray_local, shared by every module that asks for it; a module that does not ask gets a
+# process without it (own_ray / shared_ray_down), and the modules that ask run one after another
+_SHARED_RAY = {"up": False}
+RAY_LOCAL_MODULES: set[str] = set()
+
+
+def shared_ray_down() -> None:
+    """Shut ray_local's Ray down if it is up (ray_local starts it again on its next use)."""
+    if _SHARED_RAY["up"]:
+        import ray
+
+        ray.shutdown()
+        _SHARED_RAY["up"] = False
+
+
+def own_ray(**kwargs):
+    """ray.init(**kwargs) for a module that needs a Ray of its own (other resources, environment, cluster):
+    the shared one is shut down first."""
     import ray
 
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True,
-             ignore_reinit_error=True)
+    shared_ray_down()
+    return ray.init(**kwargs)
+
+
+@pytest.fixture(scope="session")
+def _ray_session():
+    yield
+    shared_ray_down()
+
+
+@pytest.fixture(scope="module")
+def ray_local(_ray_session):
+    """A real local Ray with more logical CPUs than cores, so Ray Data inside a trainer does not starve.
+    One per session: started on first use, kept across the modules that use it (grouped together by
+    pytest_collection_modifyitems), shut down before a module that does not."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True)
+        _SHARED_RAY["up"] = True
     yield ray
-    ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_shared_ray_elsewhere(request):
+    """A module that does not use ray_local starts in a process without the shared Ray (some start their
+    own, some check that nothing started one)."""
+    if request.module.__name__.rsplit(".", 1)[-1] not in RAY_LOCAL_MODULES:
+        shared_ray_down()
+    yield
 
 
 SECRET_VARS = ("DATABRICKS_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MLFLOW_TRACKING_TOKEN",

@@ -34,7 +34,7 @@ import time
 import pytest
 
 from raytune_ft import storage
-from tests.conftest import REPO, run_with_fault, train_state
+from tests.conftest import REPO, own_ray, run_with_fault, train_state
 from tests.faults import fault_env
 
 STEPS, EVERY = 10, 4
@@ -140,7 +140,7 @@ def runs(tmp_path_factory):
     out: dict = {"storage": storage}
     # Ray Train's state actor (ranks, PIDs and nodes of each attempt's workers) is opt-in
     os.environ[STATE_TRACKING_ENV] = "1"
-    ray.init(address="local", num_cpus=8, include_dashboard=False)
+    own_ray(address="local", num_cpus=8, include_dashboard=False)
     try:
         # 1. rank 1 dies in the window between uploading the final checkpoint and reporting it
         window = _recipe(storage, "window", max_failures=0)
