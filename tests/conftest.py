@@ -41,7 +41,9 @@ SLOW_TESTS = {"test_fsdp2_sharded_load_matches_unsharded", "test_random_init_of_
               "test_cpu_smoke_of_the_imports_bench_times_the_workers_import_stages",
               "test_cpu_smoke_of_the_resubmit_bench_submits_twice_to_its_own_head_and_stops_it",
               "test_cpu_smoke_of_speed_reports_the_steps_alone_and_end_to_end",
-              "test_cpu_smoke_of_recovery_times_the_kill_to_the_next_attempts_first_step"}
+              "test_cpu_smoke_of_recovery_times_the_kill_to_the_next_attempts_first_step",
+              # an MLflow server and a --local training run
+              "test_password_in_the_tracking_uri_reaches_no_console_summary_param_tag_or_checkpoint"}
 # a parametrized test's value that starts a server when the test asks for it (tests/test_storage.py's `where`)
 SLOW_PARAMS = {"s3"}
 
