@@ -242,6 +242,12 @@ def test_fp8_step_checkpoint_and_export_keep_the_bf16_state(tmp_path, process_gr
 
     from raytune_ft.train import checkpoint as ckpt_io
     from raytune_ft.train.fsdp_loop import shard_packed_model
+    from raytune_ft.train.state import TrainState
+
+    def state_at(model, opt, step=0):
+        state = TrainState(model, opt)
+        state.schedule.step = step
+        return state
 
     torch.manual_seed(0)
     init = AutoModelForCausalLM.from_config(_small_config(), dtype=torch.float32).state_dict()
@@ -260,7 +266,7 @@ def test_fp8_step_checkpoint_and_export_keep_the_bf16_state(tmp_path, process_gr
 
     # DCP checkpoint of the float8 run: no torchao class pickled into it, and a bf16 model resumes from it
     ckpt = tmp_path / "ckpt"
-    ckpt_io.save_train_checkpoint(str(ckpt), model8, opt8, 0, {"step": 3})
+    ckpt_io.save_train_checkpoint(str(ckpt), state_at(model8, opt8, 3), 0)
     blobs = b"".join(p.read_bytes() for p in (ckpt / "dcp").iterdir())
     assert b"torchao" not in blobs and b"Float8" not in blobs
     fresh_lm = AutoModelForCausalLM.from_config(_small_config(), dtype=torch.float32, attn_implementation="sdpa")
@@ -269,13 +275,13 @@ def test_fp8_step_checkpoint_and_export_keep_the_bf16_state(tmp_path, process_gr
     fresh_opt = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-4)
     trained = {k: v.full_tensor() for k, v in model8.state_dict().items()}
     assert any(not torch.equal(trained[k], v.full_tensor()) for k, v in fresh.state_dict().items())
-    ckpt_io.load_train_checkpoint(str(ckpt), fresh, fresh_opt, 0)
+    ckpt_io.load_train_checkpoint(str(ckpt), state_at(fresh, fresh_opt), 0)
     assert all(torch.equal(trained[k], v.full_tensor()) for k, v in fresh.state_dict().items())
     # ... and the float8 model resumes from a bf16 run's checkpoint the same way
     ref_ckpt = tmp_path / "ref_ckpt"
-    ckpt_io.save_train_checkpoint(str(ref_ckpt), ref, torch.optim.AdamW(ref.parameters()), 0, {"step": 3})
+    ckpt_io.save_train_checkpoint(str(ref_ckpt), state_at(ref, torch.optim.AdamW(ref.parameters()), 3), 0)
     lm_b, model_b, opt_b, _ = _train(init, recipe, [], ac)
-    ckpt_io.load_train_checkpoint(str(ref_ckpt), model_b, opt_b, 0)
+    ckpt_io.load_train_checkpoint(str(ref_ckpt), state_at(model_b, opt_b), 0)
     ref_state = {k: v.full_tensor() for k, v in ref.state_dict().items()}
     assert all(torch.equal(ref_state[k], v.full_tensor()) for k, v in model_b.state_dict().items())
 
