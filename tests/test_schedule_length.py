@@ -41,27 +41,36 @@ class _Opened:
         return iter(self.blocks)
 
 
-def _length(recipe, state: dict, opened: _Opened) -> tuple[int, str]:
-    feed = EpochFeeds(opened, epochs=recipe.train.epochs, per_step=1, seq_len=SEQ_LEN, rank=0, state=state)
+def _length(recipe, state, opened: _Opened) -> tuple[int, str]:
+    feed = EpochFeeds(opened, epochs=recipe.train.epochs, per_step=1, seq_len=SEQ_LEN, rank=0,
+                      state=state.data.state_dict())
     out = io.StringIO()
     return _schedule_length(recipe, state, feed, WorkerLog(0, recipe, None, stream=out)), out.getvalue()
 
 
 def test_fsdp_schedule_length_is_recounted_when_train_epochs_changed(tmp_path):
+    from raytune_ft.train.state import TrainState
+
+    def resumed(state: TrainState) -> TrainState:
+        """A new attempt's state, read back from the train-state file's object as the checkpoint holds it."""
+        again = TrainState()
+        again.load_state_dict(json.loads(json.dumps(state.state_dict())))
+        return again
+
     blocks = _blocks()
     assert len(blocks) > 2
-    state: dict = {}
+    state = TrainState()
     assert _length(_recipe(tmp_path), state, _Opened(blocks))[0] == len(blocks)
-    saved = json.loads(json.dumps(state))                  # as the checkpoint holds it
 
+    saved = resumed(state)
     opened = _Opened(blocks)
     total, said = _length(_recipe(tmp_path, epochs=2), saved, opened)
     assert total == 2 * len(blocks)
     assert "train.epochs" in said and "recounted" in said
-    assert saved["counted_steps"] == total
+    assert saved.state_dict()["counted_steps"] == total
 
     # the same settings again: read back, no pass over the data beyond the feed's own
-    again = json.loads(json.dumps(saved))
+    again = resumed(saved)
     opened = _Opened(blocks)
     total, said = _length(_recipe(tmp_path, epochs=2), again, opened)
     assert total == 2 * len(blocks) and opened.n == 1 and "counted" not in said
