@@ -3,6 +3,8 @@ in order, on a real sqlite store; a failed call said in the worker's words with 
 the worker's process never imports MLflow; a sender that dies hands the next calls back to the worker."""
 from __future__ import annotations
 
+import contextlib
+
 import io
 import json
 import os
@@ -124,6 +126,21 @@ def _calls_in_a_thread(sender, steps) -> "threading.Thread":
     return t
 
 
+@contextlib.contextmanager
+def _stalled_sender_after_60_calls(recipe, run_id, said: list):
+    """A stopped sender (`_stopped_sender`) handed 60 calls from a thread, which must not block on it;
+    yields the sender, whose process is killed at the end if still there."""
+    sender = _stopped_sender(recipe, run_id, said)
+    try:
+        t = _calls_in_a_thread(sender, range(1, 61))
+        t.join(timeout=30)
+        assert not t.is_alive(), "the training thread blocked on the sender's full pipe"
+        yield sender
+    finally:
+        if sender._proc is not None and sender._proc.poll() is None:
+            sender._proc.kill()
+
+
 @pytest.mark.slow          # thousands of points into a real store
 @pytest.mark.timeout(300)
 def test_a_stalled_sender_never_blocks_the_training_thread_and_its_calls_are_made_later(mlflow_run):
@@ -133,17 +150,10 @@ def test_a_stalled_sender_never_blocks_the_training_thread_and_its_calls_are_mad
 
     recipe, run_id = mlflow_run
     said: list[str] = []
-    sender = _stopped_sender(recipe, run_id, said)
-    try:
-        t = _calls_in_a_thread(sender, range(1, 61))
-        t.join(timeout=30)
-        assert not t.is_alive(), "the training thread blocked on the sender's full pipe"
+    with _stalled_sender_after_60_calls(recipe, run_id, said) as sender:
         os.kill(sender._proc.pid, signal.SIGCONT)            # the store answers again
         assert sender.flush(timeout=240) is True, said
         sender.close(timeout=60)
-    finally:
-        if sender._proc is not None and sender._proc.poll() is None:
-            sender._proc.kill()
     assert said == []
     history = MlflowClient(recipe.tracking_uri).get_metric_history(run_id, "train/m007")
     assert [m.step for m in history] == list(range(1, 61))           # none lost, in order
@@ -158,12 +168,8 @@ def test_a_flush_that_times_out_says_so_and_close_is_bounded(tmp_path, monkeypat
     monkeypatch.setattr(mlflow_sender, "EXIT_GRACE_S", 5.0, raising=False)
     recipe, run_id = _never_reached(tmp_path)
     said: list[str] = []
-    sender = _stopped_sender(recipe, run_id, said)
-    pid = sender._proc.pid
-    try:
-        t = _calls_in_a_thread(sender, range(1, 61))
-        t.join(timeout=30)
-        assert not t.is_alive(), "the training thread blocked on the sender's full pipe"
+    with _stalled_sender_after_60_calls(recipe, run_id, said) as sender:
+        pid = sender._proc.pid
         assert sender.flush(timeout=1) is False                     # before a checkpoint: curves missing
         assert len(said) == 1 and said[0].startswith("MLflow: 60 call(s) still not made after 1 s"), said
         start = time.monotonic()
@@ -174,9 +180,6 @@ def test_a_flush_that_times_out_says_so_and_close_is_bounded(tmp_path, monkeypat
         assert said[-1] == "MLflow: 60 call(s) not made after 2 s; the sender is stopped", said
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    finally:
-        if sender._proc is not None and sender._proc.poll() is None:
-            sender._proc.kill()
 
 
 def _closing_in_a_thread(sender, timeout: float):
@@ -194,11 +197,7 @@ def test_calls_beyond_the_senders_queue_are_dropped_and_said(tmp_path, monkeypat
     monkeypatch.setattr(mlflow_sender, "QUEUE_CALLS", 20, raising=False)
     recipe, run_id = _never_reached(tmp_path)
     said: list[str] = []
-    sender = _stopped_sender(recipe, run_id, said)
-    try:
-        t = _calls_in_a_thread(sender, range(1, 61))
-        t.join(timeout=30)
-        assert not t.is_alive(), "the training thread blocked on the sender's full pipe"
+    with _stalled_sender_after_60_calls(recipe, run_id, said) as sender:
         assert any(s.startswith("MLflow: 1 call(s) dropped so far: 20 calls wait for the sender") for s in said), said
         sender.close(timeout=1)
         # the queue holds 20; the sender's thread moved a few more into the pipe before it filled
@@ -207,6 +206,3 @@ def test_calls_beyond_the_senders_queue_are_dropped_and_said(tmp_path, monkeypat
         dropped = re.fullmatch(r"MLflow: (\d+) call\(s\) were dropped while the sender was behind", said[-1])
         assert lost and dropped, said
         assert int(lost[1]) + int(dropped[1]) == 60 and 20 <= int(lost[1]) < 60, said
-    finally:
-        if sender._proc is not None and sender._proc.poll() is None:
-            sender._proc.kill()

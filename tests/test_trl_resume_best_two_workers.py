@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_trl_resume import _history, _recipe, _weights
-from tests.test_trl_resume_edges import _checkpoint_of_step, _run_with_fault, _same_weights
+from tests.test_trl_resume import _recipe
+from tests.test_trl_resume_edges import _run_with_fault, assert_ended_on_the_best_first_step
 
 
 @pytest.mark.timeout(900)
 def test_best_checkpoint_of_an_earlier_attempt_is_loaded_at_the_end_on_two_workers(tmp_path):
     import ray
-
-    from raytune_ft.train.checkpoint import read_meta
 
     recipe = _recipe(tmp_path, "best2", 1, "scaling.num_workers=2", "train.max_steps=4", "train.lr=0.3",
                      "train.schedule=constant", "train.warmup_steps=0", "train.eval_every=1",
@@ -31,10 +29,4 @@ def test_best_checkpoint_of_an_earlier_attempt_is_loaded_at_the_end_on_two_worke
     params = MlflowClient(recipe.tracking_uri).get_run(best.mlflow_run_id).data.params
     assert any(".attempt2." in k for k in params), "no second attempt: the kill never happened"
     assert recipe.scaling.num_workers == 2
-    evals = {s: v[-1] for s, v in _history(recipe, best.mlflow_run_id, "eval_loss").items()}
-    assert min(evals, key=evals.get) == 1 and sorted(evals) == [1, 2, 3, 4]
-    final = _weights(best.checkpoint)
-    assert _same_weights(final, _weights(_checkpoint_of_step(recipe, 1)))
-    assert not _same_weights(final, _weights(_checkpoint_of_step(recipe, 4)))
-    meta = read_meta(best.checkpoint)
-    assert meta["best_step"] == 1 and meta["weights_step"] == 1
+    assert_ended_on_the_best_first_step(recipe, best)

@@ -127,10 +127,16 @@ def test_resubmit_with_more_epochs_recounts_the_schedule(runs):
 
 @pytest.mark.timeout(2400)
 def test_best_checkpoint_of_an_earlier_attempt_is_loaded_at_the_end(runs):
-    from raytune_ft.train.checkpoint import read_meta
-
     recipe, best = _finished(runs, "best")
     assert best.steps == 4
+    assert_ended_on_the_best_first_step(recipe, best)
+
+
+def assert_ended_on_the_best_first_step(recipe, best) -> None:
+    """A 4-step run evaluated every step whose first evaluation is its best: its final checkpoint holds the
+    step-1 weights (not step 4's) and says so in its meta."""
+    from raytune_ft.train.checkpoint import read_meta
+
     evals = {s: v[-1] for s, v in _history(recipe, best.mlflow_run_id, "eval_loss").items()}
     assert min(evals, key=evals.get) == 1 and sorted(evals) == [1, 2, 3, 4]
     final = _weights(best.checkpoint)
