@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raytune_ft.console import libraries_to_file, library_log
 from raytune_ft.data.packing import DataCounters
 from raytune_ft.recipe import Recipe
 from raytune_ft.train import checkpoint as ckpt_io
@@ -90,6 +91,7 @@ def train_fsdp(config: dict) -> None:
     jit = jit_cache.for_worker(recipe, device, log.info)   # before anything compiles
     log.startup.mark("model_build.setup")
     model, lm, tok = build_fsdp_model(recipe, device, log)
+    libraries_to_file(library_log("workers"))     # transformers' own log lines too, now that it is imported
     log.startup.mark("model_build")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=t_cfg.lr, betas=tuple(t_cfg.betas), weight_decay=t_cfg.weight_decay,
