@@ -37,7 +37,9 @@ def fault_env(**plan: str) -> dict[str, str]:
     unknown = set(plan) - {"exit_after_upload", "exit_after_write", "fail_after_write", "kill_at_step", "free_bytes"}
     if unknown:
         raise ValueError(f"unknown faults: {sorted(unknown)}")
-    return {hooks.PLUGIN_ENV: f"{MODULE}:{json.dumps(plan)}"}
+    # the repository's root: a worker started from another folder (a run launched elsewhere) imports it from there
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {hooks.PLUGIN_ENV: f"{MODULE}:{json.dumps(plan)}", hooks.PLUGIN_PATH_ENV: root}
 
 
 def install(argument: str) -> None:

@@ -22,7 +22,7 @@ def _worker_env() -> dict[str, str]:
     keep = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "RAYTUNE_HF_ROOT", "HF_HOME",
             "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
             "TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "FLA_CACHE_RESULTS",
-            hooks.PLUGIN_ENV, "RAYTUNE_COMPILE_KEYS")
+            hooks.PLUGIN_ENV, hooks.PLUGIN_PATH_ENV, "RAYTUNE_COMPILE_KEYS")
     from raytune_ft.console import QUIET_ENV, PLAIN_ENV
     from raytune_ft.env import BYTECODE_ENV
 
