@@ -20,6 +20,13 @@ TRL 4B recipe (1 worker, 8 steps, checkpoint + eval every 4): its worker SIGKILL
 step 5, trained by both attempts, logs the same loss twice. Registration cannot run either; the retry command
 works.
 
+27B recipe with checkpoints written in the background (train.async_checkpoint=on), on S3 too: rank 1 exits in
+the writer thread during the step-8 save, its files written locally but not uploaded, while the loop trains
+on (exit_after_write, max_failures=1): the next attempt resumes from step 4, the last complete checkpoint, and
+ends with the uninterrupted run's losses and data counters. Then rank 1's background save of step 4 raises
+instead (fail_after_write, max_failures=0): the run stops with that error at the next step boundary, and
+no checkpoint is registered.
+
 27B recipe again, no fault hook: this test SIGKILLs rank 1's RayTrainWorker process from outside (its PID from
 Ray Train's state actor) once the step-4 checkpoint is registered on S3; Ray restarts the worker group, which
 resumes from S3 and finishes with the uninterrupted run's losses.
@@ -195,6 +202,21 @@ def s3_killed(s3_runs):
 
 
 @pytest.fixture(scope="module")
+def s3_background(s3_runs):
+    """The 27B recipe on S3 with background checkpoints: a worker dying during a background save, then a
+    background save failing."""
+    root = s3_runs["root"]
+    out: dict = {}
+    common = (f"train.max_steps={STEPS}", f"train.checkpoint_every={EVERY}", "registry.enabled=false",
+              "train.async_checkpoint=on")
+    out["background"] = _recipe("qwen27b_b300", root, "s3-background", "scaling.max_failures=1", *common)
+    out["background_error"] = run_with_fault(out["background"], fault_env(exit_after_write="8:1"))
+    out["failing"] = _recipe("qwen27b_b300", root, "s3-failing", "scaling.max_failures=0", *common)
+    out["failing_error"] = run_with_fault(out["failing"], fault_env(fail_after_write=f"{EVERY}:1"))
+    return out
+
+
+@pytest.fixture(scope="module")
 def small_storage(s3_ray):
     """Runs on a storage too small for a checkpoint (a local folder, the free-space probe patched), both with
     scaling.max_failures=1: the 27B recipe's step-8 checkpoint does not fit, the TRL recipe's first does not."""
@@ -236,7 +258,6 @@ def test_27b_on_s3_dies_in_checkpoint_window_every_attempt_storage_stays_bounded
         st = w.final_states[name]
         assert st["resumed_from"] == [8], st.get("resumed_from")
         _assert_history_matches(st["history"], reference["history"])
-    s3_runs["reference"] = reference
 
 
 @pytest.mark.timeout(1500)
@@ -246,11 +267,19 @@ def test_27b_on_s3_finishes_once_the_fault_stops_exports_and_retry_registers(s3_
     s, fs = s3_runs["finished"], s3_runs["fs"]
     assert s.steps == STEPS and s.checkpoint.startswith(f"s3://{s3_runs['bucket']}/runs/s3-27b/checkpoint_")
     ckpt = s.checkpoint[len("s3://"):]
+    ref = _reference(s3_runs)
     for rank in (0, 1):
         st = storage.read_json(fs, f"{ckpt}/train_state/rank{rank}.json")
         assert st["resumed_from"] == [8] and st["step"] == STEPS
-        if "reference" in s3_runs:
-            _assert_history_matches(st["history"], s3_runs["reference"]["history"])
+        _assert_history_matches(st["history"], ref["history"])
+    # rank 1 consumed exactly the blocks, and counted exactly the rows, of the uninterrupted run
+    assert st["blocks_consumed"] == ref["blocks_consumed"] and st["counters"] == ref["counters"]
+    # the re-submit reopened the job's MLflow run instead of starting another one
+    client = mlflow.MlflowClient(s.tracking_uri)
+    exp = client.get_experiment_by_name(s3_runs["r27"].tracking.experiment)
+    found = client.search_runs([exp.experiment_id], filter_string="tags.`raytune.run_name` = 's3-27b'")
+    assert len(found) == 1 and found[0].info.run_id == s.mlflow_run_id
+    assert found[0].data.tags.get("raytune.resubmitted") == "true" and found[0].info.status == "FINISHED"
     assert storage.exists(fs, f"{ckpt}/hf/config.json") and storage.exists(fs, f"{ckpt}/dcp/.metadata")
     # the summary and plots are in the run folder on S3; MLflow's artifacts (the logged model) too
     summary = storage.read_json(fs, f"{s3_runs['bucket']}/runs/s3-27b/summary.json")
@@ -327,6 +356,40 @@ def test_27b_on_s3_worker_sigkilled_from_outside_resumes_from_s3_and_finishes(s3
         st = storage.read_json(s3_runs["fs"], f"{s.checkpoint[len('s3://'):]}/train_state/rank{rank}.json")
         assert st["step"] == STEPS and len(st["resumed_from"]) == 1 and st["resumed_from"][0] in (4, 8), st
         _assert_history_matches(st["history"], w.final_states[first]["history"])
+
+
+def _reference(s3_runs) -> dict:
+    """Rank 1's train state of the uninterrupted run: the first orphan of the fault case (every rank keeps the
+    whole loss history; rank 1 its own data counters)."""
+    w = s3_runs["watcher"]
+    return w.final_states[min(n for n in w.final_states if n not in s3_runs["folders_before_again"])]
+
+
+@pytest.mark.timeout(1500)
+def test_a_worker_dying_during_a_background_save_on_s3_resumes_from_the_last_complete_checkpoint(s3_runs,
+                                                                                                s3_background):
+    from raytune_ft.train.checkpoint import read_meta_at
+
+    assert s3_background["background_error"] is None, repr(s3_background["background_error"])
+    fs, run_path = s3_runs["fs"], f"{s3_runs['bucket']}/runs/s3-background"
+    final = [n for n in storage.checkpoint_dirs(fs, run_path) if read_meta_at(fs, f"{run_path}/{n}").get("final")]
+    assert len(final) == 1, storage.checkpoint_dirs(fs, run_path)
+    ref = _reference(s3_runs)
+    for rank in (0, 1):
+        st = storage.read_json(fs, f"{run_path}/{final[0]}/train_state/rank{rank}.json")
+        # the step-8 save never completed: the restart came from step 4's
+        assert st["resumed_from"] == [EVERY], st.get("resumed_from")
+        _assert_history_matches(st["history"], ref["history"])
+        if rank == 1:
+            assert st["blocks_consumed"] == ref["blocks_consumed"] and st["counters"] == ref["counters"]
+
+
+@pytest.mark.timeout(1500)
+def test_a_failed_background_save_on_s3_stops_the_run_and_registers_nothing(s3_runs, s3_background):
+    err = s3_background["failing_error"]
+    assert err is not None and "could not write the step-4 checkpoint" in str(err), repr(err)
+    reported = storage.reported_checkpoints(s3_runs["fs"], f"{s3_runs['bucket']}/runs/s3-failing")
+    assert reported is None or not reported.kept, reported
 
 
 @pytest.mark.timeout(900)

@@ -194,44 +194,50 @@ def _epoch_totals(states: dict, epoch: int) -> dict:
     return total.to_dict()
 
 
+@pytest.fixture(scope="module")
+def two_epochs(ray_local, tmp_path_factory):
+    """Two epochs of the tiny recipe, once straight and once stopped two steps into the second epoch and
+    re-submitted under one name (constant LR: the stopped run's shorter step cap leaves its LRs as they are)."""
+    storage = tmp_path_factory.mktemp("two_epochs")
+    straight = _fsdp_recipe(storage, "straight", "builtin:chat:120", epochs=2, schedule="constant")
+    out = {"recipe": straight, "rows": _data_rows(straight)}
+    _, out["full"] = _fit(straight)
+    stop = out["stop"] = out["full"][0]["epoch_steps"][0] + 2
+    # ends one step later without a final checkpoint: the latest one (step `stop`) is resumable
+    part_r = _fsdp_recipe(storage, "resumed", "builtin:chat:120", epochs=2, schedule="constant",
+                          max_steps=stop + 1, checkpoint_every=stop, save_final=False)
+    _, out["part"] = _fit(part_r)
+    again = _fsdp_recipe(storage, "resumed", "builtin:chat:120", epochs=2, schedule="constant")
+    _, out["resumed"] = _fit(again)
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_two_epochs_train_every_block_twice_and_cosine_ends_at_its_floor(ray_local, tmp_path):
-    r = _fsdp_recipe(tmp_path, "epochs", "builtin:chat:160", epochs=2, schedule="cosine", min_lr_ratio=0.1)
-    rows = _data_rows(r)
-    _, states = _fit(r)
+@pytest.mark.timeout(900)
+def test_two_epochs_train_every_block_twice_each_in_its_own_order(two_epochs):
+    rows, states = two_epochs["rows"], two_epochs["full"]
     st = states[0]
     assert st["epoch"] == 1 and len(st["epoch_counters"]) == 2
     for epoch in (0, 1):
         c = _epoch_totals(states, epoch)
         assert c["conversations_packed"] == len(rows)                            # every conversation
         assert c["real_tokens"] == sum(len(x["input_ids"]) for x in rows)         # every token, once
-    # the two epochs saw the conversations in a different order (a different shuffle seed)
-    assert len(st["epoch_fingerprints"]) == 1 and st["epoch_fingerprints"][0] != st["data_fingerprint"]
-    # every step of both epochs trained, and the schedule was counted for exactly those steps
+    # the two epochs saw the conversations in a different order (a different shuffle seed); the second
+    # pass's own fingerprint is listed too once its reader ran to the end
+    first, *second = st["epoch_fingerprints"]
+    assert first != st["data_fingerprint"] and second in ([], [st["data_fingerprint"]]), st["epoch_fingerprints"]
+    # every step of both epochs trained (the schedule's length counted over two epochs: the poorly packed
+    # run below, whose schedule decays)
     steps = st["epoch_steps"][0] + st["steps_in_epoch"]
     assert st["epoch_steps"][0] > 0 and st["steps_in_epoch"] > 0
     assert [h["step"] for h in st["history"]] == list(range(1, steps + 1))
-    assert st["total_steps"] == steps
-    lrs = [h["lr"] for h in st["history"]]
-    assert lrs[-1] == pytest.approx(0.1 * r.train.lr)
-    assert all(a > b for a, b in zip(lrs, lrs[1:]))
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_resume_inside_the_second_epoch_matches_an_uninterrupted_run(ray_local, tmp_path):
-    straight = _fsdp_recipe(tmp_path, "straight", "builtin:chat:120", epochs=2, schedule="constant")
-    _, full = _fit(straight)
-    first_epoch = full[0]["epoch_steps"][0]
-    stop = first_epoch + 2                      # two steps into the second epoch
-    # ends one step later without a final checkpoint: the latest one (step `stop`) is resumable
-    part_r = _fsdp_recipe(tmp_path, "resumed", "builtin:chat:120", epochs=2, schedule="constant",
-                          max_steps=stop + 1, checkpoint_every=stop, save_final=False)
-    _, part = _fit(part_r)
+@pytest.mark.timeout(900)
+def test_resume_inside_the_second_epoch_matches_an_uninterrupted_run(two_epochs):
+    full, part, resumed, stop = (two_epochs[k] for k in ("full", "part", "resumed", "stop"))
     assert part[0]["step"] == stop and part[0]["epoch"] == 1
-    again = _fsdp_recipe(tmp_path, "resumed", "builtin:chat:120", epochs=2, schedule="constant")
-    _, resumed = _fit(again)
     assert resumed[0]["resumed_from"] == [stop]
     full_l = [h["loss"] for h in full[0]["history"]]
     res_l = [h["loss"] for h in resumed[0]["history"]]
@@ -254,20 +260,28 @@ def _low_efficiency_source(path, n: int) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_poorly_packed_data_trains_every_block_and_ends_at_the_floor(ray_local, tmp_path):
-    src = _low_efficiency_source(tmp_path / "long.jsonl", 40)
-    r = _fsdp_recipe(tmp_path, "lowpack", src, schedule="cosine", min_lr_ratio=0.1)
+def test_poorly_packed_data_over_two_epochs_trains_every_block_and_cosine_ends_at_its_floor(ray_local, tmp_path):
+    """One conversation per block, two epochs, a cosine schedule whose length is counted: every block of
+    both passes is a step, and the LR falls on every step to the floor on the last."""
+    src = _low_efficiency_source(tmp_path / "long.jsonl", 24)
+    r = _fsdp_recipe(tmp_path, "lowpack", src, epochs=2, schedule="cosine", min_lr_ratio=0.1)
     rows = _data_rows(r)
     _, states = _fit(r)
-    c = _epoch_totals(states, 0)
-    assert c["real_tokens"] / (c["real_tokens"] + c["padding_tokens"]) < 0.9     # far below 0.995
-    assert c["conversations_packed"] == len(rows) == 40                            # every conversation
-    real_blocks = [st["epoch_counters"][0]["blocks"] - st["epoch_counters"][0]["equalisation_padding_blocks"]
-                   for st in states.values()]
+    steps = 0
+    for epoch in (0, 1):
+        c = _epoch_totals(states, epoch)
+        assert c["real_tokens"] / (c["real_tokens"] + c["padding_tokens"]) < 0.9     # far below 0.995
+        assert c["conversations_packed"] == len(rows) == 24                            # every conversation
+        per_rank = [st["epoch_counters"][epoch] for st in states.values()]
+        real_blocks = [e["blocks"] - e["equalisation_padding_blocks"] for e in per_rank]
+        steps += max(real_blocks)      # the busiest rank sets the steps; one block per step here
     st = states[0]
-    # the busiest rank sets the steps; each of its blocks is a step (1 block per step here)
-    assert st["step"] == st["total_steps"] == max(real_blocks)
-    assert st["history"][-1]["lr"] == pytest.approx(0.1 * r.train.lr)
+    assert st["epoch"] == 1 and st["epoch_steps"][0] > 0
+    assert st["step"] == st["total_steps"] == steps
+    assert [h["step"] for h in st["history"]] == list(range(1, steps + 1))
+    lrs = [h["lr"] for h in st["history"]]
+    assert lrs[-1] == pytest.approx(0.1 * r.train.lr)
+    assert all(a > b for a, b in zip(lrs, lrs[1:]))
 
 
 # ---------------------------------------------------------------- tokens/s of a resumed run

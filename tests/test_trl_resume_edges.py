@@ -9,9 +9,10 @@ With data.max_rows=40 a pass is 2 optimizer steps (4 packed blocks, 2 per step),
   checkpoint: the retry has nothing left to train and must finish, not fail in SFTTrainer.__init__.
 - "grow": the same, with no retry (the run fails); submitted again with train.epochs=2 it must recount
   its schedule and train the second epoch, not stop at the one-epoch count the checkpoint holds.
-- "best": lr 0.3 (constant) makes the first evaluation the best (the loss then jumps); killed once the
-  step-2 checkpoint is registered, with its local Hugging Face folders removed as on another node;
-  train.load_best_at_end must still end on the step-1 weights, fetched from the run's storage.
+- "best", on two workers: lr 0.3 (constant) makes the first evaluation the best (the loss then jumps);
+  rank 1 is killed once the step-2 checkpoint is registered, its local Hugging Face folders removed as on
+  another node; train.load_best_at_end must still end on the step-1 weights, fetched from the run's storage
+  by every rank.
 """
 from __future__ import annotations
 
@@ -39,25 +40,19 @@ def _run_with_fault(recipe, spec: str | None):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    import ray
-
+def runs(ray_local, tmp_path_factory):
     storage = tmp_path_factory.mktemp("trl_resume_edges")
     out = {}
-    ray.init(address="local", num_cpus=8, include_dashboard=False)
-    try:
-        two = ("train.epochs=2", *COUNTED)
-        out["ref"] = (r := _recipe(storage, "ref", 0, *two)), _run_with_fault(r, None)
-        out["boundary"] = (r := _recipe(storage, "boundary", 1, *two)), _run_with_fault(r, f"{EPOCH_STEPS + 1}:0")
-        out["end"] = (r := _recipe(storage, "end", 1, *COUNTED)), _run_with_fault(r, f"{EPOCH_STEPS}:0:saved")
-        out["grow_first"] = _run_with_fault(_recipe(storage, "grow", 0, *COUNTED), f"{EPOCH_STEPS}:0:saved")
-        out["grow"] = (r := _recipe(storage, "grow", 0, *two)), _run_with_fault(r, None)
-        best = ("train.max_steps=4", "train.lr=0.3", "train.schedule=constant", "train.warmup_steps=0",
-                "train.eval_every=1", "train.checkpoint_every=1", "train.keep_checkpoints=5")
-        out["best"] = (r := _recipe(storage, "best", 1, *best)), _run_with_fault(r, "2:0:saved")
-        return out
-    finally:
-        ray.shutdown()
+    two = ("train.epochs=2", *COUNTED)
+    out["ref"] = (r := _recipe(storage, "ref", 0, *two)), _run_with_fault(r, None)
+    out["boundary"] = (r := _recipe(storage, "boundary", 1, *two)), _run_with_fault(r, f"{EPOCH_STEPS + 1}:0")
+    out["end"] = (r := _recipe(storage, "end", 1, *COUNTED)), _run_with_fault(r, f"{EPOCH_STEPS}:0:saved")
+    out["grow_first"] = _run_with_fault(_recipe(storage, "grow", 0, *COUNTED), f"{EPOCH_STEPS}:0:saved")
+    out["grow"] = (r := _recipe(storage, "grow", 0, *two)), _run_with_fault(r, None)
+    best = ("train.max_steps=4", "train.lr=0.3", "train.schedule=constant", "train.warmup_steps=0",
+            "train.eval_every=1", "train.checkpoint_every=1", "train.keep_checkpoints=5")
+    out["best"] = (r := _recipe(storage, "best", 1, "scaling.num_workers=2", *best)), _run_with_fault(r, "2:1:saved")
+    return out
 
 
 def _finished(runs, name: str):
@@ -126,9 +121,13 @@ def test_resubmit_with_more_epochs_recounts_the_schedule(runs):
 
 
 @pytest.mark.timeout(2400)
-def test_best_checkpoint_of_an_earlier_attempt_is_loaded_at_the_end(runs):
+def test_best_checkpoint_of_an_earlier_attempt_is_loaded_at_the_end_on_two_workers(runs):
+    from mlflow import MlflowClient
+
     recipe, best = _finished(runs, "best")
-    assert best.steps == 4
+    assert best.steps == 4 and recipe.scaling.num_workers == 2
+    params = MlflowClient(recipe.tracking_uri).get_run(best.mlflow_run_id).data.params
+    assert any(".attempt2." in k for k in params), "no second attempt: the kill never happened"
     assert_ended_on_the_best_first_step(recipe, best)
 
 
