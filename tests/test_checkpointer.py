@@ -136,8 +136,10 @@ def test_a_synchronous_save_is_complete_and_reported_when_it_returns(tmp_path):
 @pytest.mark.timeout(120)
 def test_background_saves_go_on_when_torchs_stager_closes_itself_after_each_stage(tmp_path, monkeypatch):
     """torch 2.11's DefaultStager closes its copier at the end of each stage (pytorch#183413): a GPU run's
-    second background save failed with KeyError: <class 'type'>. The torch here (2.13) does not, so its
-    _stage is wrapped to do what 2.11's does: the one stand-in of this test, for a torch not installed."""
+    second background save failed with KeyError: <class 'type'>, and replacing the stager then pinned its host
+    buffers again inside every save. The saves go on with one stager and its buffers. The torch here (2.13)
+    does not close, so its _stage is wrapped to do what 2.11's does: the one stand-in of this test, for a torch
+    not installed."""
     from torch.distributed.checkpoint.staging import DefaultStager
 
     from raytune_ft.train.state import TrainState
@@ -155,13 +157,17 @@ def test_background_saves_go_on_when_torchs_stager_closes_itself_after_each_stag
         model, opt = sharded_model_and_optimizer()
         state = TrainState(model, opt)
         saver = _saver(tmp_path, state, background=True, reports=reports)
+        first = saver.stager
         for step in (1, 2, 3):
             train(model, opt, 1)
             state.schedule.step = step
             at_save = {k: full(v).clone() for k, v in model.state_dict().items()}
             saver.save({"step": step})
             saver.wait()
+        copier = saver.stager._state_dict_stager
+        assert saver.stager is first and len(copier._cached_storage_mapping) > 0   # the buffers of save 1
         saver.close()
+        assert len(copier._cached_storage_mapping) == 0                            # freed at the end
         assert [m["step"] for m, _, _ in reports] == [1, 2, 3]
         weights, loaded = _load_weights(reports[-1][1].path)
         assert loaded.step == 3 and all(torch.equal(weights[k], at_save[k]) for k in at_save)

@@ -76,6 +76,7 @@ class Checkpointer:
         self.flag_group = dist.new_group(backend="gloo") if distributed and background else None
         self.in_flight: _InFlight | None = None
         self.stager = self.writer = None
+        self._close_copier = lambda: None
         self._cuda = device.type == "cuda"
         if background:
             self.stager = self._new_stager()
@@ -84,16 +85,25 @@ class Checkpointer:
     def _new_stager(self):
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        return DefaultStager(StagingOptions(use_pinned_memory=self._cuda, use_shared_memory=False,
-                                            use_async_staging=False, use_non_blocking_copy=self._cuda))
+        stager = DefaultStager(StagingOptions(use_pinned_memory=self._cuda, use_shared_memory=False,
+                                              use_async_staging=False, use_non_blocking_copy=self._cuda))
+        copier = getattr(stager, "_state_dict_stager", None)
+        if copier is not None and "close" not in vars(copier):
+            # torch 2.11's DefaultStager closes its copier at the end of every stage (pytorch#183413): the
+            # pinned host buffers would be dropped and pinned again inside every save, while the loop waits.
+            # The copier's close is held back for this object's close()
+            self._close_copier = copier.close
+            copier.close = lambda: None
+        return stager
 
     def _usable_stager(self):
-        """The stager for this save. torch 2.11's DefaultStager closes its state-dict copier at the end of
-        every stage (pytorch#183413), so its second save fails (KeyError: <class 'type'>): a closed one is
+        """The stager for this save. A closed state-dict copier fails the next save (KeyError: <class
+        'type'>, torch 2.11): should one be closed in a way `_new_stager` does not hold back, the stager is
         replaced by a new one (its pinned buffers are then allocated again)."""
         copier = getattr(self.stager, "_state_dict_stager", None)
         if copier is not None and not getattr(copier, "_deepcopy_dispatch", True):
             self.stager.close()
+            self._close_copier()
             self.stager = self._new_stager()
         return self.stager
 
@@ -155,6 +165,7 @@ class Checkpointer:
             self.writer.shutdown(wait=False, cancel_futures=True)
         if self.stager is not None:
             self.stager.close()
+            self._close_copier()
 
     # ------------------------------------------------------------------ parts of a save
 
