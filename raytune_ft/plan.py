@@ -23,10 +23,9 @@ The memory model (bytes per GPU; every line is a stated estimate, not a measurem
                       the hidden-state gradient; never the full fp32 logits. The TRL loop without Liger
                       materialises full logits (bf16) and their fp32 upcast and gradient.
 The components are summed: phases that do not overlap in time (the loss chunk and the recompute of a
-layer, say) are counted together, so the total is an upper estimate. Checked against the peaks measured
-on an H200 in ../shared/GPU.md (tests/test_plan.py): TRL on the Qwen3-4B shape at 1,024 tokens 32.7 GiB
-measured / 31.7 planned; the seed loop (unfused loss) on the 4B shape at 16,384 tokens 59.1 / 57.9, on
-the 27B shape cut to 16 layers 109.6 / 109.8. A plan "fits" when the total is within the GPU's memory
+layer, say) are counted together, so the total is an upper estimate; tests/test_plan.py holds it against
+peaks measured on an H200 (TRL on the Qwen3-4B shape, the seed loop on the 4B shape and on the 27B shape
+cut to 16 layers). A plan "fits" when the total is within the GPU's memory
 less a margin (default 10%) for the CUDA context, NCCL buffers and allocator fragmentation.
 
 The time model: tokens of one pass / (tokens/s per GPU x GPUs), tokens/s per GPU = MFU x bf16 peak /
