@@ -1,7 +1,7 @@
 # Two commands do everything on a fresh machine (Python 3.11, no GPU):
 #   make local   set up .venv, then run the 27B recipe's --local job on local Ray on CPU
 #   make test    set up .venv, then run the test suite (all of it)
-#   make test-fast  the unit-level tests only (pytest -m "not slow": no Ray, no server, no training run)
+#   make test-fast  the unit-level tests only (pytest -m "not slow": no Ray, no server, no training run, no fresh Python)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

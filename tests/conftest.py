@@ -1,7 +1,7 @@
 """Shared test fixtures: paths to tests/fixtures and one local Ray per session; the `slow` marker.
 
 `pytest -m "not slow"` runs the unit-level tests; `make test` runs everything. A test is slow when it
-starts Ray, a server or a training run: marked here from the fixtures that start those and from the
+starts Ray, a server, a training run or a fresh Python process: marked here from the fixtures that start those and from the
 modules that are slow throughout, so a test file needs no marker of its own (one may still add
 `@pytest.mark.slow`).
 """
@@ -43,7 +43,26 @@ SLOW_TESTS = {"test_fsdp2_sharded_load_matches_unsharded", "test_random_init_of_
               "test_cpu_smoke_of_speed_reports_the_steps_alone_and_end_to_end",
               "test_cpu_smoke_of_recovery_times_the_kill_to_the_next_attempts_first_step",
               # an MLflow server and a --local training run
-              "test_password_in_the_tracking_uri_reaches_no_console_summary_param_tag_or_checkpoint"}
+              "test_password_in_the_tracking_uri_reaches_no_console_summary_param_tag_or_checkpoint",
+              # fresh Python processes importing torch, transformers or Ray (each a few seconds on 2 cores), a
+              # real torch.compile twice, the real 27B shape built, a race churned for seconds: unit-level in
+              # what they check, not in what they cost (make test runs them; test-fast stays within minutes)
+              "test_the_breakdown_says_how_many_compiled_graphs_came_from_the_cache",
+              "test_a_driver_loads_a_tokenizer_once_then_remembers_the_class_autotokenizer_chose",
+              "test_redaction_survives_another_thread_changing_the_environment",
+              "test_random_init_builds_the_real_shape_without_a_checkpoint",
+              "test_remote_code_in_a_model_folder_runs_only_when_the_recipe_allows_it",
+              "test_ops_that_need_the_package_init_get_it", "test_the_ops_import_without_the_package_init",
+              "test_the_driver_opens_the_run_in_a_process_of_its_own_with_start_runs_answers",
+              "test_a_two_node_cluster_with_a_file_tracking_store_stops_before_the_run_opens",
+              "test_the_driver_builds_the_trainer_without_importing_torch",
+              "test_a_bf16_workers_model_build_does_not_import_torchao",
+              "test_the_torchao_check_answers_truly_again_after_the_block",
+              "test_a_workers_mlflow_calls_are_made_in_order_by_a_process_of_their_own",
+              "test_unpickling_the_backend_starts_importing_ray_s_torch_backend",
+              "test_job_script_still_runs_as_python_jobs_x",
+              "test_dry_run_prints_resolved_recipe_and_bad_recipe_exits_before_ray",
+              "test_turned_on_the_monitor_logs_system_metrics_of_this_node"}
 # a parametrized test's value that starts a server when the test asks for it (tests/test_storage.py's `where`)
 SLOW_PARAMS = {"s3"}
 
