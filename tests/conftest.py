@@ -28,7 +28,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 # fixtures (here and in test modules) that start Ray, a server or a training run
-SLOW_FIXTURES = {"ray_local", "local_job", "ray_registry", "server", "ray_head", "runs", "two_node_run",
+SLOW_FIXTURES = {"ray_local", "local_job", "ray_registry", "server", "mlflow_server", "ray_head", "runs", "two_node_run",
                  "s3_server", "finished_run", "local_run", "job_with_secrets"}
 # modules whose every test trains a model or starts Ray
 SLOW_MODULES = {"test_fault_tolerance", "test_fsdp_loop", "test_job_submit", "test_local_job", "test_save_final",
@@ -193,6 +193,17 @@ def local_job(tmp_path_factory):
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
         yield {"proc": proc, "planted": planted, "work": work, "ray_tmp": ray_tmp, "summary": summary,
                "overrides": overrides}
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """One real `mlflow server` per session (sqlite store, proxied artifacts), for the registry, multi-node
+    and secrets tests. The registry-down tests stop it and start it again on the same port and store; each
+    test names its own models and finds its own runs."""
+    from tests.mlflow_server import MlflowServer
+
+    with MlflowServer(tmp_path_factory.mktemp("mlflow_server")) as server:
+        yield server
 
 
 def local_job_recipe(overrides):

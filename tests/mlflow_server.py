@@ -2,13 +2,11 @@
 and `StubHttpServer`, a small in-thread HTTP server for the services no real one can stand in for here
 (a registry that refuses, a Unity Catalog REST API, a server that echoes a token).
 
-Usage from a test module:
+The session has one: tests/conftest.py's `mlflow_server` fixture (server.uri == "http://127.0.0.1:<port>").
+A test that needs a server of its own:
 
-    from tests.mlflow_server import MlflowServer
-    @pytest.fixture(scope="module")
-    def mlflow_server(tmp_path_factory):
-        with MlflowServer(tmp_path_factory.mktemp("mlflow")) as server:
-            yield server          # server.uri == "http://127.0.0.1:<port>"
+    with MlflowServer(tmp_path / "mlflow") as server:
+        ...
 
 The server can be stopped and started again on the same port and store (`stop()` / `start()`),
 which is how the registration-failure tests take the registry down and bring it back.

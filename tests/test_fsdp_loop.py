@@ -87,8 +87,17 @@ def test_two_workers_equal_one_worker_with_accumulation(ray_local, tmp_path):
     assert l1[0] > 0
 
 
+@pytest.fixture(scope="module")
+def straight(ray_local, tmp_path_factory):
+    """An uninterrupted 8-step run with a checkpoint every 4 steps and the final hf/ export: the resume
+    test's reference and the export test's checkpoint (one run for both)."""
+    recipe = tiny_recipe(tmp_path_factory.mktemp("straight"), "straight", max_steps=8, checkpoint_every=4)
+    result, state = fit(recipe)
+    return recipe, result, state
+
+
 @pytest.mark.timeout(500)
-def test_resume_gives_same_losses_as_uninterrupted(ray_local, tmp_path):
+def test_resume_gives_same_losses_as_uninterrupted(straight, tmp_path):
     """Stop after a checkpoint at step 4, re-submit the same run name: steps 5..8 match a straight run.
 
     The partial runs end without a final checkpoint (train.save_final=false), so their latest one is a
@@ -96,9 +105,8 @@ def test_resume_gives_same_losses_as_uninterrupted(ray_local, tmp_path):
     reads its data when the loop asks (the CPU default), the others read it ahead from before the model
     is built (train.read_ahead=on, the GPU default), and write their checkpoints in the background
     (train.async_checkpoint=on, the GPU default): the same steps either way."""
-    straight = tiny_recipe(tmp_path, "straight", max_steps=8, checkpoint_every=4)
-    assert straight.train.read_ahead == "auto"
-    _, full = fit(straight)
+    recipe, _, full = straight
+    assert recipe.train.read_ahead == "auto"
     first = tiny_recipe(tmp_path, "resumed", max_steps=5, checkpoint_every=4, save_final=False, read_ahead="on",
                         async_checkpoint="on")
     _, part = fit(first)
@@ -123,7 +131,7 @@ def test_resume_gives_same_losses_as_uninterrupted(ray_local, tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_exported_folder_matches_trained_weights(ray_local, tmp_path):
+def test_exported_folder_matches_trained_weights(straight):
     """The hf/ export loads with transformers and gives the same logits as the DCP-checkpointed model."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
@@ -131,9 +139,9 @@ def test_exported_folder_matches_trained_weights(ray_local, tmp_path):
     from raytune_ft.models.build import load_causal_lm
     from raytune_ft.train.fsdp_model import PackedCausalLM
 
-    r = tiny_recipe(tmp_path, "export", max_steps=3, checkpoint_every=10)
-    result, _ = fit(r)
+    r, result, state = straight
     ckpt = result.checkpoint.path
+    assert state["step"] == 8            # the final checkpoint, the one with the export
     hf = AutoModelForCausalLM.from_pretrained(os.path.join(ckpt, "hf"), dtype=torch.float32)
     ref = PackedCausalLM(load_causal_lm(r.model, device="cpu", dtype=torch.float32))
     state = {"app": {"model": ref.state_dict()}}

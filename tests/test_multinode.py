@@ -18,7 +18,6 @@ from mlflow import MlflowClient
 
 from raytune_ft.env import scoped_env
 from tests.conftest import train_state
-from tests.mlflow_server import MlflowServer
 from tests.test_fault_tolerance import EVERY, STATE_TRACKING_ENV, STEPS, RankKiller, _job
 
 RUN = "multinode"
@@ -40,9 +39,14 @@ def worker_nodes(run_name: str) -> list[dict[int, str]]:
 
 
 @pytest.fixture(scope="module")
-def two_node_run(tmp_path_factory):
+def two_node_run(tmp_path_factory, mlflow_server):
     import ray
     from ray.cluster_utils import Cluster
+
+    # imported here, before the killer's thread reads Ray Train's state: a first import of ray.train.v2 in
+    # two threads at once can deadlock on its module locks (_DeadlockError in the killer)
+    import ray.train.v2._internal.state.state_actor  # noqa: F401
+    import ray.train.v2.api  # noqa: F401
 
     from raytune_ft.cli import resolve
     from raytune_ft.run import run
@@ -50,7 +54,7 @@ def two_node_run(tmp_path_factory):
     storage = tmp_path_factory.mktemp("mn_runs")
     out: dict = {}
     # the store every node reaches: with a sqlite file the ranks on the second node would have their own
-    server = MlflowServer(tmp_path_factory.mktemp("mn_mlflow")).start()
+    server = mlflow_server          # the session's server (tests/conftest.py)
     out["tracking"] = server.uri
     with scoped_env({STATE_TRACKING_ENV: "1"}):     # Ray Train's state actor: where each rank runs
         cluster = Cluster(initialize_head=True, head_node_args={
@@ -84,7 +88,6 @@ def two_node_run(tmp_path_factory):
         finally:
             ray.shutdown()
             cluster.shutdown()
-            server.stop()
     return out
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mlflow_server import MlflowServer, StubHttpServer, StubRequest, json_reply, make_tiny_qwen2_checkpoint
+from tests.mlflow_server import StubHttpServer, StubRequest, json_reply, make_tiny_qwen2_checkpoint
 from raytune_ft import registry
 from raytune_ft.cli import cli_register
 from raytune_ft.env import redact, scoped_env
@@ -41,9 +41,8 @@ def quick_http():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, quick_http):
-    with MlflowServer(tmp_path_factory.mktemp("mlflow_server")) as s:
-        yield s
+def server(mlflow_server, quick_http):
+    return mlflow_server              # the session's server (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
