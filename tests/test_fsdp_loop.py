@@ -104,17 +104,31 @@ def test_resume_gives_same_losses_as_uninterrupted(straight, tmp_path):
     step-4 (then step-8) checkpoint to resume from; a finished run is not trained again. The straight run
     reads its data when the loop asks (the CPU default), the others read it ahead from before the model
     is built (train.read_ahead=on, the GPU default), and write their checkpoints in the background
-    (train.async_checkpoint=on, the GPU default): the same steps either way."""
+    (train.async_checkpoint=on, the GPU default): the same steps either way. The two attempts run through
+    the driver (`run`), whose summary reports each attempt's own tokens/s."""
+    from raytune_ft.run import run
+
     recipe, _, full = straight
     assert recipe.train.read_ahead == "auto"
     first = tiny_recipe(tmp_path, "resumed", max_steps=5, checkpoint_every=4, save_final=False, read_ahead="on",
                         async_checkpoint="on")
-    _, part = fit(first)
+    s1 = run(first, local=True, register=False)
+    part = train_state(s1.checkpoint)
     assert part["step"] == 4
     again = tiny_recipe(tmp_path, "resumed", max_steps=9, checkpoint_every=4, save_final=False, read_ahead="on",
                         async_checkpoint="on")
-    _, resumed = fit(again)
+    s2 = run(again, local=True, register=False)
+    resumed = train_state(s2.checkpoint)
     assert resumed["step"] == 8 and resumed["resumed_from"] == [4]
+    # tokens/s of a resumed run: its own attempt's tokens over its own seconds, not the run's tokens
+    assert s1.attempt_tokens == s1.tokens > 0 and s1.tokens_per_s == pytest.approx(s1.tokens / s1.attempt_seconds)
+    assert s2.steps == 9 and s2.tokens > s2.attempt_tokens > 0
+    assert s2.tokens > resumed["tokens_total"] > part["tokens_total"] > 0       # steps 9, 8 and 4
+    assert s2.tokens_per_s == pytest.approx(s2.attempt_tokens / s2.attempt_seconds)   # this attempt's
+    assert s2.run_seconds > s2.attempt_seconds                                        # earlier attempt's too
+    assert s2.run_tokens_per_s == pytest.approx(s2.tokens / s2.run_seconds)
+    assert s2.tokens_per_s != pytest.approx(s2.tokens / s2.attempt_seconds)          # the old, inflated figure
+    assert any("this attempt" in line for line in s2.lines())
     full_l = {h["step"]: h["loss"] for h in full["history"]}
     res_l = {h["step"]: h["loss"] for h in resumed["history"]}
     assert sorted(res_l) == list(range(1, 9))
