@@ -32,7 +32,7 @@ SLOW_FIXTURES = {"ray_local", "local_job", "ray_registry", "server", "mlflow_ser
                  "s3_server", "finished_run", "local_run", "job_with_secrets"}
 # modules whose every test trains a model or starts Ray
 SLOW_MODULES = {"test_fault_tolerance", "test_fsdp_loop", "test_job_submit", "test_local_job", "test_save_final",
-                "test_trl_recipes", "test_trl_resume"}
+                "test_trl_recipes"}
 # tests that spawn a process group of their own (torch.multiprocessing)
 SLOW_TESTS = {"test_fsdp2_sharded_load_matches_unsharded", "test_random_init_of_a_sharded_model_matches_transformers_init",
               "test_a_kernel_failing_on_one_rank_is_off_on_every_rank",

@@ -1,10 +1,15 @@
-"""The TRL loop resumed where the common case does not reach: real local Ray, the Qwen3-4B recipe's --local
-job (tiny qwen3 on CPU, one worker), workers SIGKILLed by the test fault plan (tests/faults.py, kill_at_step).
+"""The TRL loop resumed: real local Ray, the Qwen3-4B recipe's --local job (tiny qwen3 on CPU, one worker),
+workers SIGKILLed by the test fault plan (tests/faults.py, kill_at_step: deterministic, where a killer thread
+outside raced the run on a busy host). Ray starts a new worker, which rebuilds the Hugging Face checkpoint
+folder from the Ray checkpoint (weights, optimizer, scheduler, RNG), skips the packed blocks it already
+trained on and carries on: nothing trained twice into the weights, nothing skipped.
 
 With data.max_rows=40 a pass is 2 optimizer steps (4 packed blocks, 2 per step), its length counted.
 
-- "ref" / "boundary": 2 epochs, a checkpoint at the end of each; "boundary" is killed at the end of step
-  3, resumes from the epoch-boundary checkpoint of step 2 and must train epoch 2 exactly as "ref" did.
+- "ref" / "boundary": 2 epochs, a checkpoint and an evaluation at the end of each; "boundary" is killed at
+  the end of step 4 (before its log and save), resumes from the epoch-boundary checkpoint of step 2 and must
+  train epoch 2 exactly as "ref" did: step 3 is logged by both attempts with the same loss, the evaluations,
+  the best loss and the final weights equal the reference's. "ref" submitted again ("again") trains nothing.
 - "end": 1 epoch, killed once the last save of the pass (step 2) is registered, before the final
   checkpoint: the retry has nothing left to train and must finish, not fail in SFTTrainer.__init__.
 - "grow": the same, with no retry (the run fails); submitted again with train.epochs=2 it must recount
@@ -16,12 +21,57 @@ With data.max_rows=40 a pass is 2 optimizer steps (4 packed blocks, 2 per step),
 """
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 
+from tests.conftest import REPO
 from tests.faults import fault_env
-from tests.test_trl_resume import _history, _recipe, _weights, assert_close_weights
 
 EPOCH_STEPS = 2
+def _recipe(storage, run_name: str, max_failures: int, *overrides: str):
+    """The Qwen3-4B recipe's --local job under `run_name`; `overrides` (key=value) applied last."""
+    from raytune_ft.cli import resolve
+
+    spec = importlib.util.spec_from_file_location("job_4b_resume", REPO / "jobs" / "qwen3_4b_full.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    return resolve(job.recipe, job.local, local=True, overrides=[
+        f"tracking.storage_path={storage}", f"tracking.run_name={run_name}", "train.log_every=1",
+        f"scaling.max_failures={max_failures}", "registry.enabled=false", *overrides])
+
+
+def _history(recipe, run_id: str, key: str) -> dict[int, list[float]]:
+    from mlflow import MlflowClient
+
+    out: dict[int, list[float]] = {}
+    for m in MlflowClient(tracking_uri=recipe.tracking_uri).get_metric_history(run_id, key):
+        out.setdefault(m.step, []).append(m.value)
+    return out
+
+
+def _weights(ckpt: str) -> dict:
+    import glob
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(glob.glob(os.path.join(ckpt, "hf", "*.safetensors"))):
+        out.update(load_file(f))
+    return out
+
+
+def assert_close_weights(ckpt: str, reference: str) -> None:
+    """The hf/ weights of two checkpoints agree (fp32 on CPU: within rounding)."""
+    import torch
+
+    a, b = _weights(reference), _weights(ckpt)
+    assert a.keys() == b.keys() and a
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 COUNTED = ("train.max_steps=null", "data.max_rows=40", f"train.checkpoint_every={EPOCH_STEPS}",
            f"train.eval_every={EPOCH_STEPS}")
 
@@ -45,7 +95,8 @@ def runs(ray_local, tmp_path_factory):
     out = {}
     two = ("train.epochs=2", *COUNTED)
     out["ref"] = (r := _recipe(storage, "ref", 0, *two)), _run_with_fault(r, None)
-    out["boundary"] = (r := _recipe(storage, "boundary", 1, *two)), _run_with_fault(r, f"{EPOCH_STEPS + 1}:0")
+    out["again"] = _run_with_fault(out["ref"][0], None)          # the finished reference submitted again
+    out["boundary"] = (r := _recipe(storage, "boundary", 1, *two)), _run_with_fault(r, f"{2 * EPOCH_STEPS}:0")
     out["end"] = (r := _recipe(storage, "end", 1, *COUNTED)), _run_with_fault(r, f"{EPOCH_STEPS}:0:saved")
     out["grow_first"] = _run_with_fault(_recipe(storage, "grow", 0, *COUNTED), f"{EPOCH_STEPS}:0:saved")
     out["grow"] = (r := _recipe(storage, "grow", 0, *two)), _run_with_fault(r, None)
@@ -88,12 +139,34 @@ def test_resume_at_an_epoch_boundary_trains_the_next_epoch_exactly(runs):
     assert ref.steps == 2 * EPOCH_STEPS and b.steps == 2 * EPOCH_STEPS
     ref_loss = _history(ref_recipe, ref.mlflow_run_id, "train/loss")
     b_loss = _history(b_recipe, b.mlflow_run_id, "train/loss")
-    # killed at the end of step 3 (before its log), resumed from the step-2 checkpoint: each step once
-    assert {s: len(v) for s, v in b_loss.items()} == {s: 1 for s in range(1, 2 * EPOCH_STEPS + 1)}
+    # killed at the end of step 4 (before its log and save), resumed from the step-2 checkpoint: step 3 was
+    # logged by both attempts, every other step once; a step run twice gives the same loss
+    assert {s: len(v) for s, v in b_loss.items()} == {1: 1, 2: 1, 3: 2, 4: 1}
     for step, values in b_loss.items():
-        assert values[0] == pytest.approx(ref_loss[step][0], rel=1e-5), (step, values, ref_loss[step])
+        for value in values:
+            assert value == pytest.approx(ref_loss[step][0], rel=1e-5), (step, values, ref_loss[step])
+    ref_eval, b_eval = _history(ref_recipe, ref.mlflow_run_id, "eval_loss"), _history(
+        b_recipe, b.mlflow_run_id, "eval_loss")
+    assert sorted(ref_eval) == sorted(b_eval) == [EPOCH_STEPS, 2 * EPOCH_STEPS]
+    assert b_eval[2 * EPOCH_STEPS][-1] == pytest.approx(ref_eval[2 * EPOCH_STEPS][0], rel=1e-5)
+    assert b.best_loss == pytest.approx(ref.best_loss, rel=1e-5)
     assert train_state(b.checkpoint)["epoch"] == 1
     assert_close_weights(b.checkpoint, ref.checkpoint)
+
+
+@pytest.mark.timeout(2400)
+def test_finished_run_submitted_again_trains_nothing(runs):
+    """Its final checkpoint is the latest: the worker reports the run complete and that checkpoint stays
+    the result (no second pass: the submission names the finished run's MLflow run, opens no second one,
+    and adds no training loss to its history)."""
+    (ref_recipe, ref), (again, error) = _finished(runs, "ref"), runs["again"]
+    assert error is None, repr(error)
+    assert again.checkpoint == ref.checkpoint
+    assert again.steps == 2 * EPOCH_STEPS
+    assert again.final_loss == pytest.approx(ref.final_loss)
+    assert again.mlflow_run_id == ref.mlflow_run_id          # no second, empty MLflow run for a finished run
+    assert {s: len(v) for s, v in _history(ref_recipe, ref.mlflow_run_id, "train/loss").items()} == {
+        s: 1 for s in range(1, 2 * EPOCH_STEPS + 1)}
 
 
 @pytest.mark.timeout(2400)
