@@ -2,6 +2,8 @@
 and the held seconds of each save read from the run's MLflow store."""
 from __future__ import annotations
 
+import pytest
+
 from bench import ckpt_async
 from bench.__main__ import main as bench_main
 
@@ -38,3 +40,24 @@ def test_the_held_seconds_of_each_save_come_from_the_runs_mlflow_store(tmp_path)
     fig = ckpt_async.save_figures({"tracking_uri": uri, "mlflow_run_id": run.info.run_id})
     assert fig["saves"] == 3 and fig["blocked_s"] == [0.5, 0.25, 0.25]
     assert fig["blocked_s_mean"] == round(1.0 / 3, 3) and fig["background_s"] == [3.0, 2.0, 2.5]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_stager_bench_times_both_policies_against_a_synchronous_save(tmp_path):
+    """bench/stager_reuse.py --cpu-check: a fresh Python (a gloo group of one) runs the checkpointer's own
+    staging three times with the stager kept and three times with a new one, and a synchronous DCP save."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = subprocess.run([sys.executable, "bench/stager_reuse.py", "--cpu-check", "--saves", "3",
+                          "--folder", str(tmp_path / "saves")], cwd=REPO, capture_output=True, text=True,
+                         timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert len(result["kept_held_s"]) == len(result["fresh_held_s"]) == 3 and len(result["sync_s"]) == 2
+    assert all(s > 0 for s in result["sync_s"]) and result["kept_over_sync"] > 0
+    assert list((tmp_path / "saves").iterdir()) == []          # each save's files deleted once written
