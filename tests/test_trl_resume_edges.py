@@ -21,23 +21,18 @@ With data.max_rows=40 a pass is 2 optimizer steps (4 packed blocks, 2 per step),
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 
-from tests.conftest import REPO
 from tests.faults import fault_env
 
 EPOCH_STEPS = 2
 def _recipe(storage, run_name: str, max_failures: int, *overrides: str):
     """The Qwen3-4B recipe's --local job under `run_name`; `overrides` (key=value) applied last."""
-    from raytune_ft.cli import resolve
+    from raytune_ft.cli import _job_recipe
 
-    spec = importlib.util.spec_from_file_location("job_4b_resume", REPO / "jobs" / "qwen3_4b_full.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
-    return resolve(job.recipe, job.local, local=True, overrides=[
+    return _job_recipe("qwen3_4b_full", True, [
         f"tracking.storage_path={storage}", f"tracking.run_name={run_name}", "train.log_every=1",
         f"scaling.max_failures={max_failures}", "registry.enabled=false", *overrides])
 
