@@ -37,10 +37,10 @@ def save_figures(summary: dict) -> dict:
     return fig
 
 
-def parts(kit: gpu_kit.Kit, local_copies: str | None = None) -> list[gpu_kit.Part]:
+def parts(kit: gpu_kit.Kit, local_copies: str | None = None, modes=MODES) -> list[gpu_kit.Part]:
     every = kit.o.ckpt_every or 2
     out = []
-    for mode in MODES:
+    for mode in modes:
         extra = ["--set", f"train.async_checkpoint={mode}", "--set", f"train.checkpoint_every={every}",
                  "--set", "train.keep_checkpoints=1"]
         part = kit.recipe_run("speed", f"ckpt-async-{mode}", extra, save_figures)
@@ -55,6 +55,7 @@ def parts(kit: gpu_kit.Kit, local_copies: str | None = None) -> list[gpu_kit.Par
 def main(argv: list[str]) -> int:
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--local-copies", default=None)
+    own.add_argument("--modes", default=",".join(MODES), help="the runs' order, e.g. on,off")
     mine, argv = own.parse_known_args(argv)
     p = argparse.ArgumentParser(prog="python -m bench gpu ckpt", description=__doc__.split("\n\n")[0])
     gpu_kit.add_arguments(p)
@@ -64,7 +65,7 @@ def main(argv: list[str]) -> int:
     if not opts.cpu_smoke and not opts.gpus and not opts.dry_run:
         print("no GPU found (nvidia-smi lists none): run with --cpu-smoke or --dry-run", file=sys.stderr)
         return 2
-    recs = gpu_kit.run_parts("ckpt", parts(gpu_kit.Kit(opts), mine.local_copies), opts)
+    recs = gpu_kit.run_parts("ckpt", parts(gpu_kit.Kit(opts), mine.local_copies, tuple(mine.modes.split(","))), opts)
     if opts.dry_run:
         return 0
     held = {r["settings"]["async_checkpoint"]: r["figures"].get("blocked_s_mean") for r in recs}
