@@ -9,9 +9,9 @@ as JSON (launch forwards it to the workers, whose loop entry point calls `hooks.
                          run's storage, before its report reaches Ray (a worker dying in the checkpoint window)
     exit_after_write     the FSDP2 loop: the process exits once the step's checkpoint files are written
                          locally, before the upload, and once Ray has registered an earlier checkpoint of the
-                         run; once per run, so the restarted attempt runs on (with train.async_checkpoint on:
-                         in the writer thread, while the loop trains on: a worker dying during a background
-                         save)
+                         run ("STEP:RANK:after=PREV": step PREV's); once per run, so the restarted attempt runs
+                         on (with train.async_checkpoint on: in the writer thread, while the loop trains on: a
+                         worker dying during a background save)
     fail_after_write     the FSDP2 loop: the save raises an OSError there instead (a background save failing)
     kill_at_step         the TRL loop: SIGKILL at the end of optimizer step STEP, in an attempt that did not
                          resume, once Ray has registered a checkpoint of the run (its controller takes reports
@@ -61,12 +61,15 @@ def install(argument: str) -> None:
 
 
 def _exit_at(spec: str, when: str, *, once_registered: bool = False):
+    target, _, after = spec.partition(":after=")
+
     def handler(step: int, rank: int) -> None:
-        if spec == f"{step}:{rank}":
+        if target == f"{step}:{rank}":
             if once_registered:
-                if not _first_time(f"exit_after_write-{spec}"):
+                if not _first_time(f"exit_after_write-{target}"):
                     return
-                _wait_registered(lambda reported: bool(reported))
+                _wait_registered(lambda reported: bool(reported) and (
+                    not after or any(m.get("step") == int(after) for m in reported.metrics.values())))
             print(f"[raytune_ft] test fault: rank {rank} exiting {when} the step-{step} checkpoint", flush=True)
             os._exit(1)
     return handler

@@ -23,19 +23,22 @@ DRIVER = textwrap.dedent("""
     from raytune_ft.train.launch import build_trainer
     recipe = _job_recipe("qwen27b_b300", True, ["tracking.storage_path=" + sys.argv[1]])
     trainer = build_trainer(recipe, mlflow_run_id=None)
+    import os
     print(json.dumps({"torch": "torch" in sys.modules, "backend": type(trainer.backend_config).__name__,
-                      "nccl_free": trainer.backend_config.backend}))
+                      "nccl_free": trainer.backend_config.backend,
+                      "poll": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")}))
 """)
 
 
 @pytest.mark.timeout(300)
 def test_the_driver_builds_the_trainer_without_importing_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path / "runs")], cwd=tmp_path,
-                         env=env_with_path(REPO, drop=("RAY_ADDRESS",)),
+                         env=env_with_path(REPO, drop=("RAY_ADDRESS", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")),
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"torch": False, "backend": "TorchBackendConfig", "nccl_free": "gloo"}
+    # Ray Train's controller polls the workers every 0.5 s, not its 2 s (a checkpoint report waits for a poll)
+    assert got == {"torch": False, "backend": "TorchBackendConfig", "nccl_free": "gloo", "poll": "0.5"}
 
 
 UNPICKLE = textwrap.dedent("""

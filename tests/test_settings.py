@@ -194,59 +194,6 @@ def _epoch_totals(states: dict, epoch: int) -> dict:
     return total.to_dict()
 
 
-@pytest.fixture(scope="module")
-def two_epochs(ray_local, tmp_path_factory):
-    """Two epochs of the tiny recipe, once straight and once stopped two steps into the second epoch and
-    re-submitted under one name (constant LR: the stopped run's shorter step cap leaves its LRs as they are)."""
-    storage = tmp_path_factory.mktemp("two_epochs")
-    straight = _fsdp_recipe(storage, "straight", "builtin:chat:120", epochs=2, schedule="constant")
-    out = {"recipe": straight, "rows": _data_rows(straight)}
-    _, out["full"] = _fit(straight)
-    stop = out["stop"] = out["full"][0]["epoch_steps"][0] + 2
-    # ends one step later without a final checkpoint: the latest one (step `stop`) is resumable
-    part_r = _fsdp_recipe(storage, "resumed", "builtin:chat:120", epochs=2, schedule="constant",
-                          max_steps=stop + 1, checkpoint_every=stop, save_final=False)
-    _, out["part"] = _fit(part_r)
-    again = _fsdp_recipe(storage, "resumed", "builtin:chat:120", epochs=2, schedule="constant")
-    _, out["resumed"] = _fit(again)
-    return out
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_two_epochs_train_every_block_twice_each_in_its_own_order(two_epochs):
-    rows, states = two_epochs["rows"], two_epochs["full"]
-    st = states[0]
-    assert st["epoch"] == 1 and len(st["epoch_counters"]) == 2
-    for epoch in (0, 1):
-        c = _epoch_totals(states, epoch)
-        assert c["conversations_packed"] == len(rows)                            # every conversation
-        assert c["real_tokens"] == sum(len(x["input_ids"]) for x in rows)         # every token, once
-    # the two epochs saw the conversations in a different order (a different shuffle seed); the second
-    # pass's own fingerprint is listed too once its reader ran to the end
-    first, *second = st["epoch_fingerprints"]
-    assert first != st["data_fingerprint"] and second in ([], [st["data_fingerprint"]]), st["epoch_fingerprints"]
-    # every step of both epochs trained (the schedule's length counted over two epochs: the poorly packed
-    # run below, whose schedule decays)
-    steps = st["epoch_steps"][0] + st["steps_in_epoch"]
-    assert st["epoch_steps"][0] > 0 and st["steps_in_epoch"] > 0
-    assert [h["step"] for h in st["history"]] == list(range(1, steps + 1))
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_resume_inside_the_second_epoch_matches_an_uninterrupted_run(two_epochs):
-    full, part, resumed, stop = (two_epochs[k] for k in ("full", "part", "resumed", "stop"))
-    assert part[0]["step"] == stop and part[0]["epoch"] == 1
-    assert resumed[0]["resumed_from"] == [stop]
-    full_l = [h["loss"] for h in full[0]["history"]]
-    res_l = [h["loss"] for h in resumed[0]["history"]]
-    assert len(res_l) == len(full_l)
-    np.testing.assert_allclose(res_l, full_l, rtol=1e-5)
-    for rank in (0, 1):
-        assert resumed[rank]["counters"] == full[rank]["counters"]
-
-
 def _low_efficiency_source(path, n: int) -> str:
     """Conversations of ~150 tokens in 256-token blocks: one conversation per block, ~60% full."""
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
@@ -258,30 +205,83 @@ def _low_efficiency_source(path, n: int) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def two_epochs(ray_local, tmp_path_factory):
+    """Two epochs of poorly packed data (one conversation per block) under a cosine schedule whose length
+    is counted: once straight, and once with a checkpoint every few steps and a worker dying after writing
+    the second checkpoint inside the second epoch, so that Ray Train restarts the attempt from the first
+    (one fit, one retry). Two fits serve the epoch, schedule and resume tests."""
+    from raytune_ft.env import scoped_env
+    from tests.faults import fault_env
+
+    storage = tmp_path_factory.mktemp("two_epochs")
+    src = _low_efficiency_source(storage / "long.jsonl", 24)
+    settings = {"epochs": 2, "schedule": "cosine", "min_lr_ratio": 0.1}
+    straight = _fsdp_recipe(storage, "straight", src, **settings)
+    out = {"recipe": straight, "rows": _data_rows(straight)}
+    _, out["full"] = _fit(straight)
+    first_epoch, total = out["full"][0]["epoch_steps"][0], out["full"][0]["total_steps"]
+    every = max(1, first_epoch // 2 - 1)
+    at = out["at"] = (first_epoch // every + 1) * every       # the first checkpoint inside the second epoch
+    assert first_epoch < at < at + every < total, (first_epoch, every, total)
+    faulted = _fsdp_recipe(storage, "resumed", src, checkpoint_every=every, **settings)
+    faulted.scaling.max_failures = 1
+    with scoped_env(fault_env(exit_after_write=f"{at + every}:1:after={at}")):
+        _, out["resumed"] = _fit(faulted)
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_poorly_packed_data_over_two_epochs_trains_every_block_and_cosine_ends_at_its_floor(ray_local, tmp_path):
+@pytest.mark.timeout(900)
+def test_two_epochs_train_every_block_twice_each_in_its_own_order(two_epochs):
+    rows, states = two_epochs["rows"], two_epochs["full"]
+    st = states[0]
+    assert st["epoch"] == 1 and len(st["epoch_counters"]) == 2
+    for epoch in (0, 1):
+        c = _epoch_totals(states, epoch)
+        assert c["conversations_packed"] == len(rows) == 24                      # every conversation
+        assert c["real_tokens"] == sum(len(x["input_ids"]) for x in rows)         # every token, once
+    # the two epochs saw the conversations in a different order (a different shuffle seed); the second
+    # pass's own fingerprint is listed too once its reader ran to the end
+    first, *second = st["epoch_fingerprints"]
+    assert first != st["data_fingerprint"] and second in ([], [st["data_fingerprint"]]), st["epoch_fingerprints"]
+    assert st["epoch_steps"][0] > 0 and st["steps_in_epoch"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_poorly_packed_data_over_two_epochs_trains_every_block_and_cosine_ends_at_its_floor(two_epochs):
     """One conversation per block, two epochs, a cosine schedule whose length is counted: every block of
     both passes is a step, and the LR falls on every step to the floor on the last."""
-    src = _low_efficiency_source(tmp_path / "long.jsonl", 24)
-    r = _fsdp_recipe(tmp_path, "lowpack", src, epochs=2, schedule="cosine", min_lr_ratio=0.1)
-    rows = _data_rows(r)
-    _, states = _fit(r)
+    r, states = two_epochs["recipe"], two_epochs["full"]
     steps = 0
     for epoch in (0, 1):
         c = _epoch_totals(states, epoch)
         assert c["real_tokens"] / (c["real_tokens"] + c["padding_tokens"]) < 0.9     # far below 0.995
-        assert c["conversations_packed"] == len(rows) == 24                            # every conversation
         per_rank = [st["epoch_counters"][epoch] for st in states.values()]
         real_blocks = [e["blocks"] - e["equalisation_padding_blocks"] for e in per_rank]
         steps += max(real_blocks)      # the busiest rank sets the steps; one block per step here
     st = states[0]
-    assert st["epoch"] == 1 and st["epoch_steps"][0] > 0
     assert st["step"] == st["total_steps"] == steps
     assert [h["step"] for h in st["history"]] == list(range(1, steps + 1))
     lrs = [h["lr"] for h in st["history"]]
     assert lrs[-1] == pytest.approx(0.1 * r.train.lr)
     assert all(a > b for a, b in zip(lrs, lrs[1:]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_resume_inside_the_second_epoch_matches_an_uninterrupted_run(two_epochs):
+    full, resumed, at = (two_epochs[k] for k in ("full", "resumed", "at"))
+    # the retry resumed from the checkpoint inside the second epoch, not one of the first
+    assert resumed[0]["resumed_from"] == [at] and at > full[0]["epoch_steps"][0]
+    full_l = [h["loss"] for h in full[0]["history"]]
+    res_l = [h["loss"] for h in resumed[0]["history"]]
+    assert len(res_l) == len(full_l)
+    np.testing.assert_allclose(res_l, full_l, rtol=1e-5)
+    np.testing.assert_allclose([h["lr"] for h in resumed[0]["history"]], [h["lr"] for h in full[0]["history"]])
+    for rank in (0, 1):
+        assert resumed[rank]["counters"] == full[rank]["counters"]
 
 
 # ---------------------------------------------------------------- TRL: the data guard on resume
