@@ -18,9 +18,7 @@ from tests.conftest import REPO
     ("qwen27b_b300", []),                                                    # the FSDP2 loop
     ("qwen3_4b_full", ["train.eval_every=null", "train.load_best_at_end=false"]),   # the TRL loop
 ])
-def test_save_final_false_trains_and_writes_no_checkpoint(tmp_path, job_name, extra):
-    import ray
-
+def test_save_final_false_trains_and_writes_no_checkpoint(ray_local, tmp_path, job_name, extra):
     from raytune_ft.cli import resolve
     from raytune_ft.run import run
 
@@ -31,11 +29,7 @@ def test_save_final_false_trains_and_writes_no_checkpoint(tmp_path, job_name, ex
         f"tracking.storage_path={tmp_path}", "tracking.run_name=nosave", "train.max_steps=4",
         "train.log_every=2", "train.checkpoint_every=100", "train.save_final=false", "registry.enabled=false",
         *extra])
-    ray.init(address="local", num_cpus=8, include_dashboard=False)
-    try:
-        summary = run(recipe, local=True)
-    finally:
-        ray.shutdown()
+    summary = run(recipe, local=True)      # on the session's local Ray (conftest.ray_local)
     assert summary.status == "trained" and summary.checkpoint is None
     assert summary.steps == 4 and summary.tokens > 0
     assert summary.final_loss is not None and math.isfinite(summary.final_loss)
