@@ -8,7 +8,16 @@ import tempfile
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, shared_ray_down
+
+
+@pytest.fixture(autouse=True)
+def _no_shared_ray_beside_a_child_ray(request):
+    """A test that starts a Ray in a child process runs without the session's shared one: a second Ray on
+    the machine finds the dashboard agent's port taken and spends ~3 s retrying it."""
+    if "ray_local" not in request.fixturenames:
+        shared_ray_down()
+    yield
 
 # a driver that starts its Ray as a job does, waits, and counts the Python workers its raylet started
 IDLE_WORKERS = """
