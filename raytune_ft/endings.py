@@ -140,7 +140,7 @@ class RunEnding:
             return None
         try:
             from raytune_ft import storage
-            from raytune_ft.train.checkpoint import read_meta_at
+            from raytune_ft.train.checkpoint_meta import read_meta_at
 
             fs, base = self.storage.fs, self.run_path.rstrip("/")
             reported = storage.reported_checkpoints(fs, base)

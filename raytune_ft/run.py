@@ -257,7 +257,7 @@ def _summarize(recipe: Recipe, result, run_id: str, st, run_path: str) -> tuple[
         metrics = _last_logged_metrics(recipe, run_id) or metrics
     if ckpt is None and recipe.train.save_final:
         raise RuntimeError("training finished without a checkpoint")
-    from raytune_ft.train.checkpoint import read_meta_at
+    from raytune_ft.train.checkpoint_meta import read_meta_at
 
     meta, data, plots, ckpt_uri = {}, {}, [], None
     if ckpt is not None:   # the small files are read where the checkpoint lies: nothing else is fetched

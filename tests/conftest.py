@@ -56,6 +56,7 @@ SLOW_TESTS = {"test_fsdp2_sharded_load_matches_unsharded", "test_random_init_of_
               "test_the_driver_opens_the_run_in_a_process_of_its_own_with_start_runs_answers",
               "test_a_two_node_cluster_with_a_file_tracking_store_stops_before_the_run_opens",
               "test_the_driver_builds_the_trainer_without_importing_torch",
+              "test_the_checkpoint_meta_and_the_drivers_after_fit_path_import_no_torch",
               "test_a_bf16_workers_model_build_does_not_import_torchao",
               "test_the_torchao_check_answers_truly_again_after_the_block",
               "test_a_workers_mlflow_calls_are_made_in_order_by_a_process_of_their_own",

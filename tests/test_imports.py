@@ -1,4 +1,5 @@
-"""The package's layers hold: no module of raytune_ft imports, directly or through others, one that imports it.
+"""The package's layers hold: no module of raytune_ft imports, directly or through others, one that imports it;
+and the driver's path after `TorchTrainer.fit()` imports no torch (checked in a fresh Python).
 
 Every import statement counts, those inside functions too (a lazy import is still an arrow between
 layers). `from raytune_ft.a import b` is an arrow to raytune_ft.a.b when b is a module, else to
@@ -8,9 +9,13 @@ but the package's names are not what the submodule asked for).
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.conftest import REPO, env_with_path
 
 PKG = REPO / "raytune_ft"
 
@@ -120,3 +125,40 @@ def test_registry_parts_never_import_the_entry():
     for m in parts:
         assert not graph[m] & {"raytune_ft.registry", "raytune_ft.registry.task"}, m
     assert not {m for m in graph["raytune_ft.registry.base"] if m.startswith("raytune_ft.registry")}
+
+
+AFTER_FIT = textwrap.dedent("""
+    import json, sys
+    import pyarrow.fs as pafs
+    from raytune_ft.train.checkpoint_meta import read_meta, read_meta_at, read_train_state, write_meta, write_train_state
+    alone = "torch" in sys.modules
+    # what run.py, endings.py and the registry entry import once fit returned, and the readers called
+    import raytune_ft.endings, raytune_ft.plots, raytune_ft.run, raytune_ft.run_opening, raytune_ft.tracking
+    from raytune_ft.registry import find_registered_version, run_registration
+    from raytune_ft.registry.base import RegistrationOutcome
+    ckpt = sys.argv[1]
+    write_meta(ckpt, {"step": 3, "final": True})
+    write_train_state(ckpt, 0, {"counters": {"real_tokens": 5}})
+    read_back = [read_meta_at(pafs.LocalFileSystem(), ckpt), read_meta(ckpt),
+                 read_train_state(pafs.LocalFileSystem(), ckpt, 0), raytune_ft.run.merged_data_counters(ckpt)["real_tokens"]]
+    print(json.dumps({"alone": alone, "after_fit": "torch" in sys.modules, "read_back": read_back}))
+""")
+
+
+def test_the_checkpoint_meta_and_the_drivers_after_fit_path_import_no_torch(tmp_path):
+    """Reading a finished run's meta (run._summarize, endings) and registering it from the driver cost no
+    torch import (about 2 s on 2 cores): train/checkpoint_meta.py holds the JSON readers, torch-free."""
+    out = subprocess.run([sys.executable, "-c", AFTER_FIT, str(tmp_path)], cwd=tmp_path, env=env_with_path(REPO),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"alone": False, "after_fit": False,
+                   "read_back": [{"step": 3, "final": True}, {"step": 3, "final": True},
+                                 {"counters": {"real_tokens": 5}}, 5]}
+
+
+def test_the_checkpoint_still_exports_the_meta_readers():
+    from raytune_ft.train import checkpoint, checkpoint_meta
+
+    for name in checkpoint_meta.__all__:
+        assert getattr(checkpoint, name) is getattr(checkpoint_meta, name), name

@@ -25,7 +25,7 @@ from raytune_ft.registry.base import (CHAT_TASK, CHECKPOINT_TAG, STATUS_TAG, Reg
                                       checkpoint_id, logger)
 from raytune_ft.registry.outcome import clear_failure_record, read_failure_record
 from raytune_ft.registry.resolve import build_metadata, hf_config, local_checkpoint, resolve_hf_folder
-from raytune_ft.train.checkpoint import read_meta
+from raytune_ft.train.checkpoint_meta import read_meta
 
 
 def pip_requirements() -> list[str]:

@@ -8,6 +8,9 @@ Layout of one Ray Train checkpoint directory (every rank's files merged by Ray i
     hf/                  (final checkpoint only) config.json, sharded *.safetensors + index, tokenizer
     raytune_meta.json    job, model name, family, step, final loss (read by the registry)
 
+The JSON files' readers and writers are in train/checkpoint_meta.py (no torch at import, for the driver
+and the registry) and are re-exported here.
+
 Ray registers a checkpoint only after every worker's `report` returned, so a worker dying while
 writing leaves the previous checkpoint as the latest one.
 """
@@ -22,23 +25,18 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from raytune_ft.train import dcp_io
+# the JSON files, torch-free for the driver and the registry: re-exported here for the loops
+from raytune_ft.train.checkpoint_meta import (META_FILE, read_meta, read_meta_at, read_train_state,  # noqa: F401
+                                              train_state_path, write_meta, write_train_state)
 from raytune_ft.train.state import TrainState
 
 SHARD_BYTES = 4 * 1024**3
-META_FILE = "raytune_meta.json"
 
 
 def save_train_checkpoint(directory: str, state: TrainState, rank: int, *, process_group=None) -> None:
     """Every rank writes its DCP shard and its train-state file into `directory` (a local folder)."""
     dcp_io.save(directory, state.sharded, rank, process_group=process_group)
     write_train_state(directory, rank, state.state_dict())
-
-
-def write_train_state(directory: str, rank: int, train_state: dict) -> None:
-    """train_state/rank{R}.json in `directory` (a local folder)."""
-    os.makedirs(os.path.join(directory, "train_state"), exist_ok=True)
-    with open(os.path.join(directory, "train_state", f"rank{rank}.json"), "w") as f:
-        json.dump(train_state, f)
 
 
 def load_train_checkpoint(directory: str, state: TrainState, rank: int, *, fs: pafs.FileSystem | None = None,
@@ -66,22 +64,6 @@ def _located(directory: str, fs: pafs.FileSystem | None) -> tuple[pafs.FileSyste
     """`fs` (default: the local filesystem) and `directory` on it, absolute when it is local."""
     fs = fs or pafs.LocalFileSystem()
     return fs, directory if not isinstance(fs, pafs.LocalFileSystem) else os.path.abspath(directory)
-
-
-def train_state_path(directory: str, rank: int) -> str:
-    return f"{directory.rstrip('/')}/train_state/rank{rank}.json"
-
-
-def read_train_state(fs: pafs.FileSystem, directory: str, rank: int) -> dict:
-    """This rank's train state in a checkpoint (both loops); a clear error where the checkpoint has none
-    for this rank: starting one rank over while the others resume would desynchronise them."""
-    from raytune_ft import storage
-
-    state = storage.read_json(fs, train_state_path(directory, rank))
-    if state is None:
-        raise RuntimeError(f"checkpoint {directory} has no train state for rank {rank}: it was written by a run "
-                           "with a different number of workers; resume with the same scaling.num_workers")
-    return state
 
 
 def export_hf_folder(out_dir: str, model: torch.nn.Module, hf_config, tokenizer, rank: int,
@@ -148,25 +130,5 @@ def export_hf_folder(out_dir: str, model: torch.nn.Module, hf_config, tokenizer,
         dist.barrier()
 
 
-def write_meta(directory: str, meta: dict) -> None:
-    with open(os.path.join(directory, META_FILE), "w") as f:
-        json.dump(meta, f, indent=2, default=str)
-
-
-def read_meta_at(fs: pafs.FileSystem, directory: str) -> dict:
-    """The checkpoint's meta file read where the checkpoint lies ({} when it has none)."""
-    from raytune_ft import storage
-
-    return storage.read_json(fs, f"{directory.rstrip('/')}/{META_FILE}", default={}) or {}
-
-
-def read_meta(directory: str) -> dict:
-    path = os.path.join(directory, META_FILE)
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
-
-
 __all__ = ["save_train_checkpoint", "load_train_checkpoint", "write_train_state", "export_hf_folder", "write_meta",
-           "read_meta", "read_meta_at", "StateDictOptions"]
+           "read_meta", "read_meta_at", "read_train_state", "train_state_path", "META_FILE", "StateDictOptions"]

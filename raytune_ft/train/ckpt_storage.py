@@ -41,7 +41,7 @@ def latest_meta() -> dict:
     """The meta file of the checkpoint this attempt resumes from ({} when none), read where it lies."""
     import ray.train
 
-    from raytune_ft.train.checkpoint import read_meta_at
+    from raytune_ft.train.checkpoint_meta import read_meta_at
 
     ckpt = ray.train.get_checkpoint()
     return read_meta_at(ckpt.filesystem, ckpt.path) if ckpt is not None else {}
