@@ -20,6 +20,18 @@ from typing import Any, Iterable, Iterator
 SECRET_NAME = re.compile(r"token|secret|password|passwd|credential|api[_-]?key|access[_-]?key", re.IGNORECASE)
 
 
+# Ray Train's controller polls the workers every 2 s by default, and a worker's checkpoint report waits for
+# the next poll: up to 2 s of idle GPUs per save, and as long after the last step before the run ends.
+TRAIN_POLL_ENV, TRAIN_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"
+
+
+def ray_train_defaults() -> None:
+    """The job's defaults for Ray Train's own variables (a value the user set wins). Set before anything
+    reads Ray Train's environment: the controller gets the driver's value, and the processes started ahead
+    for it (data/pipeline.start_tokenizing_processes) must share its runtime environment to be reused."""
+    os.environ.setdefault(TRAIN_POLL_ENV, TRAIN_POLL_S)
+
+
 def process_start() -> float | None:
     """When this process started (epoch seconds), or None where that cannot be read."""
     try:

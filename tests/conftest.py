@@ -176,7 +176,7 @@ def local_job_process(cwd, overrides: list[str], *, extra_env: dict | None = Non
 @pytest.fixture(scope="session")
 def local_job(tmp_path_factory):
     """The 27B recipe's --local job, run once per session as a user runs it (a subprocess, its own local
-    Ray, registration included), with credentials planted in its environment.
+    Ray, registration included, the default storage), with credentials planted in its environment.
 
     Shared by the end-to-end, plots and secrets tests: one run instead of three keeps the suite's time
     down. Ray's files go to their own RAY_TMPDIR (short: AF_UNIX paths are <= 107 bytes) so the secrets
@@ -187,9 +187,11 @@ def local_job(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("localjob")
     planted = {k: f"sk-{k.lower()}-{secrets.token_hex(16)}" for k in SECRET_VARS}
-    # the recipe's own log_every (5): MLflow must still get every step
+    # the recipe's own log_every (5): MLflow must still get every step. The job runs with the default
+    # storage, relative (./runs in its folder, which is not the Ray workers' working folder); `overrides`
+    # names the same folder absolute, for the tests that resolve the recipe from another folder
     overrides = [f"tracking.storage_path={work / 'runs'}"]
-    with local_job_process(work, overrides, extra_env=planted) as (proc, ray_tmp):
+    with local_job_process(work, [], extra_env=planted, drop_env=("RAYTUNE_LOCAL_STORAGE",)) as (proc, ray_tmp):
         summary_path = work / "runs" / "qwen27b-local" / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
         yield {"proc": proc, "planted": planted, "work": work, "ray_tmp": ray_tmp, "summary": summary,

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from raytune_ft.tracking import startup_from_params
-from tests.conftest import local_job_process, local_job_recipe, train_state
+from tests.conftest import local_job_recipe, train_state
 
 
 @pytest.fixture(scope="module")
@@ -171,30 +171,25 @@ def test_registered_version_loads_with_transformers(local_run):
     assert loaded["model"].config.vocab_size == model.config.vocab_size
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_local_job_from_any_folder_logs_every_step_to_the_run_it_names(tmp_path):
+@pytest.mark.timeout(300)
+def test_local_job_from_any_folder_logs_every_step_to_the_run_it_names(local_job):
     """`python jobs/qwen27b_b300.py --local` as a new user runs it: the default relative storage
     (./runs), started from a folder that is not the Ray workers' working folder. Every step's metrics
     reach the MLflow run the summary names, and no second MLflow store appears anywhere, the workers'
     folders (under Ray's temp dir) included."""
     from mlflow import MlflowClient
 
-    work = tmp_path / "clone"
-    work.mkdir()
-    sets = ["train.max_steps=4", "train.log_every=1", "train.checkpoint_every=2", "registry.enabled=false"]
-    with local_job_process(work, sets, drop_env=("RAYTUNE_LOCAL_STORAGE",), prefix="rtpath",
-                           timeout=800) as (proc, ray_tmp):
-        out = (proc.stdout + proc.stderr).decode(errors="replace")
-        assert proc.returncode == 0, out[-4000:]
-        run_dir = work / "runs" / "qwen27b-local"
-        summary = json.loads((run_dir / "summary.json").read_text())
-        db = run_dir / "mlflow.db"
-        assert summary["tracking_uri"] == f"sqlite:///{db}"
-        client = MlflowClient(summary["tracking_uri"])
-        for key in ("train/loss", "train/lr", "train/grad_norm", "tokens_per_s"):
-            steps = sorted(m.step for m in client.get_metric_history(summary["mlflow_run_id"], key))
-            assert steps == [1, 2, 3, 4], (key, steps)
-        stray = [p for root in (work, ray_tmp) for p in root.rglob("mlflow.db") if p != db]
-        assert not stray, stray
-        assert "MLflow logging off" not in out and "MLflow metric logging failed" not in out, out[-3000:]
+    proc, work, ray_tmp = local_job["proc"], local_job["work"], local_job["ray_tmp"]
+    out = (proc.stdout + proc.stderr).decode(errors="replace")
+    assert proc.returncode == 0, out[-4000:]
+    run_dir = work / "runs" / "qwen27b-local"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    db = run_dir / "mlflow.db"
+    assert summary["tracking_uri"] == f"sqlite:///{db}"
+    client = MlflowClient(summary["tracking_uri"])
+    for key in ("train/loss", "train/lr", "train/grad_norm"):
+        steps = sorted(m.step for m in client.get_metric_history(summary["mlflow_run_id"], key))
+        assert steps == list(range(1, 21)), (key, steps)
+    stray = [p for root in (work, ray_tmp) for p in root.rglob("mlflow.db") if p != db]
+    assert not stray, stray
+    assert "MLflow logging off" not in out and "MLflow metric logging failed" not in out, out[-3000:]

@@ -167,6 +167,9 @@ def _train_controller_env() -> dict | None:
                                                       get_env_vars_to_propagate)
     except ImportError:
         return None
+    from raytune_ft.env import ray_train_defaults
+
+    ray_train_defaults()          # before reading: the controller's environment holds the job's defaults
     env_vars = get_env_vars_to_propagate()
     env_vars.setdefault(RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
                         DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)

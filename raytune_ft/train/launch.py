@@ -12,11 +12,10 @@ import os
 
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy, create_failure_policy
 
+from raytune_ft.env import ray_train_defaults
 from raytune_ft.lease import TOKEN_ENV, RunFolderInUse
 from raytune_ft.recipe import Recipe, absolute_local_paths, recipe_from_dict
 from raytune_ft.train import hooks
-
-POLL_ENV, POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"
 
 
 def _worker_env() -> dict[str, str]:
@@ -157,10 +156,7 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None = None, mlflow_ru
 
     from raytune_ft.train.backend import TorchBackendConfig
 
-    # Ray Train's controller polls the workers every 2 s by default, and a worker's checkpoint report waits
-    # for the next poll: up to 2 s of idle GPUs per save, and as long after the last step before the run
-    # ends. Polled more often unless the user set it; Ray passes the driver's value on to the controller.
-    os.environ.setdefault(POLL_ENV, POLL_S)
+    ray_train_defaults()      # the controller's poll interval: Ray passes the driver's value on
     s = recipe.scaling
     loop = loop_function(recipe)
     backend = s.backend if s.backend != "auto" else ("nccl" if s.use_gpu else "gloo")
