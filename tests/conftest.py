@@ -151,12 +151,30 @@ SECRET_VARS = ("DATABRICKS_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MLFLOW
                "MLFLOW_TRACKING_PASSWORD", "DATABRICKS_CLIENT_SECRET")
 
 
+def fresh_copy(dest: Path) -> Path:
+    """The repository's tracked and untracked-but-not-ignored files copied to `dest`, `.venv` linked in (as
+    `make setup` would have built it): a user's fresh clone."""
+    import shutil
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
+                           capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        src = REPO / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    (dest / ".venv").symlink_to(REPO / ".venv")
+    return dest
+
+
 @contextlib.contextmanager
 def local_job_process(cwd, overrides: list[str], *, extra_env: dict | None = None, drop_env: tuple = (),
-                      prefix: str = "rtjob", timeout: int = 900):
+                      prefix: str = "rtjob", timeout: int = 900, root: Path | None = None):
     """`python jobs/qwen27b_b300.py --local --set=...` run in `cwd` as a user runs it (a subprocess with its
     own local Ray: RAY_ADDRESS dropped) with Ray's files in a short RAY_TMPDIR of its own (AF_UNIX paths are
-    <= 107 bytes), removed afterwards. Yields (the finished process, the RAY_TMPDIR)."""
+    <= 107 bytes), removed afterwards; the script of `root`'s jobs/ (default: this repository's). Yields
+    (the finished process, the RAY_TMPDIR)."""
     import shutil
     import subprocess
     import sys
@@ -166,7 +184,8 @@ def local_job_process(cwd, overrides: list[str], *, extra_env: dict | None = Non
     env = {**os.environ, **(extra_env or {}), "RAY_TMPDIR": str(ray_tmp), "PYTHONUNBUFFERED": "1"}
     for k in ("RAY_ADDRESS", *drop_env):
         env.pop(k, None)
-    cmd = [sys.executable, str(REPO / "jobs" / "qwen27b_b300.py"), "--local", *[f"--set={o}" for o in overrides]]
+    cmd = [sys.executable, str((root or REPO) / "jobs" / "qwen27b_b300.py"), "--local",
+           *[f"--set={o}" for o in overrides]]
     try:
         yield subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, timeout=timeout), ray_tmp
     finally:
@@ -175,8 +194,9 @@ def local_job_process(cwd, overrides: list[str], *, extra_env: dict | None = Non
 
 @pytest.fixture(scope="session")
 def local_job(tmp_path_factory):
-    """The 27B recipe's --local job, run once per session as a user runs it (a subprocess, its own local
-    Ray, registration included, the default storage), with credentials planted in its environment.
+    """The 27B recipe's --local job, run once per session as a user runs it after a fresh clone (a
+    subprocess in a fresh copy of the repository, its own local Ray, registration included, the default
+    storage), with credentials planted in its environment.
 
     Shared by the end-to-end, plots and secrets tests: one run instead of three keeps the suite's time
     down. Ray's files go to their own RAY_TMPDIR (short: AF_UNIX paths are <= 107 bytes) so the secrets
@@ -185,13 +205,14 @@ def local_job(tmp_path_factory):
     import json
     import secrets
 
-    work = tmp_path_factory.mktemp("localjob")
+    work = fresh_copy(tmp_path_factory.mktemp("localjob"))     # test_readme runs the README's other commands here
     planted = {k: f"sk-{k.lower()}-{secrets.token_hex(16)}" for k in SECRET_VARS}
     # the recipe's own log_every (5): MLflow must still get every step. The job runs with the default
     # storage, relative (./runs in its folder, which is not the Ray workers' working folder); `overrides`
     # names the same folder absolute, for the tests that resolve the recipe from another folder
     overrides = [f"tracking.storage_path={work / 'runs'}"]
-    with local_job_process(work, [], extra_env=planted, drop_env=("RAYTUNE_LOCAL_STORAGE",)) as (proc, ray_tmp):
+    with local_job_process(work, [], extra_env=planted, drop_env=("RAYTUNE_LOCAL_STORAGE",),
+                           root=work) as (proc, ray_tmp):
         summary_path = work / "runs" / "qwen27b-local" / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
         yield {"proc": proc, "planted": planted, "work": work, "ray_tmp": ray_tmp, "summary": summary,

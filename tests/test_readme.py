@@ -26,13 +26,12 @@ ACTIVATE = "source .venv/bin/activate"
 
 # command (as the README writes it, comment and continuation lines stripped) -> why it does not run here
 SKIPPED = {
-    "make local": "builds .venv (the one this suite runs in) and runs the --local job; the job is run as "
-                  "written below through `raytune-ft run qwen27b_b300 --local` and by tests/conftest.py's "
-                  "local_job",
+    "make local": "builds .venv (the one this suite runs in) and runs the --local job, as "
+                  "tests/conftest.py's local_job does in the fresh copy the other commands run in",
     "make test": "the test suite itself",
-    "python jobs/qwen27b_b300.py --local": "the same job and run folder as `raytune-ft run qwen27b_b300 "
-                                           "--local`, which runs below; tests/conftest.py's local_job runs "
-                                           "this script",
+    "python jobs/qwen27b_b300.py --local": "tests/conftest.py's local_job runs it in the same fresh copy "
+                                           "before the other commands (`raytune-ft run qwen27b_b300 --local` "
+                                           "then finds the run finished)",
     "python jobs/qwen27b_b300.py --set train.lr=2e-5 --set data.max_rows=1000": "the full 27B recipe: GPUs",
     "raytune-ft run qwen2_05b_lora --local": "a second --local training run (minutes on 2 cores); "
                                              "tests/test_trl_recipes.py runs this recipe's loop on local Ray",
@@ -80,18 +79,6 @@ def test_readme_commands_are_listed_or_run():
     assert not set(SKIPPED) - set(commands), f"SKIPPED lists commands the README lost: {set(SKIPPED) - set(commands)}"
 
 
-def _fresh_copy(dest: Path) -> Path:
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
-                           capture_output=True).stdout.decode().split("\0")
-    for rel in filter(None, files):
-        src = REPO / rel
-        if src.is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
-    (dest / ".venv").symlink_to(REPO / ".venv")
-    return dest
-
-
 def _bash(command: str) -> list[str]:
     return ["bash", "-c", f"set -e; {ACTIVATE}; {command}"]
 
@@ -117,8 +104,11 @@ def _serve_then_stop(command: str, url: str, cwd: Path, env: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_readme_commands_run_as_written(tmp_path):
-    clone = _fresh_copy(tmp_path / "clone")
+def test_readme_commands_run_as_written(local_job):
+    """In the fresh copy where the session's local_job ran `python jobs/qwen27b_b300.py --local` (one
+    --local training run for both): the README's other commands, in order."""
+    clone = local_job["work"]
+    assert local_job["proc"].returncode == 0, (local_job["proc"].stdout + local_job["proc"].stderr)[-3000:]
     ray_tmp = tempfile.mkdtemp(prefix="rtreadme", dir="/tmp")   # AF_UNIX paths are <= 107 bytes
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYTUNE_LOCAL_STORAGE")}
     env.update(RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
