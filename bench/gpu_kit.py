@@ -643,7 +643,7 @@ class RayHead:
                 p.terminate()
             except psutil.NoSuchProcess:
                 pass
-        for p in psutil.wait_procs(mine, timeout=20)[1]:
+        for p in psutil.wait_procs(mine, timeout=5)[1]:     # the bench's own head: nothing to keep
             p.kill()
 
 

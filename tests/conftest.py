@@ -132,6 +132,8 @@ def ray_local(_ray_session):
     pytest_collection_modifyitems), shut down before a module that does not."""
     import ray
 
+    if ray.is_initialized() and not _SHARED_RAY["up"]:
+        ray.shutdown()       # a Ray a test started in this process for itself, with its own CPU count
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True)
         _SHARED_RAY["up"] = True

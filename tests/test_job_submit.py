@@ -65,7 +65,7 @@ def _stop_head(temp: Path) -> None:
             p.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(mine, timeout=20)
+    _, alive = psutil.wait_procs(mine, timeout=5)     # then killed: a test head keeps nothing
     for p in alive:
         p.kill()
 

@@ -17,6 +17,7 @@ import glob
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 
@@ -113,18 +114,43 @@ def test_full_finetune_evaluates_keeps_two_and_ends_on_best(ray_local, fixtures,
     assert _eval_loss(os.path.join(summary.checkpoint, "hf"), val) == pytest.approx(evals[1], abs=1e-3)
 
 
-@pytest.mark.timeout(300)
-def test_lora_adapter_loads_merges_and_the_merged_model_is_registered(ray_local, fixtures, tmp_path):
+@pytest.mark.timeout(600)
+def test_lora_adapter_loads_merges_and_the_merged_model_is_registered(fixtures, tmp_path):
+    """Run as a user runs it (`python jobs/qwen2_05b_lora.py --local`, a fresh process with its own local
+    Ray): the console holds the project's lines only, each once (tests/test_console_noise.py's check of a
+    TRL recipe), and the checkpoint and registry hold what the recipe promises."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
     import mlflow
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from raytune_ft.cli import _job_recipe
+    from tests.conftest import shared_ray_down
+    from tests.test_console_noise import console_env, noise
+
+    shared_ray_down()        # a Ray beside the job's own would hold its dashboard agent's port
     # 16 rows: a 0.3 validation share so the seeded carve-out holds a few conversations
-    recipe, summary = _run("qwen2_05b_lora", tmp_path, [f"data.source={fixtures / FIXTURE}",
-                                                        "data.validation_fraction=0.3"])
+    sets = [f"tracking.storage_path={tmp_path / 'runs'}", f"data.source={fixtures / FIXTURE}",
+            "data.validation_fraction=0.3"]
+    out = subprocess.run([sys.executable, str(REPO / "jobs" / "qwen2_05b_lora.py"), "--local",
+                          *[f"--set={s}" for s in sets]], cwd=tmp_path, env=console_env(tmp_path),
+                         capture_output=True, text=True, timeout=580)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert not noise(text), noise(text)
+    # the trainer's own printer printed every log dict (twice, beside the loop's line)
+    assert not [line for line in text.splitlines() if "{'loss'" in line or "{'train_runtime'" in line]
+    assert re.search(r"\[raytune_ft\] step \d+/\d+", text)
+    assert os.path.exists(tmp_path / ".cache" / "raytune_ft" / "logs" / "workers.log")
+
+    recipe = _job_recipe("qwen2_05b_lora", True, sets)
+    summary = SimpleNamespace(**json.loads(open(os.path.join(recipe.run_dir, "summary.json")).read()))
     assert recipe.scaling.num_workers == 2 and recipe.train.lora_r == 8
-    assert summary.status == "registered", summary.lines()
+    assert summary.status == "registered", text[-3000:]
     ck = summary.checkpoint
     for sub in ("adapter", "base", "hf"):
         assert os.path.isdir(os.path.join(ck, sub)), sub
