@@ -57,6 +57,10 @@ def main(argv: list[str]) -> int:
     own.add_argument("--local-copies", default=None)
     own.add_argument("--modes", default=",".join(MODES), help="the runs' order, e.g. on,off")
     mine, argv = own.parse_known_args(argv)
+    modes = tuple(mine.modes.split(","))
+    if sorted(modes) != sorted(MODES):
+        print(f"--modes {mine.modes}: give each of {', '.join(MODES)} once", file=sys.stderr)
+        return 2
     p = argparse.ArgumentParser(prog="python -m bench gpu ckpt", description=__doc__.split("\n\n")[0])
     gpu_kit.add_arguments(p)
     opts = p.parse_args(["speed", *argv])     # the kit's options; its subcommand argument is not this bench's
@@ -65,7 +69,7 @@ def main(argv: list[str]) -> int:
     if not opts.cpu_smoke and not opts.gpus and not opts.dry_run:
         print("no GPU found (nvidia-smi lists none): run with --cpu-smoke or --dry-run", file=sys.stderr)
         return 2
-    recs = gpu_kit.run_parts("ckpt", parts(gpu_kit.Kit(opts), mine.local_copies, tuple(mine.modes.split(","))), opts)
+    recs = gpu_kit.run_parts("ckpt", parts(gpu_kit.Kit(opts), mine.local_copies, modes), opts)
     if opts.dry_run:
         return 0
     held = {r["settings"]["async_checkpoint"]: r["figures"].get("blocked_s_mean") for r in recs}

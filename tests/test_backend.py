@@ -16,14 +16,13 @@ from raytune_ft.train.backend import TorchBackend, TorchBackendConfig
 from tests.conftest import REPO, env_with_path
 
 DRIVER = textwrap.dedent("""
-    import json, sys
+    import json, os, sys
     import ray
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     from raytune_ft.cli import _job_recipe
     from raytune_ft.train.launch import build_trainer
     recipe = _job_recipe("qwen27b_b300", True, ["tracking.storage_path=" + sys.argv[1]])
     trainer = build_trainer(recipe, mlflow_run_id=None)
-    import os
     print(json.dumps({"torch": "torch" in sys.modules, "backend": type(trainer.backend_config).__name__,
                       "nccl_free": trainer.backend_config.backend,
                       "poll": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")}))

@@ -4,13 +4,10 @@ holding the steps, tokens and last loss; registration is refused by validation, 
 from __future__ import annotations
 
 import glob
-import importlib.util
 import math
 import os
 
 import pytest
-
-from tests.conftest import REPO
 
 
 @pytest.mark.timeout(600)
@@ -19,13 +16,10 @@ from tests.conftest import REPO
     ("qwen3_4b_full", ["train.eval_every=null", "train.load_best_at_end=false"]),   # the TRL loop
 ])
 def test_save_final_false_trains_and_writes_no_checkpoint(ray_local, tmp_path, job_name, extra):
-    from raytune_ft.cli import resolve
+    from raytune_ft.cli import _job_recipe
     from raytune_ft.run import run
 
-    spec = importlib.util.spec_from_file_location(f"job_nosave_{job_name}", REPO / "jobs" / f"{job_name}.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
-    recipe = resolve(job.recipe, job.local, local=True, overrides=[
+    recipe = _job_recipe(job_name, True, [
         f"tracking.storage_path={tmp_path}", "tracking.run_name=nosave", "train.max_steps=4",
         "train.log_every=2", "train.checkpoint_every=100", "train.save_final=false", "registry.enabled=false",
         *extra])

@@ -14,7 +14,6 @@ logits equal base + adapter, and the merged weights are what the MLflow registry
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import os
 import re
@@ -26,20 +25,11 @@ from tests.conftest import REPO
 FIXTURE = "data/capybara_ldjnr_first16.jsonl"
 
 
-def _job(name: str):
-    spec = importlib.util.spec_from_file_location(f"job_{name}", REPO / "jobs" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _run(job: str, storage, overrides: list[str]):
-    from raytune_ft.cli import resolve
+    from raytune_ft.cli import _job_recipe
     from raytune_ft.run import run
 
-    mod = _job(job)
-    recipe = resolve(mod.recipe, mod.local, local=True,
-                     overrides=[f"tracking.storage_path={storage}", *overrides])
+    recipe = _job_recipe(job, True, [f"tracking.storage_path={storage}", *overrides])
     return recipe, run(recipe, local=True)
 
 
