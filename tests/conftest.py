@@ -63,7 +63,8 @@ SLOW_TESTS = {"test_fsdp2_sharded_load_matches_unsharded", "test_random_init_of_
               "test_unpickling_the_backend_starts_importing_ray_s_torch_backend",
               "test_job_script_still_runs_as_python_jobs_x",
               "test_dry_run_prints_resolved_recipe_and_bad_recipe_exits_before_ray",
-              "test_turned_on_the_monitor_logs_system_metrics_of_this_node"}
+              "test_turned_on_the_monitor_logs_system_metrics_of_this_node",
+              "test_rank_0_alone_reads_the_held_out_split_and_every_rank_gets_its_rows"}
 # a parametrized test's value that starts a server when the test asks for it (tests/test_storage.py's `where`)
 SLOW_PARAMS = {"s3"}
 

@@ -40,3 +40,65 @@ def test_heldout_rows_are_deterministic_and_the_seeds_really_collide():
     a = split_rows("builtin:chat:600", BUILTIN_DEFAULT_ROWS, 0, held_out=True)
     assert a == split_rows("builtin:chat:600", BUILTIN_DEFAULT_ROWS, 0, held_out=True)
     assert len(a) == 600
+
+
+def _held_out_rank(rank: int, world: int, port: int, out: str, fail: bool) -> None:
+    """One gloo rank of test_rank_0_alone_reads_the_held_out_split: Ray Train's dataset shard is a list of
+    rows here (no Ray in these processes: read_rows takes an iterable of row dicts); the reads are counted."""
+    import json
+
+    import numpy as np
+    import ray.train
+    import torch.distributed as dist
+
+    from raytune_ft.recipe import Recipe
+    from raytune_ft.train.evaluate import start_reading_held_out
+
+    reads = []
+
+    def shard(name):
+        reads.append(name)
+        if fail:
+            raise OSError("validation source gone")
+        return [{"input_ids": np.arange(i, i + 5, dtype=np.int32), "mask": np.ones(5, dtype=bool),
+                 "skip_reason": ""} for i in range(3)]
+
+    ray.train.get_dataset_shard = shard
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        recipe = Recipe()
+        recipe.train.eval_every = 10
+        try:
+            rows = start_reading_held_out(recipe)()
+            got = {"ids": [r["input_ids"].tolist() for r in rows]}
+        except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
+            got = {"error": f"{type(e).__name__}: {e}"}
+        got["reads"] = reads
+        Path(out, f"r{rank}.json").write_text(json.dumps(got))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_0_alone_reads_the_held_out_split_and_every_rank_gets_its_rows(tmp_path):
+    """One read of the held-out split per attempt (each rank's own read would run the split's whole
+    pipeline again, with tokenizing processes of its own): rank 1 gets rank 0's rows, and rank 0's read
+    error is raised on rank 1 too, not left waiting."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    for fail in (False, True):
+        out = tmp_path / str(fail)
+        out.mkdir()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_held_out_rank, args=(2, port, str(out), fail), nprocs=2)
+        r0, r1 = (json.loads((out / f"r{r}.json").read_text()) for r in (0, 1))
+        assert r0["reads"] == ["validation"] and r1["reads"] == []
+        if fail:
+            assert r0["error"] == "OSError: validation source gone"
+            assert r1["error"] == "RuntimeError: reading the held-out split failed on rank 0: OSError: validation source gone"
+        else:
+            assert r0["ids"] == r1["ids"] == [list(range(i, i + 5)) for i in range(3)]

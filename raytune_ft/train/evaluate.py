@@ -2,9 +2,9 @@
 
 The held-out split (`data.validation_split`, e.g. UltraChat's test_sft, or the seeded
 `data.validation_fraction` carved out of training; `data.validation_max_rows` caps it) reaches every
-worker whole. It is read once per attempt and packed exactly as training packs, then each rank
-evaluates its share of the blocks (every `world`-th), filled up with all-padding blocks so every rank
-runs the same number of forwards. The loss is normalised over the global token count (the sum of
+worker whole: rank 0 reads it once per attempt and sends it to the other ranks. It is packed exactly as
+training packs, then each rank evaluates its share of the blocks (every `world`-th), filled up with
+all-padding blocks so every rank runs the same number of forwards. The loss is normalised over the global token count (the sum of
 token losses, all-reduced, over the all-reduced count of supervised tokens), as training's is, so it
 does not depend on how the blocks fell on the ranks. Its forwards run eagerly (`probe_uncompiled`): a
 no-grad pass through the compiled layers would compile graphs of its own beside the training step's.
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from raytune_ft.data.packing import DataCounters, padding_block
+from raytune_ft.env import redact_exception
 from raytune_ft.recipe import Recipe
 from raytune_ft.train.batch import StepBatch
 from raytune_ft.train.sampling import probe_uncompiled
@@ -58,12 +59,8 @@ def held_out_loss(model, blocks: Sequence[dict], *, micro_batch_size: int, devic
 
 
 def held_out_rows(recipe: Recipe) -> list[dict]:
-    """Every row of the held-out split as this worker receives it (the whole split: it is not sharded)."""
-    import ray.train
-
-    from raytune_ft.data.pipeline import read_rows
-
-    return read_rows(ray.train.get_dataset_shard("validation"))
+    """Every row of the held-out split (the whole split on every rank: it is not sharded)."""
+    return start_reading_held_out(recipe)()
 
 
 def _needs_held_out(recipe: Recipe) -> bool:
@@ -71,30 +68,56 @@ def _needs_held_out(recipe: Recipe) -> bool:
     return bool(recipe.train.eval_every or recipe.train.sample_count())
 
 
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def start_reading_held_out(recipe: Recipe) -> Callable[[], list[dict]]:
-    """The held-out rows, read by a thread from now on (the loop starts it before building the model, so
-    Ray Data's tasks run meanwhile); the function returned waits for them and raises the read's error.
-    [] at once when nothing needs them."""
+    """The held-out rows, read by a thread of rank 0 from now on (the loop starts it before building the
+    model, so Ray Data's tasks run meanwhile); the function returned waits for them, and with several ranks
+    is a collective: rank 0 sends the rows to the others (every rank calls it at the same point). One read
+    per attempt, not one per rank: each rank's own read would run the split's whole pipeline again, with
+    tokenizing processes of its own. Rank 0's read error is raised on every rank. [] at once when nothing
+    needs the rows."""
     if not _needs_held_out(recipe):
         return lambda: []
-    import ray.train
-
-    from raytune_ft.data.pipeline import read_rows
-
-    shard = ray.train.get_dataset_shard("validation")     # in the caller's thread: Ray Train's context
+    rank, world = _rank_world()
     out: dict = {}
+    thread = None
+    if rank == 0:
+        import ray.train
 
-    def read() -> None:
+        from raytune_ft.data.pipeline import read_rows
+
         try:
-            out["rows"] = read_rows(shard)
-        except BaseException as e:  # noqa: BLE001 - raised where the rows are asked for
+            shard = ray.train.get_dataset_shard("validation")     # in the caller's thread: Ray Train's context
+        except Exception as e:  # noqa: BLE001 - raised where the rows are asked for, after the others are told
             out["error"] = e
+        else:
+            def read() -> None:
+                try:
+                    out["rows"] = read_rows(shard)
+                except BaseException as e:  # noqa: BLE001 - raised where the rows are asked for
+                    out["error"] = e
 
-    thread = threading.Thread(target=read, name="raytune-held-out", daemon=True)
-    thread.start()
+            thread = threading.Thread(target=read, name="raytune-held-out", daemon=True)
+            thread.start()
 
     def rows() -> list[dict]:
-        thread.join()
+        if thread is not None:
+            thread.join()
+        if world > 1:
+            box: list = [None]
+            if rank == 0:
+                box[0] = ({"rows": out["rows"]} if "rows" in out
+                          else {"failed": redact_exception(out["error"])})
+            dist.broadcast_object_list(box, src=0)
+            if rank != 0:
+                if "failed" in box[0]:
+                    raise RuntimeError(f"reading the held-out split failed on rank 0: {box[0]['failed']}")
+                out["rows"] = box[0]["rows"]
         if "error" in out:
             raise out["error"]
         return out["rows"]
