@@ -69,7 +69,7 @@ def _held_out_rank(rank: int, world: int, port: int, out: str, fail: bool) -> No
         recipe = Recipe()
         recipe.train.eval_every = 10
         try:
-            rows = start_reading_held_out(recipe)()
+            rows = start_reading_held_out(recipe, rank=rank, world=world)()
             got = {"ids": [r["input_ids"].tolist() for r in rows]}
         except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
             got = {"error": f"{type(e).__name__}: {e}"}
@@ -84,17 +84,15 @@ def test_rank_0_alone_reads_the_held_out_split_and_every_rank_gets_its_rows(tmp_
     pipeline again, with tokenizing processes of its own): rank 1 gets rank 0's rows, and rank 0's read
     error is raised on rank 1 too, not left waiting."""
     import json
-    import socket
 
     import torch.multiprocessing as mp
+
+    from tests.mlflow_server import free_port
 
     for fail in (False, True):
         out = tmp_path / str(fail)
         out.mkdir()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_held_out_rank, args=(2, port, str(out), fail), nprocs=2)
+        mp.spawn(_held_out_rank, args=(2, free_port(), str(out), fail), nprocs=2)
         r0, r1 = (json.loads((out / f"r{r}.json").read_text()) for r in (0, 1))
         assert r0["reads"] == ["validation"] and r1["reads"] == []
         if fail:

@@ -58,23 +58,36 @@ def held_out_loss(model, blocks: Sequence[dict], *, micro_batch_size: int, devic
     return loss / max(n, 1.0), int(n)
 
 
-def held_out_rows(recipe: Recipe) -> list[dict]:
-    """Every row of the held-out split (the whole split on every rank: it is not sharded)."""
-    return start_reading_held_out(recipe)()
-
-
 def _needs_held_out(recipe: Recipe) -> bool:
     """Evaluation, or sample prompts cut from held-out conversations, read the held-out rows."""
     return bool(recipe.train.eval_every or recipe.train.sample_count())
 
 
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def _read_in_background(out: dict) -> threading.Thread | None:
+    """Start reading this worker's held-out shard into out["rows"] (out["error"] on failure); the shard is
+    asked for in the caller's thread, where Ray Train's context is."""
+    import ray.train
+
+    from raytune_ft.data.pipeline import read_rows
+
+    try:
+        shard = ray.train.get_dataset_shard("validation")
+    except Exception as e:  # noqa: BLE001 - raised where the rows are asked for, after the others are told
+        out["error"] = e
+        return None
+
+    def read() -> None:
+        try:
+            out["rows"] = read_rows(shard)
+        except BaseException as e:  # noqa: BLE001 - raised where the rows are asked for
+            out["error"] = e
+
+    thread = threading.Thread(target=read, name="raytune-held-out", daemon=True)
+    thread.start()
+    return thread
 
 
-def start_reading_held_out(recipe: Recipe) -> Callable[[], list[dict]]:
+def start_reading_held_out(recipe: Recipe, *, rank: int, world: int) -> Callable[[], list[dict]]:
     """The held-out rows, read by a thread of rank 0 from now on (the loop starts it before building the
     model, so Ray Data's tasks run meanwhile); the function returned waits for them, and with several ranks
     is a collective: rank 0 sends the rows to the others (every rank calls it at the same point). One read
@@ -83,27 +96,8 @@ def start_reading_held_out(recipe: Recipe) -> Callable[[], list[dict]]:
     needs the rows."""
     if not _needs_held_out(recipe):
         return lambda: []
-    rank, world = _rank_world()
     out: dict = {}
-    thread = None
-    if rank == 0:
-        import ray.train
-
-        from raytune_ft.data.pipeline import read_rows
-
-        try:
-            shard = ray.train.get_dataset_shard("validation")     # in the caller's thread: Ray Train's context
-        except Exception as e:  # noqa: BLE001 - raised where the rows are asked for, after the others are told
-            out["error"] = e
-        else:
-            def read() -> None:
-                try:
-                    out["rows"] = read_rows(shard)
-                except BaseException as e:  # noqa: BLE001 - raised where the rows are asked for
-                    out["error"] = e
-
-            thread = threading.Thread(target=read, name="raytune-held-out", daemon=True)
-            thread.start()
+    thread = _read_in_background(out) if rank == 0 else None
 
     def rows() -> list[dict]:
         if thread is not None:
@@ -111,8 +105,7 @@ def start_reading_held_out(recipe: Recipe) -> Callable[[], list[dict]]:
         if world > 1:
             box: list = [None]
             if rank == 0:
-                box[0] = ({"rows": out["rows"]} if "rows" in out
-                          else {"failed": redact_exception(out["error"])})
+                box[0] = {"rows": out["rows"]} if "rows" in out else {"failed": redact_exception(out["error"])}
             dist.broadcast_object_list(box, src=0)
             if rank != 0:
                 if "failed" in box[0]:
@@ -135,13 +128,13 @@ class EvalAndSamples:
     @classmethod
     def open(cls, recipe: Recipe, tokenizer, *, rank: int, world: int, device: torch.device,
              log, held_out: Callable[[], list[dict]] | None = None) -> "EvalAndSamples":
-        """`held_out`: `start_reading_held_out(recipe)`'s answer, when the loop started the read early."""
+        """`held_out`: `start_reading_held_out`'s answer, when the loop started the read early."""
         from raytune_ft.data.pipeline import iter_blocks
         from raytune_ft.train import sampling
 
         t = recipe.train
         n_held_out = t.sample_count()
-        rows = (held_out() if held_out else held_out_rows(recipe)) if _needs_held_out(recipe) else []
+        rows = (held_out or start_reading_held_out(recipe, rank=rank, world=world))()
         blocks = None
         if t.eval_every:
             every = list(iter_blocks(rows, recipe.data, counters=DataCounters()))

@@ -85,7 +85,7 @@ def train_fsdp(config: dict) -> None:
         early = _checkpoint_position(rank)
         if not needs_counting_pass(recipe, early):
             feed = _open_data(recipe, config, early, rank=rank, device=device, read_ahead=True)
-        held_out = start_reading_held_out(recipe)       # the held-out rows, for evaluation and samples, too
+        held_out = start_reading_held_out(recipe, rank=rank, world=world)   # for evaluation and samples too
 
     ckpt_storage.start_attempt(rank, log.info)     # checkpoint folders of dead attempts off the storage
     jit = jit_cache.for_worker(recipe, device, log.info)   # before anything compiles
