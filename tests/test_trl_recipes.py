@@ -138,7 +138,8 @@ def test_lora_adapter_loads_merges_and_the_merged_model_is_registered(fixtures, 
     assert os.path.exists(tmp_path / ".cache" / "raytune_ft" / "logs" / "workers.log")
 
     recipe = _job_recipe("qwen2_05b_lora", True, sets)
-    summary = SimpleNamespace(**json.loads(open(os.path.join(recipe.run_dir, "summary.json")).read()))
+    with open(os.path.join(recipe.run_dir, "summary.json")) as f:
+        summary = SimpleNamespace(**json.load(f))
     assert recipe.scaling.num_workers == 2 and recipe.train.lora_r == 8
     assert summary.status == "registered", text[-3000:]
     ck = summary.checkpoint
