@@ -208,6 +208,10 @@ class TrainConfig:
         if self.max_length is not None:
             check_range("train.max_length", self.max_length, 16, 1 << 20)
 
+    def reads_held_out(self) -> bool:
+        """Evaluation, or sample prompts cut from held-out conversations, read the held-out rows; nothing else."""
+        return bool(self.eval_every or self.sample_count())
+
     def sample_count(self) -> int | None:
         """N when `sample_prompts` asks for N held-out conversations (0: no samples), None for a file."""
         text = str(self.sample_prompts).strip()

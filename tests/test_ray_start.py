@@ -83,6 +83,24 @@ def test_tokenizing_runs_in_a_few_processes_not_one_per_free_cpu(settings, expec
 
 
 @pytest.mark.timeout(180)
+def test_the_held_out_split_is_built_only_when_evaluation_or_samples_read_it(ray_local):
+    """The local recipe holds out rows; its held-out dataset is built (and handed to the trainer, whose
+    controller and workers set it up) only when evaluation or sample prompts read it. The training split is
+    the same rows either way."""
+    from raytune_ft.train.launch import build_datasets
+    from tests.conftest import local_job_recipe
+
+    sets = ["data.source=builtin:chat:200"]
+    on, _ = build_datasets(local_job_recipe(sets))
+    off, _ = build_datasets(local_job_recipe([*sets, "train.eval_every=0", "train.sample_prompts=0"]))
+    evaluated, _ = build_datasets(local_job_recipe([*sets, "train.sample_prompts=0"]))
+    assert sorted(on) == sorted(evaluated) == ["train", "validation"] and sorted(off) == ["train"]
+    assert on["validation"].count() > 0
+    train_on, train_off = on["train"].take_all(), off["train"].take_all()
+    assert len(train_on) == 200 and [list(r["input_ids"]) for r in train_on] == [list(r["input_ids"]) for r in train_off]
+
+
+@pytest.mark.timeout(180)
 def test_the_datasets_carry_the_tokenizer_settings_not_the_tokenizer(ray_local):
     """The Train controller, the dataset manager and the split coordinator unpickle the datasets before
     any row is read; a tokenizer object inside would make each import transformers and rebuild it. They

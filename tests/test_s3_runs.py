@@ -1,7 +1,8 @@
 """Runs whose storage is object storage: tracking.storage_path=s3://... on the SeaweedFS S3 server on loopback
 (tests/s3_server.py), real local Ray, the jobs' --local recipes; and a storage too small for the next checkpoint.
 
-27B recipe (FSDP2, 2 workers, 10 steps, checkpoints at 4 and 8, final at 10, keep_checkpoints=2):
+27B recipe (FSDP2, 2 workers, 10 steps, checkpoints at 4 and 8, final at 10, keep_checkpoints=2; no held-out
+loss or samples, which other modules check):
 1. rank 1 exits right after uploading its part of the final checkpoint, before reporting it, on every attempt
    (tests/faults.py exit_after_upload=10:1, max_failures=1): both attempts die in the checkpoint window, Ray
    restarting the worker group after the first. Every restart removes the folder the dead attempt left; a watcher
@@ -61,12 +62,17 @@ EVERY = 4
 REL_TOL = 1e-5
 # the post-fit registration task asks for more CPUs than this local Ray has: it never starts, and is given up
 NO_ROOM_TO_REGISTER = ("registry.num_cpus=512", "registry.timeout_s=2")
+# the 27B runs here check faults, storage and resume, not the held-out loss or the samples (tests/test_eval_samples.py,
+# tests/test_local_job.py): off, each attempt starts a few seconds sooner (no held-out pipeline, no generation)
+NO_EVAL_OR_SAMPLES = ("train.eval_every=0", "train.sample_prompts=0")
 
 
 def _recipe(job: str, storage_path: str, run_name: str, *sets: str):
     from raytune_ft.cli import _job_recipe
 
-    return _job_recipe(job, True, [f"tracking.storage_path={storage_path}", f"tracking.run_name={run_name}", *sets])
+    plain = NO_EVAL_OR_SAMPLES if job == "qwen27b_b300" else ()
+    return _job_recipe(job, True, [f"tracking.storage_path={storage_path}", f"tracking.run_name={run_name}", *plain,
+                                   *sets])
 
 
 class FolderWatcher(threading.Thread):

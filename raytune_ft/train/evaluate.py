@@ -58,11 +58,6 @@ def held_out_loss(model, blocks: Sequence[dict], *, micro_batch_size: int, devic
     return loss / max(n, 1.0), int(n)
 
 
-def _needs_held_out(recipe: Recipe) -> bool:
-    """Evaluation, or sample prompts cut from held-out conversations, read the held-out rows."""
-    return bool(recipe.train.eval_every or recipe.train.sample_count())
-
-
 def _read_in_background(out: dict) -> threading.Thread | None:
     """Start reading this worker's held-out shard into out["rows"] (out["error"] on failure); the shard is
     asked for in the caller's thread, where Ray Train's context is."""
@@ -94,7 +89,7 @@ def start_reading_held_out(recipe: Recipe, *, rank: int, world: int) -> Callable
     per attempt, not one per rank: each rank's own read would run the split's whole pipeline again, with
     tokenizing processes of its own. Rank 0's read error is raised on every rank. [] at once when nothing
     needs the rows."""
-    if not _needs_held_out(recipe):
+    if not recipe.train.reads_held_out():
         return lambda: []
     out: dict = {}
     thread = _read_in_background(out) if rank == 0 else None
