@@ -150,6 +150,21 @@ def _no_shared_ray_elsewhere(request):
     yield
 
 
+def actors_started_since(t0: float) -> list[str]:
+    """The class names of the actors this process's Ray started since `t0` (epoch seconds), read from the
+    session's worker logs (each actor's log names it: ":actor_name:<Class>")."""
+    import glob
+
+    from ray._private.worker import _global_node
+
+    names = []
+    for f in glob.glob(os.path.join(_global_node.get_session_dir_path(), "logs", "worker-*.out")):
+        if os.path.getmtime(f) >= t0:
+            with open(f, errors="replace") as fh:
+                names += [line.split(":actor_name:", 1)[1].strip() for line in fh if ":actor_name:" in line]
+    return names
+
+
 SECRET_VARS = ("DATABRICKS_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MLFLOW_TRACKING_TOKEN",
                "MLFLOW_TRACKING_PASSWORD", "DATABRICKS_CLIENT_SECRET")
 

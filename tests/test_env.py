@@ -49,3 +49,20 @@ def test_child_python_env_puts_the_package_first_and_keeps_the_callers_path(monk
     assert os.path.isdir(os.path.join(first, "raytune_ft")) and rest == ["/elsewhere"]
     assert {k: v for k, v in env.items() if k != "PYTHONPATH"} == \
         {k: v for k, v in environ_snapshot().items() if k != "PYTHONPATH"}
+
+
+def test_ray_train_defaults_turn_the_preemption_watcher_off_for_cpu_runs_only_and_keep_a_users_value(monkeypatch):
+    from raytune_ft import env
+
+    monkeypatch.delenv(env.PREEMPTION_ENV, raising=False)
+    monkeypatch.setattr(env, "_OURS", set())
+    env.ray_train_defaults(watch_preemption=False)
+    assert os.environ[env.PREEMPTION_ENV] == "0"
+    env.ray_train_defaults(watch_preemption=True)       # a GPU run after a CPU one in the same process
+    assert env.PREEMPTION_ENV not in os.environ
+    monkeypatch.setenv(env.PREEMPTION_ENV, "1")         # the user's own value wins either way
+    env.ray_train_defaults(watch_preemption=False)
+    assert os.environ[env.PREEMPTION_ENV] == "1"
+    monkeypatch.setenv(env.PREEMPTION_ENV, "0")
+    env.ray_train_defaults(watch_preemption=True)
+    assert os.environ[env.PREEMPTION_ENV] == "0"

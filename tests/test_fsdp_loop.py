@@ -63,7 +63,13 @@ def fixed_blocks(n: int, seq_len: int = 256):
 @pytest.mark.timeout(400)
 def test_two_workers_equal_one_worker_with_accumulation(ray_local, tmp_path):
     """Step k of 2 workers x 1 block equals 1 worker x 2 accumulated blocks: the loss is the global
-    token mean, not a mean of per-rank means."""
+    token mean, not a mean of per-rank means. These CPU runs start Ray Train's controller and workers but
+    not its preemption watcher (env.ray_train_defaults: GPU runs only)."""
+    import time
+
+    from tests.conftest import actors_started_since
+
+    t0 = time.time()
     blocks = fixed_blocks(8)
     # make rank 1's blocks carry far fewer supervised tokens than rank 0's
     for b in blocks[1::2]:
@@ -85,6 +91,9 @@ def test_two_workers_equal_one_worker_with_accumulation(ray_local, tmp_path):
     np.testing.assert_allclose(g2, g1, rtol=1e-4)
     # the per-rank-means average would be visibly different: the test can fail
     assert l1[0] > 0
+    started = actors_started_since(t0)
+    assert "TrainController" in started and "RayTrainWorker" in started, started
+    assert "PreemptionWatcher" not in started, started
 
 
 @pytest.fixture(scope="module")

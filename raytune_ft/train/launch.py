@@ -156,7 +156,8 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None = None, mlflow_ru
 
     from raytune_ft.train.backend import TorchBackendConfig
 
-    ray_train_defaults()      # the controller's poll interval: Ray passes the driver's value on
+    # the controller's poll interval, its preemption watcher (GPU runs): Ray passes the driver's values on
+    ray_train_defaults(watch_preemption=recipe.scaling.use_gpu)
     s = recipe.scaling
     loop = loop_function(recipe)
     backend = s.backend if s.backend != "auto" else ("nccl" if s.use_gpu else "gloo")
@@ -212,7 +213,8 @@ def start_tokenizing(recipe: Recipe) -> None:
     from raytune_ft.data.pipeline import start_tokenizing_processes
     from raytune_ft.models.tokenizer import TokenizerOf
 
-    start_tokenizing_processes(TokenizerOf.of(recipe.model), tokenize_processes(recipe), recipe.data.num_cpus_per_op)
+    start_tokenizing_processes(TokenizerOf.of(recipe.model), tokenize_processes(recipe), recipe.data.num_cpus_per_op,
+                               watch_preemption=recipe.scaling.use_gpu)
 
 
 def build_datasets(recipe: Recipe):
