@@ -29,7 +29,7 @@ TRAIN_POLL_ENV, TRAIN_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"
 # own (~1.5 CPU-s to start) and an ERROR line on the console about its constructor arguments. Drained nodes
 # are GPU nodes of a cluster (spot capacity, upgrades); a CPU run (the jobs' --local) goes without it.
 PREEMPTION_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
-_OURS: set[str] = set()    # the variables ray_train_defaults set itself (a user's value is never touched)
+_SET_HERE = {"preemption": False}    # whether PREEMPTION_ENV's value is ray_train_defaults' (else the user's)
 
 
 def ray_train_defaults(*, watch_preemption: bool = True) -> None:
@@ -38,14 +38,13 @@ def ray_train_defaults(*, watch_preemption: bool = True) -> None:
     for it (data/pipeline.start_tokenizing_processes) must share its runtime environment to be reused.
     `watch_preemption`: False for a run whose workers use no GPU (Ray Train's preemption watcher off)."""
     os.environ.setdefault(TRAIN_POLL_ENV, TRAIN_POLL_S)
-    if PREEMPTION_ENV in os.environ and PREEMPTION_ENV not in _OURS:
+    if PREEMPTION_ENV in os.environ and not _SET_HERE["preemption"]:
         return
     if watch_preemption:
         os.environ.pop(PREEMPTION_ENV, None)
-        _OURS.discard(PREEMPTION_ENV)
     else:
         os.environ[PREEMPTION_ENV] = "0"
-        _OURS.add(PREEMPTION_ENV)
+    _SET_HERE["preemption"] = not watch_preemption
 
 
 def process_start() -> float | None:

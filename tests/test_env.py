@@ -55,7 +55,7 @@ def test_ray_train_defaults_turn_the_preemption_watcher_off_for_cpu_runs_only_an
     from raytune_ft import env
 
     monkeypatch.delenv(env.PREEMPTION_ENV, raising=False)
-    monkeypatch.setattr(env, "_OURS", set())
+    monkeypatch.setitem(env._SET_HERE, "preemption", False)
     env.ray_train_defaults(watch_preemption=False)
     assert os.environ[env.PREEMPTION_ENV] == "0"
     env.ray_train_defaults(watch_preemption=True)       # a GPU run after a CPU one in the same process

@@ -158,26 +158,23 @@ def _load_tokenizer_here(tokenizer) -> None:
     tokenizer.load()
 
 
-def _train_controller_env(*, watch_preemption: bool = True) -> dict | None:
+def _train_controller_env() -> dict | None:
     """The runtime environment Ray Train's controller runs in (its `env_vars`), which the dataset manager,
-    Ray Data's split coordinator and the tokenizing tasks inherit; None where this Ray has no such names."""
+    Ray Data's split coordinator and the tokenizing tasks inherit; None where this Ray has no such names. The
+    job's defaults are in the environment already (train/launch.start_tokenizing: env.ray_train_defaults)."""
     try:
         from ray.train.v2._internal.constants import (DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
                                                       RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
                                                       get_env_vars_to_propagate)
     except ImportError:
         return None
-    from raytune_ft.env import ray_train_defaults
-
-    # before reading: the controller's environment holds the job's defaults
-    ray_train_defaults(watch_preemption=watch_preemption)
     env_vars = get_env_vars_to_propagate()
     env_vars.setdefault(RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
                         DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
     return {"env_vars": env_vars}
 
 
-def start_tokenizing_processes(tokenizer, processes: int, num_cpus: float, *, watch_preemption: bool = True) -> None:
+def start_tokenizing_processes(tokenizer, processes: int, num_cpus: float) -> None:
     """Start `processes` Ray worker processes that load `tokenizer` (a `TokenizerOf`) ahead of the datasets.
 
     The tokenizing map's first tasks start only when a training worker first reads, at the end of a chain of
@@ -186,12 +183,11 @@ def start_tokenizing_processes(tokenizer, processes: int, num_cpus: float, *, wa
     (bench/NOTES.md, start-up). Ray hands a finished task's idle process to the
     job's next task of the same runtime environment, so these run in the one the map's tasks inherit from
     Ray Train's controller; the tokenizer, loaded once per process, is there when they come. A head start
-    only: nothing waits for these tasks. `watch_preemption`: as the trainer will be built
-    (env.ray_train_defaults)."""
+    only: nothing waits for these tasks."""
     import ray
 
     task = ray.remote(num_cpus=num_cpus, max_retries=0,
-                      runtime_env=_train_controller_env(watch_preemption=watch_preemption))(_load_tokenizer_here)
+                      runtime_env=_train_controller_env())(_load_tokenizer_here)
     for _ in range(processes):
         task.remote(tokenizer)
 

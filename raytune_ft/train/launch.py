@@ -213,8 +213,8 @@ def start_tokenizing(recipe: Recipe) -> None:
     from raytune_ft.data.pipeline import start_tokenizing_processes
     from raytune_ft.models.tokenizer import TokenizerOf
 
-    start_tokenizing_processes(TokenizerOf.of(recipe.model), tokenize_processes(recipe), recipe.data.num_cpus_per_op,
-                               watch_preemption=recipe.scaling.use_gpu)
+    ray_train_defaults(watch_preemption=recipe.scaling.use_gpu)   # the controller's environment, as build_trainer's
+    start_tokenizing_processes(TokenizerOf.of(recipe.model), tokenize_processes(recipe), recipe.data.num_cpus_per_op)
 
 
 def build_datasets(recipe: Recipe):
