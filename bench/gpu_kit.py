@@ -641,14 +641,15 @@ class RayHead:
                     mine.update({q.pid: q for q in [p, *p.children(recursive=True)]})
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
+        # the bench's own head keeps nothing: killed at once (SIGTERM let the GCS and the dashboard wind down
+        # for 5 s or more), then waited for
         mine = list(mine.values())
         for p in mine:
             try:
-                p.terminate()
+                p.kill()
             except psutil.NoSuchProcess:
                 pass
-        for p in psutil.wait_procs(mine, timeout=5)[1]:     # the bench's own head: nothing to keep
-            p.kill()
+        psutil.wait_procs(mine, timeout=10)
 
 
 def junit_counts(path: str, results: list[dict]) -> dict:

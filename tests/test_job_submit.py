@@ -50,24 +50,25 @@ def ray_head(tmp_path_factory):
 
 
 def _stop_head(temp: Path) -> None:
-    """Stop this head's processes only (`ray stop` would stop every Ray instance on the machine)."""
+    """Stop this head's processes only (`ray stop` would stop every Ray instance on the machine): killed at
+    once, as a test head keeps nothing (SIGTERM let the GCS and the dashboard wind down for 5-20 s)."""
     import psutil
 
-    mine = []
+    mine = {}
     for p in psutil.process_iter(["cmdline"]):
         try:
             if any(str(temp) in arg for arg in (p.info["cmdline"] or [])):
-                mine.append(p)
+                # Ray's workers retitle themselves (`ray::...`): they are found as the raylet's children
+                mine.update({q.pid: q for q in [p, *p.children(recursive=True)]})
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-    for p in mine:
+    for p in mine.values():
         try:
-            p.terminate()
+            p.kill()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(mine, timeout=5)     # then killed: a test head keeps nothing
-    for p in alive:
-        p.kill()
+    _, alive = psutil.wait_procs(list(mine.values()), timeout=10)
+    assert not alive, f"head processes still alive: {[p.pid for p in alive]}"
 
 
 @pytest.mark.timeout(600)

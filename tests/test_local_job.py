@@ -172,6 +172,37 @@ def test_registered_version_loads_with_transformers(local_run):
 
 
 @pytest.mark.timeout(300)
+def test_exported_folder_matches_the_dcp_checkpoint_and_moved_from_the_initialisation(local_run):
+    """The final checkpoint's hf/ export loads with transformers and gives the same logits as its
+    DCP-checkpointed model (the FSDP2 loop's sharded state, gathered by DCP into one unsharded model)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    from raytune_ft.models.build import load_causal_lm
+    from raytune_ft.train.fsdp_model import PackedCausalLM
+
+    recipe, summary, _ = local_run
+    ckpt = summary["checkpoint"]
+    assert train_state(ckpt)["step"] == recipe.train.max_steps        # the final checkpoint, the one with the export
+    hf = AutoModelForCausalLM.from_pretrained(os.path.join(ckpt, "hf"), dtype=torch.float32)
+    ref = PackedCausalLM(load_causal_lm(recipe.model, device="cpu", dtype=torch.float32))
+    state = {"app": {"model": ref.state_dict()}}
+    dcp.load(state, checkpoint_id=os.path.join(ckpt, "dcp"))
+    ref.load_state_dict(state["app"]["model"])
+    ids = torch.randint(0, hf.config.vocab_size, (1, 32))
+    with torch.no_grad():
+        a = hf(ids).logits
+        b = ref.lm(ids).logits
+    assert not torch.equal(b, ref.lm.lm_head(torch.zeros(1, 1, hf.config.hidden_size)).expand_as(b))
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # training moved the weights away from the seeded initialisation
+    init = load_causal_lm(recipe.model, device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        assert not torch.allclose(init(ids).logits, a, atol=1e-3)
+
+
+@pytest.mark.timeout(300)
 def test_local_job_from_any_folder_logs_every_step_to_the_run_it_names(local_job):
     """`python jobs/qwen27b_b300.py --local` as a new user runs it: the default relative storage
     (./runs), started from a folder that is not the Ray workers' working folder. Every step's metrics

@@ -16,10 +16,13 @@ loss or samples, which other modules check):
 4. The finished run submitted again ends at once: no training, no new checkpoint, the same version returned.
 Nothing of the run is written under the local storage default (./runs of the launch folder).
 
-TRL 4B recipe (1 worker, 8 steps, checkpoint + eval every 4): its worker SIGKILLs itself at step 6
-(tests/faults.py kill_at_step); Ray restarts it, it rebuilds the trainer from the step-4 checkpoint read from S3, and
-step 5, trained by both attempts, logs the same loss twice. Registration cannot run either; the retry command
-works.
+TRL 4B recipe (1 worker, two epochs of 2 steps, a checkpoint and an evaluation at the end of each: the setting of
+tests/test_trl_resume_edges.py, whose other edges run on local storage): a straight reference, submitted again
+once finished (nothing trained); then the same run with its worker SIGKILLing itself at the end of step 4
+(tests/faults.py kill_at_step). Ray restarts it, it rebuilds the trainer from the epoch-boundary checkpoint of
+step 2 read from S3 and trains epoch 2 exactly as the reference did: step 3, trained by both attempts, logs the
+same loss twice; the evaluations, the best loss and the final weights are the reference's. Registration cannot
+run either; the retry command works.
 
 27B recipe with checkpoints written in the background (train.async_checkpoint=on), on S3 too: rank 1 exits in
 the writer thread during the step-8 save, its files written locally but not uploaded, while the loop trains
@@ -176,12 +179,18 @@ def s3_runs(s3_server, s3_ray):
     out["again_s"] = time.time() - t
     out["folders_after_again"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
 
-    # ---- TRL 4B recipe: a worker killed at step 6, resumed from S3
-    r4 = _recipe("qwen3_4b_full", root, "s3-4b", "train.max_steps=8", "train.checkpoint_every=4",
-                 "train.eval_every=4", "train.log_every=1", "scaling.max_failures=1", *NO_ROOM_TO_REGISTER,
+    # ---- TRL 4B recipe, two epochs: a straight reference, the same killed at the end of step 4 and resumed from
+    # the epoch-boundary checkpoint on S3 (tests/test_trl_resume_edges.py's other edges run on local storage)
+    from tests.test_trl_resume_edges import EPOCH_TWO
+
+    out["r4_ref"] = _recipe("qwen3_4b_full", root, "s3-4b-ref", *EPOCH_TWO, "scaling.max_failures=0",
+                            "registry.enabled=false")
+    out["trl_ref"] = run(out["r4_ref"], local=True)
+    out["trl_again"] = run(out["r4_ref"], local=True)      # the finished reference submitted again
+    r4 = _recipe("qwen3_4b_full", root, "s3-4b", *EPOCH_TWO, "scaling.max_failures=1", *NO_ROOM_TO_REGISTER,
                  "registry.name=main.default.s3_4b")
     out["r4"] = r4
-    with scoped_env(fault_env(kill_at_step="6:0")):
+    with scoped_env(fault_env(kill_at_step="4:0")):
         out["trl"] = run(r4, local=True)
     cmd = out["trl"].retry_command
     out["trl_retry"] = _run_cli(cmd, dict(os.environ), work) if cmd else None
@@ -214,7 +223,7 @@ def s3_background(s3_runs):
     root = s3_runs["root"]
     out: dict = {}
     common = (f"train.max_steps={STEPS}", f"train.checkpoint_every={EVERY}", "registry.enabled=false",
-              "train.async_checkpoint=on")
+              "train.async_checkpoint=on", "train.read_ahead=on")     # both GPU defaults; off on CPU
     out["background"] = _recipe("qwen27b_b300", root, "s3-background", "scaling.max_failures=1", *common)
     out["background_error"] = run_with_fault(out["background"], fault_env(exit_after_write="8:1"))
     out["failing"] = _recipe("qwen27b_b300", root, "s3-failing", "scaling.max_failures=0", *common)
@@ -234,6 +243,13 @@ def small_storage(s3_ray):
                             f"train.checkpoint_every={EVERY}", *common)
     out["error"] = run_with_fault(out["recipe"], fault_env(free_bytes="1000@8"))   # meant to stop
     out["attempts"] = len(run_attempts("small"))
+    out["folders"] = storage.checkpoint_dirs(storage.resolve(out["recipe"].run_dir).fs, out["recipe"].run_dir)
+    # re-submitted with a packing window under the recipe's first one (256 conversations), so that the first
+    # blocks differ, and room enough: resuming from step 4 must not go on with other data
+    out["changed"] = _recipe("qwen27b_b300", str(work / "small_storage"), "small", f"train.max_steps={STEPS}",
+                             f"train.checkpoint_every={EVERY}", *common, "data.pack_window=16",
+                             "scaling.max_failures=0")
+    out["changed_error"] = run_with_fault(out["changed"], {})
     out["trl_recipe"] = _recipe("qwen3_4b_full", str(work / "small_storage"), "small-trl", "train.max_steps=8",
                                 "train.checkpoint_every=4", "train.eval_every=4", "train.log_every=1", *common)
     t = time.time()
@@ -280,6 +296,13 @@ def test_27b_on_s3_finishes_once_the_fault_stops_exports_and_retry_registers(s3_
         _assert_history_matches(st["history"], ref["history"])
     # rank 1 consumed exactly the blocks, and counted exactly the rows, of the uninterrupted run
     assert st["blocks_consumed"] == ref["blocks_consumed"] and st["counters"] == ref["counters"]
+    # tokens/s of a resumed run: this attempt's tokens (steps 9-10) over its own seconds, not the run's tokens
+    assert s.tokens > s.attempt_tokens > 0 and s.tokens >= st["tokens_total"]
+    assert s.tokens_per_s == pytest.approx(s.attempt_tokens / s.attempt_seconds)
+    assert s.tokens_per_s != pytest.approx(s.tokens / s.attempt_seconds)          # the old, inflated figure
+    assert s.run_seconds > s.attempt_seconds                                       # the dead attempts' too
+    assert s.run_tokens_per_s == pytest.approx(s.tokens / s.run_seconds)
+    assert any("this attempt" in line for line in s.lines())
     # the re-submit reopened the job's MLflow run instead of starting another one
     client = mlflow.MlflowClient(s.tracking_uri)
     exp = client.get_experiment_by_name(s3_runs["r27"].tracking.experiment)
@@ -323,26 +346,79 @@ def test_finished_fsdp_run_submitted_again_ends_at_once_with_one_version(s3_runs
     assert s3_runs["again_s"] < s3_runs["finished_s"]
 
 
-@pytest.mark.timeout(1500)
-def test_trl_4b_on_s3_resumes_a_killed_worker_and_registers_by_retry(s3_runs):
-    import mlflow
+def _s3_weights(fs, checkpoint: str) -> dict:
+    """The hf/ weights of a checkpoint on S3 (its safetensors files read straight from the bucket)."""
+    import pyarrow.fs as pafs
+    from safetensors.torch import load
 
-    s = s3_runs["trl"]
-    assert s.steps == 8 and s.checkpoint.startswith(f"s3://{s3_runs['bucket']}/runs/s3-4b/checkpoint_")
+    folder = f"{checkpoint[len('s3://'):]}/hf"
+    out = {}
+    for info in sorted(fs.get_file_info(pafs.FileSelector(folder)), key=lambda i: i.path):
+        if info.path.endswith(".safetensors"):
+            with fs.open_input_stream(info.path) as f:
+                out.update(load(f.read()))
+    return out
+
+
+@pytest.mark.timeout(1500)
+def test_trl_4b_on_s3_killed_at_an_epoch_boundary_trains_the_next_epoch_exactly_and_registers_by_retry(s3_runs):
+    """Killed at the end of step 4 (before its log and save), Ray restarts the worker, which rebuilds the trainer
+    from the epoch-boundary checkpoint of step 2 read from S3 and must train epoch 2 exactly as the straight
+    run did: step 3 is logged by both attempts with the same loss, the evaluations, the best loss and the final
+    weights equal the reference's. Registration cannot run; the retry command works."""
+    import mlflow
+    import torch
+
+    from tests.test_trl_resume_edges import EPOCH_STEPS
+
+    s, ref, fs = s3_runs["trl"], s3_runs["trl_ref"], s3_runs["fs"]
+    assert ref.steps == s.steps == 2 * EPOCH_STEPS
+    assert s.checkpoint.startswith(f"s3://{s3_runs['bucket']}/runs/s3-4b/checkpoint_")
     client = mlflow.MlflowClient(s.tracking_uri)
-    losses: dict[int, list[float]] = {}
-    for m in client.get_metric_history(s.mlflow_run_id, "train/loss"):
-        losses.setdefault(m.step, []).append(m.value)
-    # killed at the end of step 6 and restarted from the step-4 checkpoint on S3: step 5 ran in both
-    # attempts and must give the same loss; nothing before the checkpoint trained again
-    assert {k: len(v) for k, v in losses.items()} == {1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 6: 1, 7: 1, 8: 1}
-    assert losses[5][1] == pytest.approx(losses[5][0], rel=REL_TOL)
-    assert storage.exists(s3_runs["fs"], f"{s.checkpoint[len('s3://'):]}/hf/config.json")
+
+    def history(summary, key):
+        out: dict[int, list[float]] = {}
+        for m in mlflow.MlflowClient(summary.tracking_uri).get_metric_history(summary.mlflow_run_id, key):
+            out.setdefault(m.step, []).append(m.value)
+        return out
+
+    losses, ref_losses = history(s, "train/loss"), history(ref, "train/loss")
+    assert {k: len(v) for k, v in losses.items()} == {1: 1, 2: 1, 3: 2, 4: 1}
+    for step, values in losses.items():
+        for value in values:
+            assert value == pytest.approx(ref_losses[step][0], rel=REL_TOL), (step, values, ref_losses[step])
+    evals, ref_evals = history(s, "eval_loss"), history(ref, "eval_loss")
+    assert sorted(evals) == sorted(ref_evals) == [EPOCH_STEPS, 2 * EPOCH_STEPS]
+    assert evals[2 * EPOCH_STEPS][-1] == pytest.approx(ref_evals[2 * EPOCH_STEPS][0], rel=REL_TOL)
+    assert s.best_loss == pytest.approx(ref.best_loss, rel=REL_TOL)
+    assert storage.read_json(fs, f"{s.checkpoint[len('s3://'):]}/train_state/rank0.json")["epoch"] == 1
+    weights, ref_weights = _s3_weights(fs, s.checkpoint), _s3_weights(fs, ref.checkpoint)
+    assert weights.keys() == ref_weights.keys() and weights
+    for name in ref_weights:        # fp32 on CPU: within rounding
+        torch.testing.assert_close(weights[name], ref_weights[name], rtol=1e-5, atol=1e-6, msg=name)
     assert s.status == "trained_not_registered" and s.checkpoint in s.retry_command
     done = s3_runs["trl_retry"]
     assert done.returncode == 0, done.stderr[-3000:]
     assert [str(v.version) for v in client.search_model_versions("name = 'main.default.s3_4b'")] == ["1"]
     assert not (s3_runs["work"] / "runs").exists()
+
+
+@pytest.mark.timeout(1500)
+def test_finished_trl_run_submitted_again_trains_nothing(s3_runs):
+    """Its final checkpoint is the latest: the submission returns that checkpoint as the result (no second
+    pass, no second MLflow run, no training loss added to its history)."""
+    import mlflow
+
+    from tests.test_trl_resume_edges import EPOCH_STEPS
+
+    ref, again = s3_runs["trl_ref"], s3_runs["trl_again"]
+    # a run of one attempt: its tokens/s is the run's
+    assert ref.attempt_tokens == ref.tokens > 0 and ref.tokens_per_s == pytest.approx(ref.tokens / ref.attempt_seconds)
+    assert again.checkpoint == ref.checkpoint and again.steps == 2 * EPOCH_STEPS
+    assert again.final_loss == pytest.approx(ref.final_loss)
+    assert again.mlflow_run_id == ref.mlflow_run_id
+    history = mlflow.MlflowClient(ref.tracking_uri).get_metric_history(ref.mlflow_run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(1, 2 * EPOCH_STEPS + 1))
 
 
 @pytest.mark.timeout(1500)
@@ -415,7 +491,20 @@ def test_storage_too_small_for_the_next_checkpoint_stops_clearly_keeping_the_las
     with open(os.path.join(latest, "raytune_meta.json")) as f:
         assert json.load(f)["step"] == 4
     assert os.path.isfile(os.path.join(latest, "dcp", ".metadata"))
-    assert storage.checkpoint_dirs(fs, run_path) == [reported.latest]        # nothing half-written beside it
+    assert small_storage["folders"] == [reported.latest]        # nothing half-written beside it
+
+
+@pytest.mark.timeout(900)
+def test_a_resubmit_whose_data_lays_out_other_blocks_stops_instead_of_resuming(small_storage):
+    """The stopped run (its latest checkpoint at step 4) re-submitted with a smaller packing window: the blocks
+    replayed on resume are not those the checkpoint trained on, and the run stops saying so. (The fingerprint
+    compares the blocks themselves, not the settings: a window that lays out the same first blocks resumes.)"""
+    err = small_storage["changed_error"]
+    assert err is not None and "fingerprint mismatch" in str(err), repr(err)
+    rs = small_storage["changed"]
+    fs = storage.resolve(rs.run_dir).fs
+    reported = storage.reported_checkpoints(fs, rs.run_dir)
+    assert reported.latest == small_storage["folders"][-1]          # the step-4 checkpoint is still the latest
 
 
 @pytest.mark.timeout(900)

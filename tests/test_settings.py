@@ -1,6 +1,6 @@
 """What a setting says is what the run does, in both loops: the LR floor on the last step, no clipping
-when `train.max_grad_norm` is 0 or null, several epochs, a schedule as long as the data, tokens/s of a
-resumed run, the data guard of a TRL resume.
+when `train.max_grad_norm` is 0 or null, several epochs, a schedule as long as the data. (Tokens/s of a resumed run: tests/test_s3_runs.py; the data
+guard of a resume: tests/test_s3_runs.py for the FSDP2 loop, tests/test_trl_resume_edges.py for TRL.)
 
 The unit tests drive the functions the loops call (`lr_at`, `recipe_scheduler`, `clip_gradients`, the
 TRL trainer on CPU); the `slow` ones run the real loops inside Ray Train on local Ray (gloo).
@@ -285,25 +285,6 @@ def test_resume_inside_the_second_epoch_matches_an_uninterrupted_run(two_epochs)
 
 
 # ---------------------------------------------------------------- TRL: the data guard on resume
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_trl_resume_with_a_changed_packing_window_stops(ray_local, tmp_path):
-    from raytune_ft.run import run
-
-    r = _tiny_trl_recipe()
-    r.tracking.storage_path = str(tmp_path)
-    r.tracking.run_name = "trl_guard"
-    r.train.max_steps = 4
-    r.train.checkpoint_every = 2
-    r.train.save_final = False               # the latest checkpoint stays a resumable one
-    run(validate(r), local=True, register=False)
-    r.train.max_steps = 8
-    r.data.pack_window = 20
-    with pytest.raises(Exception, match="DataOrderChanged|fingerprint mismatch"):
-        run(validate(r), local=True, register=False)
-
-
 
 # ---------------------------------------------------------------- MFU: the peak it is relative to
 

@@ -6,14 +6,14 @@ trained on and carries on: nothing trained twice into the weights, nothing skipp
 
 With data.max_rows=40 a pass is 2 optimizer steps (4 packed blocks, 2 per step), its length counted.
 
-- "ref" / "boundary": 2 epochs, a checkpoint and an evaluation at the end of each; "boundary" is killed at
-  the end of step 4 (before its log and save), resumes from the epoch-boundary checkpoint of step 2 and must
-  train epoch 2 exactly as "ref" did: step 3 is logged by both attempts with the same loss, the evaluations,
-  the best loss and the final weights equal the reference's. "ref" submitted again ("again") trains nothing.
+- The epoch boundary (2 epochs, killed at the end of step 4, resumed from the step-2 checkpoint, epoch 2
+  trained exactly as a straight run) and a finished run submitted again run once, on S3, in
+  tests/test_s3_runs.py, with this module's settings (EPOCH_TWO).
 - "end": 1 epoch, killed once the last save of the pass (step 2) is registered, before the final
   checkpoint: the retry has nothing left to train and must finish, not fail in SFTTrainer.__init__.
-- "grow": the same, with no retry (the run fails); submitted again with train.epochs=2 it must recount
-  its schedule and train the second epoch, not stop at the one-epoch count the checkpoint holds.
+- "grow": the same, with no retry (the run fails); submitted again with a packing window that lays out other
+  blocks, it stops (the data fingerprint); submitted again with its own data and train.epochs=2 it must
+  recount its schedule and train the second epoch, not stop at the one-epoch count the checkpoint holds.
 - "best", on two workers: lr 0.3 (constant) makes the first evaluation the best (the loss then jumps);
   rank 1 is killed once the step-2 checkpoint is registered, its local Hugging Face folders removed as on
   another node; train.load_best_at_end must still end on the step-1 weights, fetched from the run's storage
@@ -57,18 +57,9 @@ def _weights(ckpt: str) -> dict:
     return out
 
 
-def assert_close_weights(ckpt: str, reference: str) -> None:
-    """The hf/ weights of two checkpoints agree (fp32 on CPU: within rounding)."""
-    import torch
-
-    a, b = _weights(reference), _weights(ckpt)
-    assert a.keys() == b.keys() and a
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
-
-
 COUNTED = ("train.max_steps=null", "data.max_rows=40", f"train.checkpoint_every={EPOCH_STEPS}",
            f"train.eval_every={EPOCH_STEPS}")
+EPOCH_TWO = ("train.epochs=2", "train.log_every=1", *COUNTED)     # tests/test_s3_runs.py's TRL runs too
 
 
 def _run_with_fault(recipe, spec: str | None):
@@ -88,13 +79,11 @@ def _run_with_fault(recipe, spec: str | None):
 def runs(ray_local, tmp_path_factory):
     storage = tmp_path_factory.mktemp("trl_resume_edges")
     out = {}
-    two = ("train.epochs=2", *COUNTED)
-    out["ref"] = (r := _recipe(storage, "ref", 0, *two)), _run_with_fault(r, None)
-    out["again"] = _run_with_fault(out["ref"][0], None)          # the finished reference submitted again
-    out["boundary"] = (r := _recipe(storage, "boundary", 1, *two)), _run_with_fault(r, f"{2 * EPOCH_STEPS}:0")
     out["end"] = (r := _recipe(storage, "end", 1, *COUNTED)), _run_with_fault(r, f"{EPOCH_STEPS}:0:saved")
     out["grow_first"] = _run_with_fault(_recipe(storage, "grow", 0, *COUNTED), f"{EPOCH_STEPS}:0:saved")
-    out["grow"] = (r := _recipe(storage, "grow", 0, *two)), _run_with_fault(r, None)
+    # re-submitted with a packing window that lays out other blocks: it must stop, not resume on other data
+    out["changed"] = _run_with_fault(_recipe(storage, "grow", 0, *EPOCH_TWO, "data.pack_window=8"), None)
+    out["grow"] = (r := _recipe(storage, "grow", 0, *EPOCH_TWO)), _run_with_fault(r, None)
     best = ("train.max_steps=4", "train.lr=0.3", "train.schedule=constant", "train.warmup_steps=0",
             "train.eval_every=1", "train.checkpoint_every=1", "train.keep_checkpoints=5")
     out["best"] = (r := _recipe(storage, "best", 1, "scaling.num_workers=2", *best)), _run_with_fault(r, "2:1:saved")
@@ -127,44 +116,6 @@ def _same_weights(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.timeout(2400)
-def test_resume_at_an_epoch_boundary_trains_the_next_epoch_exactly(runs):
-    from tests.conftest import train_state
-
-    (ref_recipe, ref), (b_recipe, b) = _finished(runs, "ref"), _finished(runs, "boundary")
-    assert ref.steps == 2 * EPOCH_STEPS and b.steps == 2 * EPOCH_STEPS
-    ref_loss = _history(ref_recipe, ref.mlflow_run_id, "train/loss")
-    b_loss = _history(b_recipe, b.mlflow_run_id, "train/loss")
-    # killed at the end of step 4 (before its log and save), resumed from the step-2 checkpoint: step 3 was
-    # logged by both attempts, every other step once; a step run twice gives the same loss
-    assert {s: len(v) for s, v in b_loss.items()} == {1: 1, 2: 1, 3: 2, 4: 1}
-    for step, values in b_loss.items():
-        for value in values:
-            assert value == pytest.approx(ref_loss[step][0], rel=1e-5), (step, values, ref_loss[step])
-    ref_eval, b_eval = _history(ref_recipe, ref.mlflow_run_id, "eval_loss"), _history(
-        b_recipe, b.mlflow_run_id, "eval_loss")
-    assert sorted(ref_eval) == sorted(b_eval) == [EPOCH_STEPS, 2 * EPOCH_STEPS]
-    assert b_eval[2 * EPOCH_STEPS][-1] == pytest.approx(ref_eval[2 * EPOCH_STEPS][0], rel=1e-5)
-    assert b.best_loss == pytest.approx(ref.best_loss, rel=1e-5)
-    assert train_state(b.checkpoint)["epoch"] == 1
-    assert_close_weights(b.checkpoint, ref.checkpoint)
-
-
-@pytest.mark.timeout(2400)
-def test_finished_run_submitted_again_trains_nothing(runs):
-    """Its final checkpoint is the latest: the worker reports the run complete and that checkpoint stays
-    the result (no second pass: the submission names the finished run's MLflow run, opens no second one,
-    and adds no training loss to its history)."""
-    (ref_recipe, ref), (again, error) = _finished(runs, "ref"), runs["again"]
-    assert error is None, repr(error)
-    assert again.checkpoint == ref.checkpoint
-    assert again.steps == 2 * EPOCH_STEPS
-    assert again.final_loss == pytest.approx(ref.final_loss)
-    assert again.mlflow_run_id == ref.mlflow_run_id          # no second, empty MLflow run for a finished run
-    assert {s: len(v) for s, v in _history(ref_recipe, ref.mlflow_run_id, "train/loss").items()} == {
-        s: 1 for s in range(1, 2 * EPOCH_STEPS + 1)}
-
-
-@pytest.mark.timeout(2400)
 def test_resume_at_the_last_save_of_a_pass_finishes(runs):
     from raytune_ft.train.checkpoint import read_meta
 
@@ -182,6 +133,8 @@ def test_resubmit_with_more_epochs_recounts_the_schedule(runs):
 
     first, first_error = runs["grow_first"]
     assert first is None and first_error is not None          # no retry: the killed run failed
+    changed, changed_error = runs["changed"]
+    assert changed is None and "fingerprint mismatch" in str(changed_error), repr(changed_error)
     recipe, grow = _finished(runs, "grow")
     assert grow.steps == 2 * EPOCH_STEPS
     assert {3, 4} <= set(_history(recipe, grow.mlflow_run_id, "train/loss"))
