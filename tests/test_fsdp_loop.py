@@ -65,7 +65,8 @@ def fixed_blocks(n: int, seq_len: int = 256):
 def test_two_workers_equal_one_worker_with_accumulation(ray_local, tmp_path):
     """Step k of 2 workers x 1 block equals 1 worker x 2 accumulated blocks: the loss is the global
     token mean, not a mean of per-rank means. These CPU runs start Ray Train's controller and workers but
-    not its preemption watcher (env.ray_train_defaults: GPU runs only)."""
+    not its preemption watcher (env.ray_train_defaults: GPU runs only) nor, on this Ray without a dashboard,
+    its placement-group cleaner."""
     import time
 
     from tests.conftest import actors_started_since
@@ -95,6 +96,8 @@ def test_two_workers_equal_one_worker_with_accumulation(ray_local, tmp_path):
     started = actors_started_since(t0)
     assert "TrainController" in started and "RayTrainWorker" in started, started
     assert "PreemptionWatcher" not in started, started
+    # this Ray has no dashboard, so no state API: no placement-group cleaner (launch.without_blind_callbacks)
+    assert "PlacementGroupCleaner" not in started, started
 
 
 @pytest.mark.timeout(300)

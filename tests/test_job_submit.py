@@ -44,7 +44,7 @@ def ray_head(tmp_path_factory):
         env=env, capture_output=True, text=True, timeout=180)
     assert start.returncode == 0, start.stdout + start.stderr
     try:
-        yield f"http://127.0.0.1:{dash}", env
+        yield f"http://127.0.0.1:{dash}", env, temp
     finally:
         _stop_head(temp)
 
@@ -73,7 +73,7 @@ def _stop_head(temp: Path) -> None:
 
 @pytest.mark.timeout(600)
 def test_ray_job_submit_runs_the_local_job_on_the_cluster(ray_head, tmp_path):
-    address, env = ray_head
+    address, env, temp = ray_head
     storage = tmp_path / "runs"
     cmd = [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(REPO),
            "--", "python", "jobs/qwen27b_b300.py", "--local", f"--set=tracking.storage_path={storage}",
@@ -114,11 +114,16 @@ def test_ray_job_submit_runs_the_local_job_on_the_cluster(ray_head, tmp_path):
     bytecode = tmp_path / "cache" / "bytecode"
     assert list(bytecode.rglob("raytune_ft/train/fsdp_model.*.pyc")), "the worker's modules were not kept"
     assert list(bytecode.rglob("torch/distributed/fsdp/_fully_shard/_fully_shard.*.pyc"))
+    # a cluster's Ray has a dashboard, so Ray Train's placement-group cleaner can ask whether the controller
+    # lives: it is kept (a job's own local Ray, without one, starts none: launch.without_blind_callbacks)
+    actors = [line for f in temp.glob("session_2*/logs/worker-*.out")
+              for line in f.read_text(errors="replace").splitlines() if ":actor_name:" in line]
+    assert any(line.endswith(":actor_name:PlacementGroupCleaner") for line in actors), actors
 
 
 def test_submit_without_token_is_refused(ray_head):
     """Token authentication stays on: a client without the token cannot list jobs."""
-    address, env = ray_head
+    address, env, _ = ray_head
     bare = {k: v for k, v in env.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
     bare["HOME"] = "/nonexistent-home"  # no ~/.ray/auth_token to fall back on
     bare["RAY_AUTH_MODE"] = "token"

@@ -80,13 +80,34 @@ def _trainer_class():
     class Trainer(DataParallelTrainer):
         """Ray Train's data-parallel trainer with the torch backend (train/backend.py: what TorchTrainer is,
         without torch in this process) and RaiseUnfixable as its failure policy (Ray builds the default one
-        in `fit`, from the FailureConfig alone, and hands it to the controller it starts here)."""
+        in `fit`, from the FailureConfig alone, and hands it to the controller it starts here). On a Ray
+        without a dashboard, no placement-group cleaner (`without_blind_callbacks`)."""
 
         def _initialize_and_run_controller(self, **controller_init_kwargs):
             controller_init_kwargs["failure_policy"] = RaiseUnfixable(self.run_config.failure_config)
+            if "callbacks" in controller_init_kwargs:
+                controller_init_kwargs["callbacks"] = without_blind_callbacks(controller_init_kwargs["callbacks"])
             return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     return Trainer
+
+
+def without_blind_callbacks(callbacks: list) -> list:
+    """Ray Train's callbacks less its placement-group cleaner where this Ray has no dashboard (a job's own
+    local Ray: start_ahead.ensure_ray). The cleaner is a detached actor that asks Ray's state API, served by
+    the dashboard, whether the controller is alive, to remove the workers' placement group if it died; with no
+    dashboard every ask fails (a warning in its log every few seconds: "State API may be temporarily
+    unavailable") and it never removes anything: one Ray process per attempt (~1.5 CPU-s to start) that
+    cannot do its job. The controller removes the placement group itself when the attempt ends.
+    A cluster's Ray (`ray start --head`, `ray job submit`) has a dashboard and keeps it."""
+    try:
+        from ray._private.worker import get_dashboard_url
+
+        if get_dashboard_url():
+            return callbacks
+    except Exception:  # noqa: BLE001 - a Ray without this function: Ray's callbacks as they are
+        return callbacks
+    return [c for c in callbacks if type(c).__name__ != "PlacementGroupCleanerCallback"]
 
 
 def run_fsdp_loop(config: dict) -> None:
