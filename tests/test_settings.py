@@ -215,7 +215,7 @@ def two_epochs(ray_local, tmp_path_factory):
     from tests.faults import fault_env
 
     storage = tmp_path_factory.mktemp("two_epochs")
-    src = _low_efficiency_source(storage / "long.jsonl", 24)
+    src = _low_efficiency_source(storage / "long.jsonl", 16)
     settings = {"epochs": 2, "schedule": "cosine", "min_lr_ratio": 0.1}
     straight = _fsdp_recipe(storage, "straight", src, **settings)
     out = {"recipe": straight, "rows": _data_rows(straight)}
@@ -239,7 +239,7 @@ def test_two_epochs_train_every_block_twice_each_in_its_own_order(two_epochs):
     assert st["epoch"] == 1 and len(st["epoch_counters"]) == 2
     for epoch in (0, 1):
         c = _epoch_totals(states, epoch)
-        assert c["conversations_packed"] == len(rows) == 24                      # every conversation
+        assert c["conversations_packed"] == len(rows) == 16                      # every conversation
         assert c["real_tokens"] == sum(len(x["input_ids"]) for x in rows)         # every token, once
     # the two epochs saw the conversations in a different order (a different shuffle seed); the second
     # pass's own fingerprint is listed too once its reader ran to the end
