@@ -1,12 +1,13 @@
-"""The 27B recipe's --local job across a real two-node Ray cluster on one machine.
+"""The 27B recipe's --local job across a real two-node Ray cluster on one machine, its runs on object storage.
 
 `ray.cluster_utils.Cluster` starts two Ray nodes (separate raylets and object stores) with 4 CPUs
 each and one unit of a custom resource `raytune_node` each. The job is changed by `--set` only:
 scaling.placement_strategy=STRICT_SPREAD and resources_per_worker={"raytune_node": 1}, so the two
-workers can only land on different nodes. storage_path is a folder both nodes see (as a shared
-filesystem would be on a real cluster). Once the first checkpoint is registered, the worker on
-the second node is SIGKILLed; Ray restarts the group on both nodes, and it resumes from that
-checkpoint to the end.
+workers can only land on different nodes. storage_path is an s3:// folder on the SeaweedFS server on loopback
+(tests/s3_server.py), which both nodes reach through their AWS_* variables, as a real cluster's nodes reach its
+bucket; the MLflow store is the session's `mlflow server`. Once the first checkpoint is registered, the worker
+on the second node is SIGKILLed from outside (its PID from Ray Train's state actor; no fault hook in the
+worker); Ray restarts the group on both nodes, and it resumes from that checkpoint, read from S3, to the end.
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import pytest
 from mlflow import MlflowClient
 
 from raytune_ft.env import scoped_env
-from tests.conftest import train_state
 from tests.test_fault_tolerance import EVERY, STATE_TRACKING_ENV, STEPS, RankKiller, _job
 
 RUN = "multinode"
@@ -39,7 +39,7 @@ def worker_nodes(run_name: str) -> list[dict[int, str]]:
 
 
 @pytest.fixture(scope="module")
-def two_node_run(tmp_path_factory, mlflow_server):
+def two_node_run(mlflow_server, s3_server):
     import ray
     from ray.cluster_utils import Cluster
 
@@ -51,12 +51,14 @@ def two_node_run(tmp_path_factory, mlflow_server):
     from raytune_ft.cli import resolve
     from raytune_ft.run import run
 
-    storage = tmp_path_factory.mktemp("mn_runs")
-    out: dict = {}
+    fs, bucket = s3_server.filesystem(), s3_server.bucket()
+    storage = f"s3://{bucket}/mn_runs"
+    out: dict = {"fs": fs, "bucket": bucket}
     # the store every node reaches: with a sqlite file the ranks on the second node would have their own
     server = mlflow_server          # the session's server (tests/conftest.py)
     out["tracking"] = server.uri
-    with scoped_env({STATE_TRACKING_ENV: "1"}):     # Ray Train's state actor: where each rank runs
+    # Ray Train's state actor (where each rank runs); the nodes' processes reach S3 as a node does
+    with scoped_env({STATE_TRACKING_ENV: "1", **s3_server.env()}):
         cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 4, "resources": {"raytune_node": 1}, "include_dashboard": False})
         try:
@@ -72,7 +74,7 @@ def two_node_run(tmp_path_factory, mlflow_server):
                 'scaling.resources_per_worker={"raytune_node": 1}', "scaling.max_failures=1",
                 f"train.max_steps={STEPS}", f"train.checkpoint_every={EVERY}", "registry.enabled=false"])
             # kill whichever rank runs on the second node
-            killer = RankKiller(recipe.run_dir, RUN, pick_rank=lambda: next(
+            killer = RankKiller(f"{bucket}/mn_runs/{RUN}", RUN, fs=fs, pick_rank=lambda: next(
                 (r for r, n in (worker_nodes(RUN) or [{}])[-1].items() if n == second.node_id), None))
             killer.start()
             try:
@@ -83,8 +85,8 @@ def two_node_run(tmp_path_factory, mlflow_server):
             out["killer"] = killer
             out["attempts"] = worker_nodes(RUN)
             client = MlflowClient(server.uri)
-            out["loss_steps"] = sorted(m.step for m in client.get_metric_history(out["summary"].mlflow_run_id,
-                                                                                  "train/loss"))
+            out["losses"] = [(m.step, m.value) for m in client.get_metric_history(out["summary"].mlflow_run_id,
+                                                                                 "train/loss")]
         finally:
             ray.shutdown()
             cluster.shutdown()
@@ -93,28 +95,42 @@ def two_node_run(tmp_path_factory, mlflow_server):
 
 @pytest.mark.timeout(600)
 def test_two_workers_on_two_nodes_train_checkpoint_and_resume(two_node_run):
+    import psutil
+
+    from raytune_ft import storage
+
     out = two_node_run
+    fs = out["fs"]
     assert len(out["nodes"]) == 2
     killer, summary = out["killer"], out["summary"]
     assert killer.error is None, killer.error
-    assert killer.killed_pid is not None
+    assert killer.killed_pid is not None and "RayTrainWorker" in killer.cmdline
+    assert not psutil.pid_exists(killer.killed_pid) or psutil.Process(killer.killed_pid).status() == "zombie"
     # each attempt (the first, and the restart after the kill) spread its two ranks over both nodes
     assert len(out["attempts"]) == 2, out["attempts"]
     for placement in out["attempts"]:
         assert set(placement) == {0, 1}
         assert set(placement.values()) == out["nodes"], placement
-    # trained to the end; both ranks resumed from the checkpoint registered before the kill
-    assert summary.steps == STEPS
+    # trained to the end on S3; both ranks resumed from the checkpoint registered before the kill
+    assert summary.steps == STEPS and summary.checkpoint.startswith(f"s3://{out['bucket']}/mn_runs/{RUN}/checkpoint_")
+    ckpt = summary.checkpoint[len("s3://"):]
     for rank in (0, 1):
-        st = train_state(summary.checkpoint, rank)
+        st = storage.read_json(fs, f"{ckpt}/train_state/rank{rank}.json")
         assert len(st["resumed_from"]) == 1 and st["resumed_from"][0] in (4, 8)
         assert [h["step"] for h in st["history"]] == list(range(1, STEPS + 1))
     # the final checkpoint holds both nodes' shards in one folder on the shared storage
-    files = os.listdir(os.path.join(summary.checkpoint, "dcp"))
-    assert sum(f.endswith(".distcp") for f in files) == 2, files
-    assert os.path.isfile(os.path.join(summary.checkpoint, "hf", "config.json"))
-    # rank 0's metrics reached the run's one store, wherever rank 0 ran
-    assert summary.tracking_uri == out["tracking"] and out["loss_steps"] and out["loss_steps"][-1] == STEPS
+    shards = [i.path for i in storage.list_files(fs, f"{ckpt}/dcp") if i.path.endswith(".distcp")]
+    assert len(shards) == 2, shards
+    assert storage.exists(fs, f"{ckpt}/hf/config.json")
+    # rank 0's metrics reached the run's one store, wherever rank 0 ran: every step, and a step the killed
+    # attempt trained after the checkpoint and the restart trained again gives the same loss
+    assert summary.tracking_uri == out["tracking"]
+    by_step: dict[int, list[float]] = {}
+    for step, value in out["losses"]:
+        by_step.setdefault(step, []).append(value)
+    assert sorted(by_step) == list(range(1, STEPS + 1)), by_step
+    for step, values in by_step.items():
+        assert values == pytest.approx([values[0]] * len(values), rel=1e-5), (step, values)
 
 
 @pytest.mark.timeout(120)

@@ -31,9 +31,8 @@ ends with the uninterrupted run's losses and data counters. Then rank 1's backgr
 instead (fail_after_write, max_failures=0): the run stops with that error at the next step boundary, and
 no checkpoint is registered.
 
-27B recipe again, no fault hook: this test SIGKILLs rank 1's RayTrainWorker process from outside (its PID from
-Ray Train's state actor) once the step-4 checkpoint is registered on S3; Ray restarts the worker group, which
-resumes from S3 and finishes with the uninterrupted run's losses.
+A worker SIGKILLed from outside (no fault hook), its group restarted and resumed from S3: tests/test_multinode.py,
+on two nodes.
 
 Small storage: the free-space probe is patched (tests/faults.py free_bytes, in the workers; no filesystem
 of a few kB can be mounted portably here) to report 1000 bytes from step 8: the step-4 checkpoint is written,
@@ -58,8 +57,7 @@ from raytune_ft import storage
 from raytune_ft.env import scoped_env
 from tests.conftest import run_with_fault
 from tests.faults import fault_env
-from tests.test_fault_tolerance import (STATE_TRACKING_ENV, STEPS, RankKiller, _assert_history_matches,
-                                       run_attempts)
+from tests.test_fault_tolerance import STATE_TRACKING_ENV, STEPS, _assert_history_matches, run_attempts
 
 EVERY = 4
 REL_TOL = 1e-5
@@ -195,25 +193,6 @@ def s3_runs(s3_server, s3_ray):
     cmd = out["trl"].retry_command
     out["trl_retry"] = _run_cli(cmd, dict(os.environ), work) if cmd else None
     return out
-
-
-@pytest.fixture(scope="module")
-def s3_killed(s3_runs):
-    """The 27B recipe on S3 again (max_failures=1), its rank-1 worker SIGKILLed from outside (this test, by the
-    PID Ray's state actor gives) once the step-4 checkpoint is registered: no fault hook in the worker."""
-    from raytune_ft.run import run
-
-    fs, bucket = s3_runs["fs"], s3_runs["bucket"]
-    recipe = _recipe("qwen27b_b300", s3_runs["root"], "s3-killed", f"train.max_steps={STEPS}",
-                     f"train.checkpoint_every={EVERY}", "scaling.max_failures=1", "registry.enabled=false")
-    killer = RankKiller(f"{bucket}/runs/s3-killed", "s3-killed", rank=1, fs=fs)
-    killer.start()
-    try:
-        summary = run(recipe, local=True)
-    finally:
-        killer.stop.set()
-        killer.join(timeout=30)
-    return {"summary": summary, "killer": killer, "attempts": len(run_attempts("s3-killed"))}
 
 
 @pytest.fixture(scope="module")
@@ -419,24 +398,6 @@ def test_finished_trl_run_submitted_again_trains_nothing(s3_runs):
     assert again.mlflow_run_id == ref.mlflow_run_id
     history = mlflow.MlflowClient(ref.tracking_uri).get_metric_history(ref.mlflow_run_id, "train/loss")
     assert sorted(m.step for m in history) == list(range(1, 2 * EPOCH_STEPS + 1))
-
-
-@pytest.mark.timeout(1500)
-def test_27b_on_s3_worker_sigkilled_from_outside_resumes_from_s3_and_finishes(s3_runs, s3_killed):
-    import psutil
-
-    killer, s = s3_killed["killer"], s3_killed["summary"]
-    assert killer.error is None, killer.error
-    assert killer.killed_pid is not None and "RayTrainWorker" in killer.cmdline
-    assert not psutil.pid_exists(killer.killed_pid) or psutil.Process(killer.killed_pid).status() == "zombie"
-    assert s3_killed["attempts"] == 2                  # the killed attempt, then the one Ray restarted
-    assert s.steps == STEPS and s.checkpoint.startswith(f"s3://{s3_runs['bucket']}/runs/s3-killed/checkpoint_")
-    # the uninterrupted run's losses: the first orphan of the fault case (every rank keeps the whole history)
-    ref = _reference(s3_runs)
-    for rank in (0, 1):
-        st = storage.read_json(s3_runs["fs"], f"{s.checkpoint[len('s3://'):]}/train_state/rank{rank}.json")
-        assert st["step"] == STEPS and len(st["resumed_from"]) == 1 and st["resumed_from"][0] in (4, 8), st
-        _assert_history_matches(st["history"], ref["history"])
 
 
 def _reference(s3_runs) -> dict:
