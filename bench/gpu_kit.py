@@ -628,28 +628,30 @@ class RayHead:
             return None
 
     def stop(self) -> None:
-        import psutil
+        if self.temp:
+            stop_ray_head(self.temp)
 
-        if not self.temp:
-            return
 
-        mine = {}
-        for p in psutil.process_iter(["cmdline"]):
-            try:
-                if any(self.temp in arg for arg in (p.info["cmdline"] or [])):
-                    # Ray's workers retitle themselves (`ray::...`): they are found as the raylet's children
-                    mine.update({q.pid: q for q in [p, *p.children(recursive=True)]})
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        # the bench's own head keeps nothing: killed at once (SIGTERM let the GCS and the dashboard wind down
-        # for 5 s or more), then waited for
-        mine = list(mine.values())
-        for p in mine:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(mine, timeout=10)
+def stop_ray_head(temp: str) -> list:
+    """Kill the processes of the Ray head whose temp folder is `temp`, and only those (`ray stop` would stop
+    every Ray of the machine): its own, found by the folder on their command lines, and their children (Ray's
+    workers retitle themselves `ray::...`). Killed at once, as a head of a bench or a test keeps nothing (SIGTERM
+    let the GCS and the dashboard wind down for 5-20 s); the processes still alive 10 s later are returned."""
+    import psutil
+
+    mine = {}
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(str(temp) in arg for arg in (p.info["cmdline"] or [])):
+                mine.update({q.pid: q for q in [p, *p.children(recursive=True)]})
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for p in mine.values():
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return psutil.wait_procs(list(mine.values()), timeout=10)[1]
 
 
 def junit_counts(path: str, results: list[dict]) -> dict:

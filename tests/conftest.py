@@ -150,15 +150,18 @@ def _no_shared_ray_elsewhere(request):
     yield
 
 
-def actors_started_since(t0: float) -> list[str]:
-    """The class names of the actors this process's Ray started since `t0` (epoch seconds), read from the
-    session's worker logs (each actor's log names it: ":actor_name:<Class>")."""
+def actors_started_since(t0: float, session_dir: str | Path | None = None) -> list[str]:
+    """The class names of the actors a Ray started since `t0` (epoch seconds), read from its session's worker
+    logs (each actor's log names it: ":actor_name:<Class>"); the session: `session_dir`, default this
+    process's Ray's."""
     import glob
 
-    from ray._private.worker import _global_node
+    if session_dir is None:
+        from ray._private.worker import _global_node
 
+        session_dir = _global_node.get_session_dir_path()
     names = []
-    for f in glob.glob(os.path.join(_global_node.get_session_dir_path(), "logs", "worker-*.out")):
+    for f in glob.glob(os.path.join(session_dir, "logs", "worker-*.out")):
         if os.path.getmtime(f) >= t0:
             with open(f, errors="replace") as fh:
                 names += [line.split(":actor_name:", 1)[1].strip() for line in fh if ":actor_name:" in line]

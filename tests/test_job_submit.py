@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from bench.gpu_kit import stop_ray_head
+from tests.conftest import REPO, actors_started_since
 from tests.mlflow_server import free_port
 
 BIN = Path(sys.executable).parent
@@ -46,29 +47,8 @@ def ray_head(tmp_path_factory):
     try:
         yield f"http://127.0.0.1:{dash}", env, temp
     finally:
-        _stop_head(temp)
-
-
-def _stop_head(temp: Path) -> None:
-    """Stop this head's processes only (`ray stop` would stop every Ray instance on the machine): killed at
-    once, as a test head keeps nothing (SIGTERM let the GCS and the dashboard wind down for 5-20 s)."""
-    import psutil
-
-    mine = {}
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(str(temp) in arg for arg in (p.info["cmdline"] or [])):
-                # Ray's workers retitle themselves (`ray::...`): they are found as the raylet's children
-                mine.update({q.pid: q for q in [p, *p.children(recursive=True)]})
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    for p in mine.values():
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(list(mine.values()), timeout=10)
-    assert not alive, f"head processes still alive: {[p.pid for p in alive]}"
+        alive = stop_ray_head(temp)     # this head's processes only
+        assert not alive, f"head processes still alive: {[p.pid for p in alive]}"
 
 
 @pytest.mark.timeout(600)
@@ -116,9 +96,9 @@ def test_ray_job_submit_runs_the_local_job_on_the_cluster(ray_head, tmp_path):
     assert list(bytecode.rglob("torch/distributed/fsdp/_fully_shard/_fully_shard.*.pyc"))
     # a cluster's Ray has a dashboard, so Ray Train's placement-group cleaner can ask whether the controller
     # lives: it is kept (a job's own local Ray, without one, starts none: launch.without_blind_callbacks)
-    actors = [line for f in temp.glob("session_2*/logs/worker-*.out")
-              for line in f.read_text(errors="replace").splitlines() if ":actor_name:" in line]
-    assert any(line.endswith(":actor_name:PlacementGroupCleaner") for line in actors), actors
+    (session,) = temp.glob("session_2*")
+    actors = actors_started_since(0, session)
+    assert "PlacementGroupCleaner" in actors, actors
 
 
 def test_submit_without_token_is_refused(ray_head):

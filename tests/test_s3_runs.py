@@ -58,6 +58,7 @@ from raytune_ft.env import scoped_env
 from tests.conftest import run_with_fault
 from tests.faults import fault_env
 from tests.test_fault_tolerance import STATE_TRACKING_ENV, STEPS, _assert_history_matches, run_attempts
+from tests.test_trl_resume_edges import EPOCH_STEPS, EPOCH_TWO, _history, _weights
 
 EVERY = 4
 REL_TOL = 1e-5
@@ -179,8 +180,6 @@ def s3_runs(s3_server, s3_ray):
 
     # ---- TRL 4B recipe, two epochs: a straight reference, the same killed at the end of step 4 and resumed from
     # the epoch-boundary checkpoint on S3 (tests/test_trl_resume_edges.py's other edges run on local storage)
-    from tests.test_trl_resume_edges import EPOCH_TWO
-
     out["r4_ref"] = _recipe("qwen3_4b_full", root, "s3-4b-ref", *EPOCH_TWO, "scaling.max_failures=0",
                             "registry.enabled=false")
     out["trl_ref"] = run(out["r4_ref"], local=True)
@@ -325,20 +324,6 @@ def test_finished_fsdp_run_submitted_again_ends_at_once_with_one_version(s3_runs
     assert s3_runs["again_s"] < s3_runs["finished_s"]
 
 
-def _s3_weights(fs, checkpoint: str) -> dict:
-    """The hf/ weights of a checkpoint on S3 (its safetensors files read straight from the bucket)."""
-    import pyarrow.fs as pafs
-    from safetensors.torch import load
-
-    folder = f"{checkpoint[len('s3://'):]}/hf"
-    out = {}
-    for info in sorted(fs.get_file_info(pafs.FileSelector(folder)), key=lambda i: i.path):
-        if info.path.endswith(".safetensors"):
-            with fs.open_input_stream(info.path) as f:
-                out.update(load(f.read()))
-    return out
-
-
 @pytest.mark.timeout(1500)
 def test_trl_4b_on_s3_killed_at_an_epoch_boundary_trains_the_next_epoch_exactly_and_registers_by_retry(s3_runs):
     """Killed at the end of step 4 (before its log and save), Ray restarts the worker, which rebuilds the trainer
@@ -348,36 +333,28 @@ def test_trl_4b_on_s3_killed_at_an_epoch_boundary_trains_the_next_epoch_exactly_
     import mlflow
     import torch
 
-    from tests.test_trl_resume_edges import EPOCH_STEPS
-
     s, ref, fs = s3_runs["trl"], s3_runs["trl_ref"], s3_runs["fs"]
     assert ref.steps == s.steps == 2 * EPOCH_STEPS
     assert s.checkpoint.startswith(f"s3://{s3_runs['bucket']}/runs/s3-4b/checkpoint_")
-    client = mlflow.MlflowClient(s.tracking_uri)
-
-    def history(summary, key):
-        out: dict[int, list[float]] = {}
-        for m in mlflow.MlflowClient(summary.tracking_uri).get_metric_history(summary.mlflow_run_id, key):
-            out.setdefault(m.step, []).append(m.value)
-        return out
-
-    losses, ref_losses = history(s, "train/loss"), history(ref, "train/loss")
+    r4, r4_ref = s3_runs["r4"], s3_runs["r4_ref"]
+    losses, ref_losses = _history(r4, s.mlflow_run_id, "train/loss"), _history(r4_ref, ref.mlflow_run_id, "train/loss")
     assert {k: len(v) for k, v in losses.items()} == {1: 1, 2: 1, 3: 2, 4: 1}
     for step, values in losses.items():
         for value in values:
             assert value == pytest.approx(ref_losses[step][0], rel=REL_TOL), (step, values, ref_losses[step])
-    evals, ref_evals = history(s, "eval_loss"), history(ref, "eval_loss")
+    evals, ref_evals = _history(r4, s.mlflow_run_id, "eval_loss"), _history(r4_ref, ref.mlflow_run_id, "eval_loss")
     assert sorted(evals) == sorted(ref_evals) == [EPOCH_STEPS, 2 * EPOCH_STEPS]
     assert evals[2 * EPOCH_STEPS][-1] == pytest.approx(ref_evals[2 * EPOCH_STEPS][0], rel=REL_TOL)
     assert s.best_loss == pytest.approx(ref.best_loss, rel=REL_TOL)
     assert storage.read_json(fs, f"{s.checkpoint[len('s3://'):]}/train_state/rank0.json")["epoch"] == 1
-    weights, ref_weights = _s3_weights(fs, s.checkpoint), _s3_weights(fs, ref.checkpoint)
+    weights, ref_weights = (_weights(c[len("s3://"):], fs) for c in (s.checkpoint, ref.checkpoint))
     assert weights.keys() == ref_weights.keys() and weights
     for name in ref_weights:        # fp32 on CPU: within rounding
         torch.testing.assert_close(weights[name], ref_weights[name], rtol=1e-5, atol=1e-6, msg=name)
     assert s.status == "trained_not_registered" and s.checkpoint in s.retry_command
     done = s3_runs["trl_retry"]
     assert done.returncode == 0, done.stderr[-3000:]
+    client = mlflow.MlflowClient(s.tracking_uri)
     assert [str(v.version) for v in client.search_model_versions("name = 'main.default.s3_4b'")] == ["1"]
     assert not (s3_runs["work"] / "runs").exists()
 
@@ -387,8 +364,6 @@ def test_finished_trl_run_submitted_again_trains_nothing(s3_runs):
     """Its final checkpoint is the latest: the submission returns that checkpoint as the result (no second
     pass, no second MLflow run, no training loss added to its history)."""
     import mlflow
-
-    from tests.test_trl_resume_edges import EPOCH_STEPS
 
     ref, again = s3_runs["trl_ref"], s3_runs["trl_again"]
     # a run of one attempt: its tokens/s is the run's

@@ -21,7 +21,6 @@ With data.max_rows=40 a pass is 2 optimizer steps (4 packed blocks, 2 per step),
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -46,14 +45,18 @@ def _history(recipe, run_id: str, key: str) -> dict[int, list[float]]:
     return out
 
 
-def _weights(ckpt: str) -> dict:
-    import glob
+def _weights(ckpt: str, fs=None) -> dict:
+    """The hf/ weights of checkpoint folder `ckpt`, on `fs` (default: the local filesystem; an S3 one takes the
+    folder without its s3:// scheme)."""
+    import pyarrow.fs as pafs
+    from safetensors.torch import load
 
-    from safetensors.torch import load_file
-
+    fs = fs or pafs.LocalFileSystem()
     out = {}
-    for f in sorted(glob.glob(os.path.join(ckpt, "hf", "*.safetensors"))):
-        out.update(load_file(f))
+    for info in sorted(fs.get_file_info(pafs.FileSelector(f"{ckpt}/hf")), key=lambda i: i.path):
+        if info.path.endswith(".safetensors"):
+            with fs.open_input_stream(info.path) as f:
+                out.update(load(f.read()))
     return out
 
 
