@@ -80,7 +80,9 @@ def _deadline(timeout_s: float | None) -> Iterator[_Deadline]:
     """Raise TimeoutError after `timeout_s` (SIGALRM: only in a process's main thread; elsewhere the
     caller, e.g. run_registration through ray.get, enforces the limit). The yielded object's `fired`
     says whether it went off, because an exception raised from a signal handler inside C code can
-    surface as an unrelated-looking SystemError."""
+    surface as an unrelated-looking SystemError. That exception can land anywhere in MLflow's client (a
+    lock held, a thread pool half-fed): the process it went off in is not used for more MLflow work, the
+    command line exits and the post-fit task's worker process serves one call (registry.task)."""
     state = _Deadline()
     usable = (timeout_s and timeout_s > 0 and hasattr(signal, "SIGALRM")
               and threading.current_thread() is threading.main_thread())

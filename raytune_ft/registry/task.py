@@ -25,7 +25,9 @@ def register_task():
     pay for importing Ray. Use `.options(num_cpus=..., memory=...).remote(...)`."""
     import ray
 
-    return ray.remote(max_retries=0)(register_checkpoint)
+    # max_calls=1: a deadline that went off (SIGALRM, see mlflow_model._deadline) may leave MLflow's client
+    # state half-changed in that process, so no later task runs there
+    return ray.remote(max_retries=0, max_calls=1)(register_checkpoint)
 
 
 def run_registration(checkpoint_path: str, registry_cfg: RegistryConfig, tracking_uri: str, *,
