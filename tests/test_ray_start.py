@@ -19,67 +19,80 @@ def _no_shared_ray_beside_a_child_ray(request):
         shared_ray_down()
     yield
 
-# a driver that starts its Ray as a job does, waits, and counts the Python workers its raylet started
-IDLE_WORKERS = """
-import time, psutil
-from raytune_ft.start_ahead import ensure_ray
-ensure_ray(local={local})
+# A driver that starts its Ray as a job does and, in order: counts the Python workers its raylet started
+# unasked; starts the actor Ray Train's controller waits for (when asked); builds the train dataset and reads
+# it whole. Two such drivers (a --local job's Ray and a cluster-sized one) serve the tests below: a fresh Ray
+# each, ~10 s apiece on 2 cores, where one per test made five.
+JOB_RAY = """
+import sys, time, psutil
+from raytune_ft.start_ahead import ensure_ray, start_train_helpers
+local, helpers, settings = sys.argv[1] == "local", sys.argv[2] == "helpers", sys.argv[3:]
+ensure_ray(local=local)
 time.sleep(6)
 # a Python worker names itself ray::IDLE once started (default_worker.py before)
 workers = [p for p in psutil.Process().children(recursive=True)
            if " ".join(p.cmdline()).startswith("ray::IDLE") or any(a.endswith("default_worker.py") for a in p.cmdline())]
-print("idle workers", len(workers))
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("local", [True, False])
-def test_a_ray_the_job_starts_starts_no_idle_workers(local):
-    """Ray starts one idle worker per logical CPU for the first driver; a run never uses them (its
-    runtime_env does not match theirs) and on a GPU node they are dozens of Python start-ups beside the
-    run's own, so a Ray the job starts has none."""
-    with tempfile.TemporaryDirectory(prefix="rtray", dir="/tmp") as ray_tmp:
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_tmp}
-        proc = subprocess.run([sys.executable, "-c", IDLE_WORKERS.format(local=local)], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "idle workers 0" in proc.stdout, proc.stdout[-2000:]
-
-
-# the train dataset a job builds, read whole
-TOKENIZING = """
-from raytune_ft.start_ahead import ensure_ray
+print("idle workers", len(workers), flush=True)
+if helpers:
+    import ray
+    start_train_helpers()
+    actor = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+    print("coordinator", ray.get(actor.__ray_ready__.remote(), timeout=60), flush=True)
 from raytune_ft.train.launch import build_datasets, tokenize_processes
 from tests.conftest import local_job_recipe
-ensure_ray(local=True)
-r = local_job_recipe([{settings}])
+r = local_job_recipe(settings)
 r.data.source = "builtin:chat:3000"
 datasets, _ = build_datasets(r)
 assert len(datasets["train"].take_all()) == 3000
-print("tokenize processes", tokenize_processes(r))
+print("tokenize processes", tokenize_processes(r), flush=True)
 """
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("settings, expected", [("", 2), ("'data.tokenize_workers=3'", 3)])
-def test_tokenizing_runs_in_a_few_processes_not_one_per_free_cpu(settings, expected):
-    """Ray Data would tokenize in one new process per `num_cpus_per_op` of free CPU (32 on this local
-    Ray), each importing transformers while the model builds; a run tokenizes in one per training worker
-    (at least 2), or `data.tokenize_workers`. Counted from Ray's worker logs: the processes that ran a
-    tokenizing task (Ray may start a spare one that runs nothing)."""
+@pytest.fixture(scope="module")
+def job_rays(tmp_path_factory):
+    """{"local": ..., "cluster": ...}: each driver's output and the number of its Ray's worker processes
+    that ran a tokenizing task (from Ray's worker logs; Ray may start a spare one that runs nothing)."""
     import glob
 
-    with tempfile.TemporaryDirectory(prefix="rtray", dir="/tmp") as ray_tmp:
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_tmp}
-        proc = subprocess.run([sys.executable, "-c", TOKENIZING.format(settings=settings)], cwd=REPO,
-                              env=env, capture_output=True, text=True, timeout=200)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        logs = glob.glob(os.path.join(ray_tmp, "ray", "session_2*", "logs", "worker-*.out"))  # not session_latest
-        ran = [f for f in logs if ":task_name:MapBatches(fn)" in open(f, errors="replace").read()]
-    assert f"tokenize processes {expected}" in proc.stdout, proc.stdout[-2000:]
-    assert 1 <= len(ran) <= expected, (len(ran), len(logs))
+    shared_ray_down()
+    out = {}
+    for kind, helpers, settings in (("local", "helpers", []), ("cluster", "-", ["data.tokenize_workers=3"])):
+        with tempfile.TemporaryDirectory(prefix="rtray", dir="/tmp") as ray_tmp:
+            env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_tmp}
+            proc = subprocess.run([sys.executable, "-c", JOB_RAY, kind, helpers, *settings], cwd=REPO, env=env,
+                                  capture_output=True, text=True, timeout=240)
+            logs = glob.glob(os.path.join(ray_tmp, "ray", "session_2*", "logs", "worker-*.out"))  # not session_latest
+            ran = [f for f in logs if ":task_name:MapBatches(fn)" in open(f, errors="replace").read()]
+        out[kind] = {"proc": proc, "tokenized_in": len(ran), "logs": len(logs)}
+    return out
+
+
+def _driver(job_rays, kind: str) -> str:
+    proc = job_rays[kind]["proc"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind", ["local", "cluster"])
+def test_a_ray_the_job_starts_starts_no_idle_workers(job_rays, kind):
+    """Ray starts one idle worker per logical CPU for the first driver; a run never uses them (its
+    runtime_env does not match theirs) and on a GPU node they are dozens of Python start-ups beside the
+    run's own, so a Ray the job starts has none (a --local job's Ray, and one of the machine's size)."""
+    assert "idle workers 0" in _driver(job_rays, kind), _driver(job_rays, kind)[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind, expected", [("local", 2), ("cluster", 3)])
+def test_tokenizing_runs_in_a_few_processes_not_one_per_free_cpu(job_rays, kind, expected):
+    """Ray Data would tokenize in one new process per `num_cpus_per_op` of free CPU (32 on a local
+    Ray), each importing transformers while the model builds; a run tokenizes in one per training worker
+    (at least 2: the local driver), or `data.tokenize_workers` (3: the other one)."""
+    out = _driver(job_rays, kind)
+    assert f"tokenize processes {expected}" in out, out[-2000:]
+    assert 1 <= job_rays[kind]["tokenized_in"] <= expected, job_rays[kind]
 
 
 @pytest.mark.timeout(180)
@@ -141,25 +154,13 @@ def test_the_tokenizer_settings_carry_the_chat_template_file_as_its_text(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_the_actor_ray_trains_controller_waits_for_is_started_with_ray():
+@pytest.mark.timeout(600)
+def test_the_actor_ray_trains_controller_waits_for_is_started_with_ray(job_rays):
     """Ray Train's controller asks Ray Data's autoscaling coordinator for the workers' resources on its
     start, waiting for that actor's new process; the job starts it as soon as its Ray is up, so it comes
     up beside the MLflow run and the datasets, and the controller finds it running."""
-    code = """
-import ray
-from raytune_ft.start_ahead import ensure_ray, start_train_helpers
-ensure_ray(local=True)
-start_train_helpers()
-actor = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
-print("coordinator", ray.get(actor.__ray_ready__.remote(), timeout=60))
-"""
-    with tempfile.TemporaryDirectory(prefix="rtray", dir="/tmp") as ray_tmp:
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_tmp}
-        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=150)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "coordinator True" in proc.stdout, proc.stdout[-2000:]
+    out = _driver(job_rays, "local")
+    assert "coordinator True" in out, out[-2000:]
 
 
 # a tokenizing process: the carried settings in, the rows it makes and whether it imported torch out
