@@ -42,8 +42,6 @@ SLOW_TESTS = {"test_fsdp2_sharded_load_matches_unsharded", "test_random_init_of_
               "test_cpu_smoke_of_the_resubmit_bench_submits_twice_to_its_own_head_and_stops_it",
               "test_cpu_smoke_of_speed_reports_the_steps_alone_and_end_to_end",
               "test_cpu_smoke_of_recovery_times_the_kill_to_the_next_attempts_first_step",
-              # an MLflow server and a --local training run
-              "test_password_in_the_tracking_uri_reaches_no_console_summary_param_tag_or_checkpoint",
               # fresh Python processes importing torch, transformers or Ray (each a few seconds on 2 cores), a
               # real torch.compile twice, the real 27B shape built, a race churned for seconds: unit-level in
               # what they check, not in what they cost (make test runs them; test-fast stays within minutes)

@@ -1,7 +1,10 @@
 """The way users start work: `ray start --head`, then `ray job submit -- python jobs/qwen27b_b300.py --local`.
 
 A real Ray head (with its dashboard and job server, token authentication on) on loopback, a real
-job submission; the job must join that cluster rather than start its own Ray, train, and register.
+job submission; the job must join that cluster rather than start its own Ray, train, and register. It logs to
+the session's real `mlflow server`, named as http://user:password@host (a server behind basic auth; this one
+does not check it), as a cluster's jobs log to a shared server: the password shows in neither the job's
+output, summary.json, the run's params and tags, the registered model, nor the checkpoints.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import pytest
 from bench.gpu_kit import stop_ray_head
 from tests.conftest import REPO, actors_started_since
 from tests.mlflow_server import free_port
+from tests.test_secrets import _grep
 
 BIN = Path(sys.executable).parent
 
@@ -52,11 +56,15 @@ def ray_head(tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
-def test_ray_job_submit_runs_the_local_job_on_the_cluster(ray_head, tmp_path):
+def test_ray_job_submit_runs_the_local_job_on_the_cluster(ray_head, mlflow_server, tmp_path):
     address, env, temp = ray_head
     storage = tmp_path / "runs"
+    password = f"pw-{secrets.token_hex(12)}"
+    server = mlflow_server              # the session's server (tests/conftest.py)
+    tracking = server.uri.replace("http://", f"http://ci-user:{password}@")
     cmd = [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(REPO),
            "--", "python", "jobs/qwen27b_b300.py", "--local", f"--set=tracking.storage_path={storage}",
+           f"--set=tracking.tracking_uri={tracking}",
            "--set=train.max_steps=6", "--set=train.checkpoint_every=3",
            # the cluster writes no bytecode; "on", since this venv's torch has its own (where the install
            # shipped none, "auto" does the same)
@@ -87,8 +95,22 @@ def test_ray_job_submit_runs_the_local_job_on_the_cluster(ray_head, tmp_path):
     # its id came later through Ray's key-value store (tracking.RunIdHandoff)
     from mlflow import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{storage / 'qwen27b-local' / 'mlflow.db'}")
+    client = MlflowClient(server.uri)                # on the server: the job logged there
     assert [m.step for m in client.get_metric_history(summary["mlflow_run_id"], "train/loss")] == [1, 2, 3, 4, 5, 6]
+    # the password: in no line of the job's output, the summary, the run's params and tags, the server's store
+    # and artifacts (the registered model), the checkpoints; the URI shows with it masked
+    run = client.get_run(summary["mlflow_run_id"])
+    public = f"http://ci-user:***@127.0.0.1:{server.port}"
+    # (Ray's job supervisor echoes the entrypoint as submitted, the user's own command line, --set included:
+    # that one line of Ray's; every line the job printed must be clean)
+    shown = [line for line in log.splitlines() if password in line]
+    assert [line for line in shown if not line.startswith("Running entrypoint for job ")] == [], shown
+    assert public in log                                                       # the summary names the store
+    assert summary["tracking_uri"] == public and run.data.params["tracking.tracking_uri"] == public
+    assert not [s for s in (*run.data.params.values(), *run.data.tags.values()) if password in s]
+    hits, n = _grep({"password": password.encode()}, storage, server.root)
+    assert hits == [] and n > 20
+    assert list((storage / "qwen27b-local").glob("checkpoint_*/dcp"))
     # the training worker, a process of the cluster's (which writes no bytecode), kept the modules only it
     # imports in the job's bytecode folder: from the job's uploaded copy of the project, and from torch
     bytecode = tmp_path / "cache" / "bytecode"
