@@ -3,7 +3,8 @@
 What a user relies on: a finished run's checkpoint becomes a new version of `main.default.<name>`
 that loads back and answers a chat request; a registry that is down or refuses leaves the checkpoint
 untouched, says so on the run and prints a retry command that works once the registry is back;
-credentials from the environment end up nowhere.
+credentials from the environment end up nowhere: every MLflow call of the module carries a bearer token
+(MLFLOW_TRACKING_TOKEN), which the refusing registry quotes back in its error, as some do.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import hashlib
 import http.client
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -27,6 +29,7 @@ from raytune_ft.recipe import RegistryConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
+TOKEN = f"sk-echoed-{secrets.token_hex(16)}"      # MLFLOW_TRACKING_TOKEN for the module (quick_http)
 
 
 # ---------------------------------------------------------------- fixtures and helpers
@@ -34,9 +37,11 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 
 @pytest.fixture(scope="module")
 def quick_http():
-    """No HTTP retries with back-off (7 by default, minutes against a dead port). Set before Ray
-    starts, so the registration task's worker processes inherit it too."""
-    with scoped_env({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}):
+    """No HTTP retries with back-off (7 by default, minutes against a dead port), and the bearer token every
+    MLflow call sends (this server ignores it). Set before Ray starts, so the registration task's worker
+    processes inherit them too, as a cluster's processes carry their node's credentials."""
+    with scoped_env({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+                     "MLFLOW_TRACKING_TOKEN": TOKEN}):
         yield
 
 
@@ -83,34 +88,39 @@ def training_run(tracking_uri: str, name: str = "train") -> str:
     return run.info.run_id
 
 
-def run_cli(cmd: str, tmp_path: Path) -> subprocess.CompletedProcess:
+def run_cli(cmd: str, tmp_path: Path, home: Path | None = None) -> subprocess.CompletedProcess:
     """Run a printed retry command as printed, with the venv's `raytune-ft` console script (or
-    `python -m raytune_ft.cli register ...` where the package is not installed as a script)."""
+    `python -m raytune_ft.cli register ...` where the package is not installed as a script); `home`: its
+    HOME (where its library log goes, ~/.cache/raytune_ft/logs)."""
     import shlex
     argv = shlex.split(cmd)
     assert argv[:2] == ["raytune-ft", "register"], cmd
     script = Path(sys.executable).with_name("raytune-ft")
     prefix = [str(script)] if script.exists() else [sys.executable, "-m", "raytune_ft.cli"]
+    env = dict(os.environ, **({"HOME": str(home)} if home else {}))
     return subprocess.run([*prefix, *argv[1:]], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ))
+                          timeout=600, env=env)
 
 
 class RegistryProxy:
-    """A loopback HTTP proxy to the MLflow server that can refuse model-registry calls with 403,
-    as a registry whose service principal lacks the grant on the catalog would."""
+    """A loopback HTTP proxy to the MLflow server that can refuse model-registry calls with 403, as a
+    registry whose service principal lacks the grant on the catalog would, quoting the credential it got."""
 
     def __init__(self, target_port: int):
         self.target_port = target_port
         self.refuse = True
         self.refused: list[str] = []
+        self.credentials: list[str] = []           # the Authorization headers of the refused calls
         self._server = StubHttpServer(self._respond)
         self.uri = self._server.uri
 
     def _respond(self, req: StubRequest):
         if self.refuse and ("/registered-models/" in req.path or "/model-versions/" in req.path):
             self.refused.append(req.path)
+            auth = req.headers.get("Authorization", "")
+            self.credentials.append(auth)
             return json_reply(403, {"error_code": "PERMISSION_DENIED",
-                                    "message": "no CREATE_MODEL grant on main.default"})
+                                    "message": f"credential {auth} has no CREATE_MODEL grant on main.default"})
         conn = http.client.HTTPConnection("127.0.0.1", self.target_port, timeout=60)
         headers = {k: v for k, v in req.headers.items() if k.lower() not in ("host", "connection")}
         conn.request(req.method, req.path, body=req.body or None, headers=headers)
@@ -265,6 +275,16 @@ def test_registry_refusing_keeps_checkpoint_tags_run_and_retry_works(server, ray
         assert outcome.retry_command.startswith(f"raytune-ft register {checkpoint} --name {name} ")
         assert f"--registry-uri {proxy.uri}" in outcome.retry_command
         assert f"--run-id {run_id}" in outcome.retry_command
+        # the token reached the registry and came back inside MLflow's exception: redacted wherever it shows
+        assert f"Bearer {TOKEN}" in proxy.credentials
+        assert "credential Bearer *** has no CREATE_MODEL" in outcome.error, outcome.error
+        assert "credential Bearer *** has no" in run.data.tags["raytune.registration_error"]
+        # the retry command run before the grant fails the same way, in the project's words only (the
+        # libraries' lines go to its log file, under tmp_path's home, grepped below)
+        refused = run_cli(outcome.retry_command, tmp_path, home=tmp_path / "home")
+        assert refused.returncode == 1 and "credential Bearer *** has no" in refused.stderr, refused.stderr[-3000:]
+        assert "Traceback" not in refused.stderr, refused.stderr[-3000:]
+        record_text = Path(outcome.failure_file).read_text()
 
         proxy.refuse = False  # the grant was given
         done = run_cli(outcome.retry_command, tmp_path)
@@ -276,6 +296,18 @@ def test_registry_refusing_keeps_checkpoint_tags_run_and_retry_works(server, ray
     assert client.get_run(run_id).data.tags["raytune.status"] == "registered"
     assert not Path(outcome.failure_file).exists()  # the stale failure record went with success
     assert tree_hashes(checkpoint) == before
+    # the token is written nowhere: the consoles, the failure record (read before the success removed it), the
+    # Ray task's log (which has the failure's traceback), Ray's other logs, the server's store and artifacts
+    consoles = refused.stdout + refused.stderr + done.stdout + done.stderr
+    assert TOKEN not in consoles and TOKEN not in record_text
+    from ray._private.worker import _global_node
+    from tests.test_secrets import _grep
+
+    session = Path(_global_node.get_session_dir_path())
+    assert any("registration of" in p.read_text(errors="replace") and "Traceback" in p.read_text(errors="replace")
+               for p in session.glob("logs/worker-*"))
+    hits, n = _grep({"MLFLOW_TRACKING_TOKEN": TOKEN.encode()}, session, tmp_path, server.root)
+    assert hits == [] and n > 20
 
 
 @pytest.mark.timeout(900)

@@ -9,24 +9,21 @@ MLflow store (the sqlite file, the registered model's artifacts), in the checkpo
 summary.json.
 
 A registration that fails with the token inside its exception (a registry that quotes the credential it
-refused, as some do) is run the same way, through the post-fit Ray task and the command line: neither
-the logged traceback nor the failure record nor the run's tags may carry it.
+refused, as some do), through the post-fit Ray task and the command line: tests/test_registry.py's refusing
+registry. A password in the tracking URI: tests/test_job_submit.py's job.
 """
 from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO, SECRET_VARS
-from tests.mlflow_server import StubHttpServer, StubRequest, json_reply, make_tiny_qwen2_checkpoint
 
 
 def _files(*roots: Path):
@@ -150,85 +147,6 @@ def test_remote_code_in_a_model_folder_runs_only_when_the_recipe_allows_it(tmp_p
     on = subprocess.run([sys.executable, "-c", script, "1"], env=env, capture_output=True, text=True,
                         timeout=150, cwd=REPO)
     assert marker.exists(), on.stdout + on.stderr[-2000:]
-
-
-_REGISTER_IN_RAY = textwrap.dedent("""
-    import json, sys
-    import ray
-    from raytune_ft.recipe import RegistryConfig
-    from raytune_ft.registry import run_registration
-    ckpt, tracking, registry_uri, run_id = sys.argv[1:5]
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
-    cfg = RegistryConfig(name="main.default.echoed", registry_uri=registry_uri, timeout_s=240, num_cpus=1)
-    outcome = run_registration(ckpt, cfg, tracking, run_id=run_id)
-    print("OUTCOME " + json.dumps(outcome.to_dict()))
-    ray.shutdown()
-""")
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_token_in_a_failing_registrations_exception_reaches_no_log_or_file(tmp_path, fixtures):
-    """The registry (a stub: MLflow's registry REST API refusing, no real one can be made to misbehave
-    like this) answers 403 with the caller's bearer token quoted in its message. MLflow puts that message
-    in its exception; the Ray task logs the failure with its traceback, the driver records it."""
-    import json
-
-    from mlflow import MlflowClient
-
-    token = f"sk-echoed-{secrets.token_hex(16)}"
-    seen: list[str] = []
-
-    def echo_refusal(req: StubRequest):
-        seen.append(req.headers.get("Authorization", ""))
-        return json_reply(403, {"error_code": "PERMISSION_DENIED",
-                                "message": f"credential {req.headers.get('Authorization')} lacks CREATE_MODEL"})
-
-    ckpt = make_tiny_qwen2_checkpoint(tmp_path / "run" / "checkpoint_000001", fixtures / "tokenizers" / "qwen2-0.5b")
-    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(tracking)
-    exp = client.create_experiment("raytune_ft", artifact_location=(tmp_path / "mlartifacts").as_uri())
-    run_id = client.create_run(exp, run_name="train").info.run_id
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rtreg", dir="/tmp"))    # short: AF_UNIX paths <= 107 bytes
-    env = {**os.environ, "MLFLOW_TRACKING_TOKEN": token, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
-           "RAY_TMPDIR": str(ray_tmp), "PYTHONUNBUFFERED": "1",
-           "HOME": str(tmp_path / "home")}       # the CLI's library log (~/.cache/raytune_ft/logs) inside tmp_path
-    env.pop("RAY_ADDRESS", None)
-    try:
-        with StubHttpServer(echo_refusal) as registry:
-            in_ray = subprocess.run([sys.executable, "-c", _REGISTER_IN_RAY, str(ckpt), tracking, registry.uri,
-                                     run_id], cwd=tmp_path, env=env, capture_output=True, timeout=500)
-            out = (in_ray.stdout + in_ray.stderr).decode(errors="replace")
-            assert in_ray.returncode == 0, out[-4000:]
-            outcome = json.loads(next(l for l in out.splitlines() if l.startswith("OUTCOME "))[8:])
-            by_cli = subprocess.run([sys.executable, "-m", "raytune_ft.cli", "register", str(ckpt), "--name",
-                                     "main.default.echoed", "--tracking-uri", tracking, "--registry-uri",
-                                     registry.uri, "--run-id", run_id], cwd=tmp_path, env=env,
-                                    capture_output=True, timeout=300)
-        # the token did reach the registry and came back inside the exception: redacted where it shows
-        assert f"Bearer {token}" in seen
-        assert not outcome["ok"] and "credential Bearer *** lacks CREATE_MODEL" in outcome["error"], outcome
-        cli_err = by_cli.stderr.decode(errors="replace")
-        assert by_cli.returncode == 1 and "credential Bearer *** lacks" in cli_err, cli_err[-3000:]
-        # the console has the project's lines only (the libraries' lines go to the CLI's log file, in
-        # tmp_path's home, grepped below); the failure's traceback is in the Ray task's log
-        assert "Traceback" not in cli_err, cli_err[-3000:]
-        worker_logs = [p for p in _files(ray_tmp) if p.name.startswith("worker-")]
-        assert any(b"registration of" in p.read_bytes() and b"Traceback" in p.read_bytes()
-                   for p in worker_logs)       # ...in the Ray task's log too
-
-        planted = {"MLFLOW_TRACKING_TOKEN": token.encode()}
-        leaks = [k for k, v in planted.items() if v in in_ray.stdout + in_ray.stderr + by_cli.stdout + by_cli.stderr]
-        assert leaks == []
-        hits, n_ray = _grep(planted, ray_tmp)           # every Ray log: driver, the task's worker, raylet
-        assert hits == [] and n_ray > 10
-        hits, n_run = _grep(planted, tmp_path)          # failure record, sqlite store (tags), artifacts
-        assert hits == []
-        assert (ckpt.parent / "registration_failed.json").is_file()
-        tags = client.get_run(run_id).data.tags
-        assert tags["raytune.status"] == "trained_not_registered" and "***" in tags["raytune.registration_error"]
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def test_redaction_survives_another_thread_changing_the_environment(monkeypatch):
