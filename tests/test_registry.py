@@ -431,7 +431,7 @@ def test_cli_register_retried_without_a_run_id_keeps_one_version(checkpoint, tmp
 
 
 @pytest.mark.timeout(120)
-def test_existing_version_lookup_is_bounded_by_the_registry_timeout(checkpoint):
+def test_existing_version_lookup_is_bounded_by_the_registry_timeout(checkpoint, quick_http):
     """A registry that accepts the connection and never answers (a stub: a real MLflow server cannot be
     made to stall) holds the lookup no longer than registry.timeout_s; the lookup then finds nothing."""
     import threading
@@ -451,6 +451,10 @@ def test_existing_version_lookup_is_bounded_by_the_registry_timeout(checkpoint):
         finally:
             took = time.monotonic() - t0
             release.set()
+            # the lookup left behind ends once answered: not later, logging into a test that has ended
+            for t in threading.enumerate():
+                if t.name == "raytune-version-lookup":
+                    t.join(timeout=30)
     assert found is None and took < 10
 
 
