@@ -148,22 +148,45 @@ def _no_shared_ray_elsewhere(request):
     yield
 
 
+def ray_session_dir() -> Path:
+    """The session folder (its logs/ and the rest) of the Ray this process is connected to."""
+    from ray._private.worker import _global_node
+
+    return Path(_global_node.get_session_dir_path())
+
+
 def actors_started_since(t0: float, session_dir: str | Path | None = None) -> list[str]:
     """The class names of the actors a Ray started since `t0` (epoch seconds), read from its session's worker
     logs (each actor's log names it: ":actor_name:<Class>"); the session: `session_dir`, default this
     process's Ray's."""
     import glob
 
-    if session_dir is None:
-        from ray._private.worker import _global_node
-
-        session_dir = _global_node.get_session_dir_path()
+    session_dir = session_dir or ray_session_dir()
     names = []
     for f in glob.glob(os.path.join(session_dir, "logs", "worker-*.out")):
         if os.path.getmtime(f) >= t0:
             with open(f, errors="replace") as fh:
                 names += [line.split(":actor_name:", 1)[1].strip() for line in fh if ":actor_name:" in line]
     return names
+
+
+def grep_files(values: dict[str, bytes], *roots: Path) -> tuple[list[str], int]:
+    """Every regular file under `roots` read as bytes: (where each value (name -> bytes) was found, the number of
+    files read). The secrets tests' scan of logs, stores and checkpoints."""
+    hits, n = [], 0
+    for root in roots:
+        for dirpath, _, names in os.walk(root):
+            for name in names:
+                p = Path(dirpath) / name
+                if not p.is_file() or p.is_symlink():
+                    continue
+                try:
+                    data = p.read_bytes()
+                except OSError:      # a socket or a file removed while Ray shut down
+                    continue
+                n += 1
+                hits += [f"{k} in {p}" for k, v in values.items() if v in data]
+    return hits, n
 
 
 SECRET_VARS = ("DATABRICKS_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MLFLOW_TRACKING_TOKEN",

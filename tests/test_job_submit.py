@@ -19,9 +19,8 @@ from pathlib import Path
 import pytest
 
 from bench.gpu_kit import stop_ray_head
-from tests.conftest import REPO, actors_started_since
+from tests.conftest import REPO, actors_started_since, grep_files
 from tests.mlflow_server import free_port
-from tests.test_secrets import _grep
 
 BIN = Path(sys.executable).parent
 
@@ -108,7 +107,7 @@ def test_ray_job_submit_runs_the_local_job_on_the_cluster(ray_head, mlflow_serve
     assert public in log                                                       # the summary names the store
     assert summary["tracking_uri"] == public and run.data.params["tracking.tracking_uri"] == public
     assert not [s for s in (*run.data.params.values(), *run.data.tags.values()) if password in s]
-    hits, n = _grep({"password": password.encode()}, storage, server.root)
+    hits, n = grep_files({"password": password.encode()}, storage, server.root)
     assert hits == [] and n > 20
     assert list((storage / "qwen27b-local").glob("checkpoint_*/dcp"))
     # the training worker, a process of the cluster's (which writes no bytecode), kept the modules only it

@@ -20,20 +20,20 @@ def _no_shared_ray_beside_a_child_ray(request):
     yield
 
 # A driver that starts its Ray as a job does and, in order: counts the Python workers its raylet started
-# unasked; starts the actor Ray Train's controller waits for (when asked); builds the train dataset and reads
+# unasked; starts the actor Ray Train's controller waits for (the --local one); builds the train dataset and reads
 # it whole. Two such drivers (a --local job's Ray and a cluster-sized one) serve the tests below: a fresh Ray
 # each, ~10 s apiece on 2 cores, where one per test made five.
 JOB_RAY = """
 import sys, time, psutil
 from raytune_ft.start_ahead import ensure_ray, start_train_helpers
-local, helpers, settings = sys.argv[1] == "local", sys.argv[2] == "helpers", sys.argv[3:]
+local, settings = sys.argv[1] == "local", sys.argv[2:]
 ensure_ray(local=local)
 time.sleep(6)
 # a Python worker names itself ray::IDLE once started (default_worker.py before)
 workers = [p for p in psutil.Process().children(recursive=True)
            if " ".join(p.cmdline()).startswith("ray::IDLE") or any(a.endswith("default_worker.py") for a in p.cmdline())]
 print("idle workers", len(workers), flush=True)
-if helpers:
+if local:
     import ray
     start_train_helpers()
     actor = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
@@ -56,10 +56,10 @@ def job_rays(tmp_path_factory):
 
     shared_ray_down()
     out = {}
-    for kind, helpers, settings in (("local", "helpers", []), ("cluster", "-", ["data.tokenize_workers=3"])):
+    for kind, settings in (("local", []), ("cluster", ["data.tokenize_workers=3"])):
         with tempfile.TemporaryDirectory(prefix="rtray", dir="/tmp") as ray_tmp:
             env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_tmp}
-            proc = subprocess.run([sys.executable, "-c", JOB_RAY, kind, helpers, *settings], cwd=REPO, env=env,
+            proc = subprocess.run([sys.executable, "-c", JOB_RAY, kind, *settings], cwd=REPO, env=env,
                                   capture_output=True, text=True, timeout=240)
             logs = glob.glob(os.path.join(ray_tmp, "ray", "session_2*", "logs", "worker-*.out"))  # not session_latest
             ran = [f for f in logs if ":task_name:MapBatches(fn)" in open(f, errors="replace").read()]

@@ -300,13 +300,12 @@ def test_registry_refusing_keeps_checkpoint_tags_run_and_retry_works(server, ray
     # Ray task's log (which has the failure's traceback), Ray's other logs, the server's store and artifacts
     consoles = refused.stdout + refused.stderr + done.stdout + done.stderr
     assert TOKEN not in consoles and TOKEN not in record_text
-    from ray._private.worker import _global_node
-    from tests.test_secrets import _grep
+    from tests.conftest import grep_files, ray_session_dir
 
-    session = Path(_global_node.get_session_dir_path())
-    assert any("registration of" in p.read_text(errors="replace") and "Traceback" in p.read_text(errors="replace")
-               for p in session.glob("logs/worker-*"))
-    hits, n = _grep({"MLFLOW_TRACKING_TOKEN": TOKEN.encode()}, session, tmp_path, server.root)
+    session = ray_session_dir()
+    logs = [p.read_text(errors="replace") for p in session.glob("logs/worker-*")]
+    assert any("registration of" in text and "Traceback" in text for text in logs)
+    hits, n = grep_files({"MLFLOW_TRACKING_TOKEN": TOKEN.encode()}, session, tmp_path, server.root)
     assert hits == [] and n > 20
 
 

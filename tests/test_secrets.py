@@ -19,33 +19,10 @@ import secrets
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, SECRET_VARS
-
-
-def _files(*roots: Path):
-    for root in roots:
-        for dirpath, _, names in os.walk(root):
-            for n in names:
-                p = Path(dirpath) / n
-                if p.is_file() and not p.is_symlink():
-                    yield p
-
-
-def _grep(values: dict[str, bytes], *roots: Path) -> tuple[list[str], int]:
-    """(where each value was found, number of files read)."""
-    hits, n = [], 0
-    for p in _files(*roots):
-        try:
-            data = p.read_bytes()
-        except OSError:      # a socket or a file removed while Ray shut down
-            continue
-        n += 1
-        hits += [f"{name} in {p}" for name, v in values.items() if v in data]
-    return hits, n
+from tests.conftest import REPO, SECRET_VARS, grep_files
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +45,11 @@ def test_tokens_appear_in_no_log_param_artifact_or_checkpoint(job_with_secrets):
     # Ray's session logs (driver, controller, workers, raylet, GCS, export events)
     sessions = [p for p in ray_tmp.rglob("session_*") if p.is_dir() and not p.is_symlink()]
     assert sessions and any((s / "logs").is_dir() for s in sessions), list(ray_tmp.iterdir())
-    hits, n_ray = _grep(values, ray_tmp)
+    hits, n_ray = grep_files(values, ray_tmp)
     assert hits == []
     # the MLflow store (params, tags, metrics in sqlite; the registered model's artifacts),
     # the checkpoints and summary.json: everything the run wrote under its working folder
-    hits, n_run = _grep(values, work)
+    hits, n_run = grep_files(values, work)
     assert hits == []
     # the scan read what it had to: the store, a checkpoint, the registered model's files
     run_dir = work / "runs" / "qwen27b-local"
@@ -81,7 +58,7 @@ def test_tokens_appear_in_no_log_param_artifact_or_checkpoint(job_with_secrets):
     assert n_ray > 20 and n_run > 20
     # ...and it does find a value that was written: the run name, in the store and the logs
     canary = {"run_name": b"qwen27b-local"}
-    assert _grep(canary, run_dir)[0] and _grep(canary, ray_tmp)[0]
+    assert grep_files(canary, run_dir)[0] and grep_files(canary, ray_tmp)[0]
 
 
 def test_worker_environment_forwards_no_credentials(monkeypatch):
