@@ -211,6 +211,29 @@ def fresh_copy(dest: Path) -> Path:
 
 
 @contextlib.contextmanager
+def spawned_gloo_rank(rank: int, world: int, port: int):
+    """The gloo process group of one rank a test spawned (torch.multiprocessing), on 127.0.0.1:`port`.
+
+    Ended without the interpreter's teardown once the body returns: a rank sometimes aborted after its work
+    was done, "terminate called without an active exception" (a native thread, gloo's or pyarrow's S3
+    client's, still running when the process's static objects are destroyed): 2 in ~35 runs of
+    test_random_init's sharded test. What a test checks is written (a file, a queue drained) inside the
+    body; an exception still reaches torch.multiprocessing's spawn as the rank's error."""
+    import sys
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+@contextlib.contextmanager
 def local_job_process(cwd, overrides: list[str], *, extra_env: dict | None = None, drop_env: tuple = (),
                       prefix: str = "rtjob", timeout: int = 900, root: Path | None = None):
     """`python jobs/qwen27b_b300.py --local --set=...` run in `cwd` as a user runs it (a subprocess with its

@@ -49,10 +49,10 @@ def _held_out_rank(rank: int, world: int, port: int, out: str, fail: bool) -> No
 
     import numpy as np
     import ray.train
-    import torch.distributed as dist
 
     from raytune_ft.recipe import Recipe
     from raytune_ft.train.evaluate import start_reading_held_out
+    from tests.conftest import spawned_gloo_rank
 
     reads = []
 
@@ -64,8 +64,7 @@ def _held_out_rank(rank: int, world: int, port: int, out: str, fail: bool) -> No
                  "skip_reason": ""} for i in range(3)]
 
     ray.train.get_dataset_shard = shard
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with spawned_gloo_rank(rank, world, port):
         recipe = Recipe()
         recipe.train.eval_every = 10
         try:
@@ -75,8 +74,6 @@ def _held_out_rank(rank: int, world: int, port: int, out: str, fail: bool) -> No
             got = {"error": f"{type(e).__name__}: {e}"}
         got["reads"] = reads
         Path(out, f"r{rank}.json").write_text(json.dumps(got))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_rank_0_alone_reads_the_held_out_split_and_every_rank_gets_its_rows(tmp_path):

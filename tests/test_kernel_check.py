@@ -10,7 +10,6 @@ GPU suite (tests/gpu).
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -297,30 +296,26 @@ def test_the_switch_is_honoured_by_the_selection(monkeypatch):
 # ----------------------------------------------------------------- across ranks (gloo, 2 processes)
 
 def _rank_main(rank, world, port, q):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch.distributed as dist
+    from tests.conftest import spawned_gloo_rank
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with spawned_gloo_rank(rank, world, port):
         # rank 1 has a broken kernel (e.g. another GPU model in the job); rank 0's is fine
         first = wrong_attention if rank == 1 else good_attention
         path = fp.attention_path(CFG, [K("torch_varlen", first), K("attn_ok", good_attention)])
         lines: list[str] = []
         report = kc.check_kernels(CFG, "cpu", dtype=F32, paths=[path], log_line=lines.append)
         q.put((rank, report.in_use, sorted(DISABLED_KERNELS), lines))
-    finally:
-        dist.destroy_process_group()
+        q.close()
+        q.join_thread()          # the queue's feeder thread has sent it before the rank leaves
 
 
 @pytest.mark.timeout(180)
 def test_a_kernel_failing_on_one_rank_is_off_on_every_rank():
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests.mlflow_server import free_port
+
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, 2, port, q)) for r in range(2)]

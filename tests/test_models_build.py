@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -205,13 +204,12 @@ def _load_into_mismatched(folder):
 # ----------------------------------------------------------------- FSDP2 (2 CPU ranks, gloo)
 
 def _fsdp_worker(rank, world, port, folder, result_dir):
-    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    from tests.conftest import spawned_gloo_rank
+
+    with spawned_gloo_rank(rank, world, port):
         cfg = ModelConfig(name=folder, family="qwen3_5")
         model = load_causal_lm(cfg, device="meta")
         for layer in decoder_layers(model):
@@ -225,8 +223,6 @@ def _fsdp_worker(rank, world, port, folder, result_dir):
             logits = model(input_ids=ids).logits
         if rank == 0:
             torch.save({"state": full, "logits": logits, "rows": local_rows}, os.path.join(result_dir, "r0.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.timeout(240)
@@ -234,11 +230,10 @@ def test_fsdp2_sharded_load_matches_unsharded(tmp_path):
     """Two gloo ranks, FSDP2 on meta, each rank fills only its shard: same weights and logits as one process."""
     import torch.multiprocessing as mp
 
+    from tests.mlflow_server import free_port
+
     _tiny_vl_checkpoint(tmp_path / "vl")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_fsdp_worker, args=(2, port, str(tmp_path / "vl"), str(tmp_path)), nprocs=2)
+    mp.spawn(_fsdp_worker, args=(2, free_port(), str(tmp_path / "vl"), str(tmp_path)), nprocs=2)
     got = torch.load(tmp_path / "r0.pt")
     ref = load_causal_lm(ModelConfig(name=str(tmp_path / "vl"), family="qwen3_5"))
     assert got["rows"] == 150                       # vocab 300 split over 2 ranks

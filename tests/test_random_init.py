@@ -1,7 +1,5 @@
 """model.init="random": the real architecture with transformers' init, plain or FSDP2-sharded, no checkpoint;
 the builtin lognormal dataset used with it for throughput runs; the packed conv and GQA choices."""
-import os
-import socket
 
 import pytest
 import torch
@@ -10,7 +8,8 @@ import torch.multiprocessing as mp
 from raytune_ft.models.build import load_causal_lm, random_init_
 from raytune_ft.models.tiny import real_config
 from raytune_ft.recipe import ModelConfig, Recipe, RecipeError, validate
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, spawned_gloo_rank
+from tests.mlflow_server import free_port
 
 
 
@@ -33,19 +32,10 @@ def test_random_init_builds_the_real_shape_without_a_checkpoint():
     assert torch.equal(again.model.layers[5].mlp.up_proj.weight, model.model.layers[5].mlp.up_proj.weight)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _sharded_worker(rank, world, port, out):
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with spawned_gloo_rank(rank, world, port):
         from transformers import AutoModelForCausalLM
 
         cfg = real_config("qwen3.8-27b", num_hidden_layers=4, hidden_size=256, intermediate_size=512,
@@ -63,8 +53,6 @@ def _sharded_worker(rank, world, port, out):
         full = {n: p.full_tensor() for n, p in m.named_parameters()}
         if rank == 0:
             torch.save(full, out)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.timeout(300)
@@ -72,7 +60,7 @@ def test_random_init_of_a_sharded_model_matches_transformers_init(tmp_path):
     """Two gloo ranks, FSDP2 per layer then root, Qwen3.5 (gated-delta-net + attention) cut small: every
     parameter filled (no NaN left), with the same per-tensor statistics as transformers' own init."""
     out = str(tmp_path / "full.pt")
-    mp.spawn(_sharded_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_sharded_worker, args=(2, free_port(), out), nprocs=2, join=True)
     full = torch.load(out)
     from transformers import AutoModelForCausalLM
 

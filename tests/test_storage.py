@@ -5,7 +5,6 @@ import errno
 import json
 import os
 
-import pyarrow.fs as pafs
 import pytest
 
 from raytune_ft import storage
@@ -183,6 +182,13 @@ def test_storage_plan_trl_recipes():
 
 
 def _dcp_worker(rank: int, world: int, port: int, local_dir: str, s3_dir: str, out: str) -> None:
+    from tests.conftest import spawned_gloo_rank
+
+    with spawned_gloo_rank(rank, world, port):
+        _dcp_rank(rank, local_dir, s3_dir, out)
+
+
+def _dcp_rank(rank: int, local_dir: str, s3_dir: str, out: str) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -192,10 +198,6 @@ def _dcp_worker(rank: int, world: int, port: int, local_dir: str, s3_dir: str, o
     from raytune_ft.train import dcp_io
     from raytune_ft.train.state import TrainState
 
-    import faulthandler
-    faulthandler.enable(all_threads=True)   # an abort (below) prints where each thread was
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
 
     def build():
@@ -252,26 +254,15 @@ def _dcp_worker(rank: int, world: int, port: int, local_dir: str, s3_dir: str, o
         json.dump({"opened": opened, "legacy_opened": legacy_opened, "same_weights": same_weights,
                    "train_state": train_state,
                    "steps": steps, "same_after_step": same_after_step, "params_local": n_params}, f)
-    dist.destroy_process_group()
-    # Out without the interpreter's teardown. Once in CI (and in none of 60 runs of this test alone
-    # under load here) a worker aborted with "terminate called without an active exception", most often
-    # the mark of a native thread still running when the process's static objects are destroyed
-    # (pyarrow's S3 client and gloo both run such threads). What the test checks is in the file above.
-    import sys
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 @pytest.mark.timeout(300)
 def test_dcp_resume_reads_only_own_shards_from_s3(s3_env, tmp_path):
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests.mlflow_server import free_port
+
+    port = free_port()
     s3_dir = f"s3://{s3_env.bucket()}/dcp-test"
     out = tmp_path / "out"
     out.mkdir()
