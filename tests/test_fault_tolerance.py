@@ -68,16 +68,17 @@ class RankKiller(threading.Thread):
     """SIGKILLs the training worker of `rank` once `run_dir` has a registered checkpoint.
 
     `pick_rank`, when given, is called to choose the rank at kill time (e.g. the one on a node); `fs`: the
-    filesystem `run_dir` is on (default local; an S3 one for a run on object storage).
+    filesystem `run_dir` is on (default local; an S3 one for a run on object storage); `when`, when given,
+    is asked once a checkpoint is registered, and the kill waits until it says yes.
     """
 
     def __init__(self, run_dir: str, run_name: str, rank: int = 1, timeout_s: float = 600, pick_rank=None,
-                 fs=None):
+                 fs=None, when=None):
         import pyarrow.fs as pafs
 
         super().__init__(daemon=True)
         self.run_dir, self.run_name, self.rank, self.timeout_s = str(run_dir), run_name, rank, timeout_s
-        self.pick_rank = pick_rank
+        self.pick_rank, self.when = pick_rank, when
         self.fs = fs or pafs.LocalFileSystem()
         self.killed_pid: int | None = None
         self.cmdline: str = ""
@@ -93,9 +94,11 @@ class RankKiller(threading.Thread):
             # then kill it the moment Ray registers the first checkpoint: Ray writes the snapshot
             # only then, once every rank has reported.
             pid = None
-            while not (pid and storage.exists(self.fs, f"{self.run_dir}/{SNAPSHOT}")):
+            while not (pid and storage.exists(self.fs, f"{self.run_dir}/{SNAPSHOT}")
+                       and (self.when is None or self.when())):
                 if self.stop.is_set() or time.time() > deadline:
-                    self.error = f"no checkpoint registered or no worker of rank {self.rank} found"
+                    self.error = (f"no checkpoint registered, no worker of rank {self.rank} found"
+                                  f"{'' if self.when is None else ', or the kill condition never held'}")
                     return
                 if not pid:
                     if self.pick_rank is not None:

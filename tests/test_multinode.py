@@ -7,7 +7,8 @@ workers can only land on different nodes. storage_path is an s3:// folder on the
 (tests/s3_server.py), which both nodes reach through their AWS_* variables, as a real cluster's nodes reach its
 bucket; the MLflow store is the session's `mlflow server`. Once the first checkpoint is registered, the worker
 on the second node is SIGKILLed from outside (its PID from Ray Train's state actor; no fault hook in the
-worker); Ray restarts the group on both nodes, and it resumes from that checkpoint, read from S3, to the end.
+worker), and not before rank 0 has logged the loss of a step after that checkpoint; Ray restarts the group on
+both nodes, and it resumes from that checkpoint, read from S3, to the end, training that step again.
 """
 from __future__ import annotations
 
@@ -21,6 +22,25 @@ from raytune_ft.env import scoped_env
 from tests.test_fault_tolerance import EVERY, STATE_TRACKING_ENV, STEPS, RankKiller, _job
 
 RUN = "multinode"
+
+
+def trained_past_the_checkpoint(client: MlflowClient, fs, run_dir: str, seen: dict):
+    """The kill's condition: the run's MLflow history has a loss of a step after the newest checkpoint Ray
+    registered, so the restart trains a step the killed attempt logged (what the two losses of one step are
+    compared on). `seen` gets that checkpoint's step and the steps logged."""
+    from raytune_ft import storage
+
+    def ready() -> bool:
+        reported = storage.reported_checkpoints(fs, run_dir)
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                  filter_string=f"attributes.run_name = '{RUN}'")
+        if reported is None or reported.latest is None or not runs:
+            return False
+        registered = int(reported.metrics[reported.latest]["step"])
+        logged = sorted({m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")})
+        seen.update(registered=registered, logged=logged)
+        return bool(logged) and logged[-1] > registered
+    return ready
 
 
 def worker_nodes(run_name: str) -> list[dict[int, str]]:
@@ -73,9 +93,12 @@ def two_node_run(mlflow_server, s3_server):
                 "scaling.num_workers=2", "scaling.placement_strategy=STRICT_SPREAD",
                 'scaling.resources_per_worker={"raytune_node": 1}', "scaling.max_failures=1",
                 f"train.max_steps={STEPS}", f"train.checkpoint_every={EVERY}", "registry.enabled=false"])
-            # kill whichever rank runs on the second node
+            # kill whichever rank runs on the second node, once a step after the checkpoint is logged
+            out["at_kill"] = {}
             killer = RankKiller(f"{bucket}/mn_runs/{RUN}", RUN, fs=fs, pick_rank=lambda: next(
-                (r for r, n in (worker_nodes(RUN) or [{}])[-1].items() if n == second.node_id), None))
+                (r for r, n in (worker_nodes(RUN) or [{}])[-1].items() if n == second.node_id), None),
+                when=trained_past_the_checkpoint(MlflowClient(server.uri), fs, f"{bucket}/mn_runs/{RUN}",
+                                                 out["at_kill"]))
             killer.start()
             try:
                 out["summary"] = run(recipe, local=False)
@@ -114,21 +137,27 @@ def test_two_workers_on_two_nodes_train_checkpoint_and_resume(two_node_run):
     # trained to the end on S3; both ranks resumed from the checkpoint registered before the kill
     assert summary.steps == STEPS and summary.checkpoint.startswith(f"s3://{out['bucket']}/mn_runs/{RUN}/checkpoint_")
     ckpt = summary.checkpoint[len("s3://"):]
+    at_kill = out["at_kill"]
     for rank in (0, 1):
         st = storage.read_json(fs, f"{ckpt}/train_state/rank{rank}.json")
-        assert len(st["resumed_from"]) == 1 and st["resumed_from"][0] in (4, 8)
+        assert st["resumed_from"] == [at_kill["registered"]] and at_kill["registered"] in (4, 8), (st, at_kill)
         assert [h["step"] for h in st["history"]] == list(range(1, STEPS + 1))
     # the final checkpoint holds both nodes' shards in one folder on the shared storage
     shards = [i.path for i in storage.list_files(fs, f"{ckpt}/dcp") if i.path.endswith(".distcp")]
     assert len(shards) == 2, shards
     assert storage.exists(fs, f"{ckpt}/hf/config.json")
-    # rank 0's metrics reached the run's one store, wherever rank 0 ran: every step, and a step the killed
-    # attempt trained after the checkpoint and the restart trained again gives the same loss
+    # rank 0's metrics reached the run's one store, wherever rank 0 ran: every step, and the steps the killed
+    # attempt logged after the checkpoint (at least one: the kill waited for it) and the restart trained
+    # again give the same loss
     assert summary.tracking_uri == out["tracking"]
     by_step: dict[int, list[float]] = {}
     for step, value in out["losses"]:
         by_step.setdefault(step, []).append(value)
     assert sorted(by_step) == list(range(1, STEPS + 1)), by_step
+    twice = [step for step, values in by_step.items() if len(values) > 1]
+    after = [step for step in at_kill["logged"] if step > at_kill["registered"]]
+    assert after and set(after) <= set(twice), (at_kill, by_step)
+    assert min(twice) == at_kill["registered"] + 1, (at_kill, by_step)
     for step, values in by_step.items():
         assert values == pytest.approx([values[0]] * len(values), rel=1e-5), (step, values)
 
