@@ -10,7 +10,6 @@ GPU suite (tests/gpu).
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
