@@ -30,14 +30,18 @@ def trained_past_the_checkpoint(client: MlflowClient, fs, run_dir: str, seen: di
     compared on). `seen` gets that checkpoint's step and the steps logged."""
     from raytune_ft import storage
 
+    run_id: list[str] = []      # looked up once: the kill's poll then reads the history only
+
     def ready() -> bool:
+        if not run_id:
+            runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                      filter_string=f"attributes.run_name = '{RUN}'")
+            run_id.extend(r.info.run_id for r in runs[:1])
         reported = storage.reported_checkpoints(fs, run_dir)
-        runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
-                                  filter_string=f"attributes.run_name = '{RUN}'")
-        if reported is None or reported.latest is None or not runs:
+        if reported is None or reported.latest is None or not run_id:
             return False
         registered = int(reported.metrics[reported.latest]["step"])
-        logged = sorted({m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")})
+        logged = sorted({m.step for m in client.get_metric_history(run_id[0], "train/loss")})
         seen.update(registered=registered, logged=logged)
         return bool(logged) and logged[-1] > registered
     return ready
