@@ -32,8 +32,6 @@ LEASE_FILE = "raytune_lease.json"
 # how often the driver refreshes the heartbeat, and how old a heartbeat makes a lease free to take over
 HEARTBEAT_ENV, STALE_ENV = "RAYTUNE_LEASE_HEARTBEAT_S", "RAYTUNE_LEASE_STALE_S"
 DEFAULT_HEARTBEAT_S, DEFAULT_STALE_S = 30.0, 300.0
-# the token of the lease a run's workers belong to (set on the workers by launch.build_trainer)
-TOKEN_ENV = "RAYTUNE_RUN_LEASE_TOKEN"
 
 
 class RunFolderInUse(RuntimeError):

@@ -17,6 +17,9 @@ as JSON (launch forwards it to the workers, whose loop entry point calls `hooks.
                          resume, once Ray has registered a checkpoint of the run (its controller takes reports
                          in asynchronously: a worker dying right after reporting can lose that report, as a
                          real crash would); "STEP:RANK:saved": once step STEP's own checkpoint is registered
+    take_lease           with kill_at_step, "1": before the kill, the run folder's lease is written as another
+                         job's (a stale heartbeat, so that a later job takes it over): as if the job's heartbeat
+                         had gone stale and another job had taken the folder; the next attempt must stop
     free_bytes           "BYTES" or "BYTES@STEP": the checkpoint guard reads BYTES free (from step STEP on),
                          as on a filesystem that small
 """
@@ -34,7 +37,8 @@ MODULE = __name__
 
 def fault_env(**plan: str) -> dict[str, str]:
     """The environment that installs `plan` in the workers of the next run (see the module's docstring)."""
-    unknown = set(plan) - {"exit_after_upload", "exit_after_write", "fail_after_write", "kill_at_step", "free_bytes"}
+    unknown = set(plan) - {"exit_after_upload", "exit_after_write", "fail_after_write", "kill_at_step", "take_lease",
+                           "free_bytes"}
     if unknown:
         raise ValueError(f"unknown faults: {sorted(unknown)}")
     # the repository's root: a worker started from another folder (a run launched elsewhere) imports it from there
@@ -53,7 +57,8 @@ def install(argument: str) -> None:
         hooks.attach("checkpoint.written", _fail_at(plan["fail_after_write"]))
     if "kill_at_step" in plan:
         spec = plan["kill_at_step"]
-        hooks.attach("trl.saved" if spec.endswith(":saved") else "trl.step_end", _kill_at(spec))
+        hooks.attach("trl.saved" if spec.endswith(":saved") else "trl.step_end",
+                     _kill_at(spec, take_lease=plan.get("take_lease") == "1"))
     if "free_bytes" in plan:
         value, _, from_step = str(plan["free_bytes"]).partition("@")
         hooks.attach("storage.free_bytes",
@@ -106,14 +111,30 @@ def _wait_registered(done, timeout_s: float = 120) -> None:
         time.sleep(0.1)
 
 
-def _kill_at(spec: str):
+def _kill_at(spec: str, *, take_lease: bool = False):
     saved = spec.endswith(":saved")
     target = spec.removesuffix(":saved")
 
     def handler(step: int, rank: int, output_dir: str, resumed: bool) -> None:
         if not resumed and target == f"{step}:{rank}":
+            if take_lease:
+                _lease_to_another_job()
             _die(rank, step, output_dir, saved=saved)
     return handler
+
+
+def _lease_to_another_job() -> None:
+    """The run folder's lease written as another job's, its heartbeat long stale (a later job takes it over)."""
+    from dataclasses import asdict
+
+    from raytune_ft import lease, storage
+    from raytune_ft.train.ckpt_storage import run_location
+
+    fs, run_path = run_location()
+    long_ago = time.time() - 10 * 86400
+    record = lease.LeaseRecord(token="test-fault-another-job", job_id="raysubmit_test_fault", host="another-host",
+                               pid=1, started=long_ago, heartbeat=long_ago)
+    storage.write_json(fs, f"{run_path}/{lease.LEASE_FILE}", asdict(record))
 
 
 def _die(rank: int, step: int, output_dir: str, *, saved: bool) -> None:

@@ -11,9 +11,12 @@ With data.max_rows=40 a pass is 2 optimizer steps (4 packed blocks, 2 per step),
   tests/test_s3_runs.py, with this module's settings (EPOCH_TWO).
 - "end": 1 epoch, killed once the last save of the pass (step 2) is registered, before the final
   checkpoint: the retry has nothing left to train and must finish, not fail in SFTTrainer.__init__.
-- "grow": the same, with no retry (the run fails); submitted again with a packing window that lays out other
-  blocks, it stops (the data fingerprint); submitted again with its own data and train.epochs=2 it must
-  recount its schedule and train the second epoch, not stop at the one-epoch count the checkpoint holds.
+- "grow": the same, its lease written as another job's before the kill (as if this job's heartbeat had gone
+  stale and another job had taken the folder over): the retry's rank 0 must find the lease is not its job's
+  and stop the run (the lease token reaches the workers through the loop's config); submitted again with a
+  packing window that lays out other blocks, it stops (the data fingerprint); submitted again with its own
+  data and train.epochs=2 it must recount its schedule and train the second epoch, not stop at the
+  one-epoch count the checkpoint holds.
 - "best", on two workers: lr 0.3 (constant) makes the first evaluation the best (the loss then jumps);
   rank 1 is killed once the step-2 checkpoint is registered, its local Hugging Face folders removed as on
   another node; train.load_best_at_end must still end on the step-1 weights, fetched from the run's storage
@@ -65,13 +68,13 @@ COUNTED = ("train.max_steps=null", "data.max_rows=40", f"train.checkpoint_every=
 EPOCH_TWO = ("train.epochs=2", "train.log_every=1", *COUNTED)     # tests/test_s3_runs.py's TRL runs too
 
 
-def _run_with_fault(recipe, spec: str | None):
-    """run(recipe, local=True) with the fault hook set to `spec` for this run: (result, None) or (None, the
-    exception the run ended with)."""
+def _run_with_fault(recipe, spec: str | None, **more: str):
+    """run(recipe, local=True) with the fault hook set to `spec` (and the faults `more`) for this run: (result,
+    None) or (None, the exception the run ended with)."""
     from raytune_ft.env import scoped_env
     from raytune_ft.run import run
 
-    with scoped_env(fault_env(kill_at_step=spec) if spec else {}):
+    with scoped_env(fault_env(kill_at_step=spec, **more) if spec else {}):
         try:
             return run(recipe, local=True), None
         except Exception as e:  # noqa: BLE001 - some runs are meant to fail
@@ -83,7 +86,8 @@ def runs(ray_local, tmp_path_factory):
     storage = tmp_path_factory.mktemp("trl_resume_edges")
     out = {}
     out["end"] = (r := _recipe(storage, "end", 1, *COUNTED)), _run_with_fault(r, f"{EPOCH_STEPS}:0:saved")
-    out["grow_first"] = _run_with_fault(_recipe(storage, "grow", 0, *COUNTED), f"{EPOCH_STEPS}:0:saved")
+    out["grow_first"] = _run_with_fault(_recipe(storage, "grow", 1, *COUNTED), f"{EPOCH_STEPS}:0:saved",
+                                        take_lease="1")
     # re-submitted with a packing window that lays out other blocks: it must stop, not resume on other data
     out["changed"] = _run_with_fault(_recipe(storage, "grow", 0, *EPOCH_TWO, "data.pack_window=8"), None)
     out["grow"] = (r := _recipe(storage, "grow", 0, *EPOCH_TWO)), _run_with_fault(r, None)
@@ -135,7 +139,8 @@ def test_resubmit_with_more_epochs_recounts_the_schedule(runs):
     from tests.conftest import train_state
 
     first, first_error = runs["grow_first"]
-    assert first is None and first_error is not None          # no retry: the killed run failed
+    # the retry found the folder's lease another job's (its token came through the loop's config) and stopped
+    assert first is None and "is now held by job raysubmit_test_fault" in str(first_error), repr(first_error)
     changed, changed_error = runs["changed"]
     assert changed is None and "fingerprint mismatch" in str(changed_error), repr(changed_error)
     recipe, grow = _finished(runs, "grow")

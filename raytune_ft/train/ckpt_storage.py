@@ -74,18 +74,19 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def start_attempt(rank: int, log: Callable[[str], None] = storage._print) -> list[str]:
+def start_attempt(rank: int, lease_token: str | None, log: Callable[[str], None] = storage._print) -> list[str]:
     """Rank 0 removes orphan checkpoint folders of earlier attempts (never one Ray registered); all wait.
 
     Safe here: no attempt of this run is writing, the previous one's workers are gone, and the run folder's
     lease is still this job's (checked first: RunFolderInUse when another job took it over), so no other
-    job's attempt is writing either."""
+    job's attempt is writing either. `lease_token`: the lease's token, from the loop's config (None: none is
+    checked)."""
     import ray.train
 
     removed: list[str] = []
     if rank == 0:
         fs, run_path = run_location()
-        lease.check_owner(fs, run_path, os.environ.get(lease.TOKEN_ENV), uri=run_storage().uri())
+        lease.check_owner(fs, run_path, lease_token, uri=run_storage().uri())
         ckpt = ray.train.get_checkpoint()
         resuming = ckpt.path.rstrip("/").rsplit("/", 1)[-1] if ckpt is not None else None
         try:

@@ -13,7 +13,7 @@ import os
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy, create_failure_policy
 
 from raytune_ft.env import ray_train_defaults
-from raytune_ft.lease import TOKEN_ENV, RunFolderInUse
+from raytune_ft.lease import RunFolderInUse
 from raytune_ft.recipe import Recipe, absolute_local_paths, recipe_from_dict
 from raytune_ft.train import hooks
 
@@ -196,7 +196,9 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None = None, mlflow_ru
         name=recipe.tracking.run_name, storage_path=st.root, storage_filesystem=st.fs,
         failure_config=ray.train.FailureConfig(max_failures=s.max_failures),
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=recipe.train.keep_checkpoints),
-        worker_runtime_env={"env_vars": {**_worker_env(), **({TOKEN_ENV: lease_token} if lease_token else {})}},
+        # the same for every run of this driver (the lease token goes in the loop's config): the processes rank 0's
+        # held-out read starts can serve the next run's too
+        worker_runtime_env={"env_vars": _worker_env()},
         # Ray Train's own progress lines ("Requesting resources", "Checkpoint successfully created at ...")
         # stay in its log files; its warnings and errors still reach the console
         logging_config=ray.train.LoggingConfig(log_level="WARNING"),
@@ -207,7 +209,8 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None = None, mlflow_ru
     shipped.tracking.tracking_uri = shipped.tracking_uri
     # job_start (epoch seconds): the workers' start-up breakdown counts from it (train/common.StartupClock)
     # startup_marks: the driver's times after each of its start-up parts (train/common.DRIVER_MARKS)
-    config = {"recipe": shipped.to_dict(), "mlflow_run_id": mlflow_run_id, "job_start": job_start}
+    config = {"recipe": shipped.to_dict(), "mlflow_run_id": mlflow_run_id, "job_start": job_start,
+              "lease_token": lease_token}
     if mlflow_run_key is not None:
         config["mlflow_run_key"] = mlflow_run_key
     if blocks_by_rank is not None:

@@ -48,7 +48,7 @@ def train_trl(config: dict) -> None:
     if report_if_finished(log):   # the final checkpoint is the latest: it stays the run's result
         return
 
-    start_attempt(rank, log.info)          # checkpoint folders of dead attempts off the storage
+    start_attempt(rank, config.get("lease_token"), log.info)          # checkpoint folders of dead attempts off the storage
     from raytune_ft.train.jit_cache import for_worker
 
     jit = for_worker(recipe, ray.train.torch.get_device(), log.info)   # before anything compiles
