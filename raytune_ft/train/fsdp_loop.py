@@ -87,7 +87,8 @@ def train_fsdp(config: dict) -> None:
             feed = _open_data(recipe, config, early, rank=rank, device=device, read_ahead=True)
         held_out = start_reading_held_out(recipe, rank=rank, world=world)   # for evaluation and samples too
 
-    ckpt_storage.start_attempt(rank, config.get("lease_token"), log.info)     # checkpoint folders of dead attempts off the storage
+    # checkpoint folders of dead attempts off the storage, once the run folder's lease is found still this job's
+    ckpt_storage.start_attempt(rank, config.get("lease_token"), log.info)
     jit = jit_cache.for_worker(recipe, device, log.info)   # before anything compiles
     log.startup.mark("model_build.setup")
     model, lm, tok = build_fsdp_model(recipe, device, log)

@@ -48,7 +48,8 @@ def train_trl(config: dict) -> None:
     if report_if_finished(log):   # the final checkpoint is the latest: it stays the run's result
         return
 
-    start_attempt(rank, config.get("lease_token"), log.info)          # checkpoint folders of dead attempts off the storage
+    # checkpoint folders of dead attempts off the storage, once the run folder's lease is found still this job's
+    start_attempt(rank, config.get("lease_token"), log.info)
     from raytune_ft.train.jit_cache import for_worker
 
     jit = for_worker(recipe, ray.train.torch.get_device(), log.info)   # before anything compiles
