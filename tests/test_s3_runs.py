@@ -189,6 +189,7 @@ def s3_runs(s3_server, s3_ray):
     out["r4"] = r4
     with scoped_env(fault_env(kill_at_step="4:0")):
         out["trl"] = run(r4, local=True)
+        out["trl_ended"] = time.time()
     cmd = out["trl"].retry_command
     out["trl_retry"] = _run_cli(cmd, dict(os.environ), work) if cmd else None
     return out
@@ -347,6 +348,15 @@ def test_trl_4b_on_s3_killed_at_an_epoch_boundary_trains_the_next_epoch_exactly_
     assert evals[2 * EPOCH_STEPS][-1] == pytest.approx(ref_evals[2 * EPOCH_STEPS][0], rel=REL_TOL)
     assert s.best_loss == pytest.approx(ref.best_loss, rel=REL_TOL)
     assert storage.read_json(fs, f"{s.checkpoint[len('s3://'):]}/train_state/rank0.json")["epoch"] == 1
+    # Ray Train's controller noted when it asked for the restarted attempt's workers (launch.NoteWorkersAsked):
+    # after the first attempt logged its first step, so the restart's workers count their set-up from then
+    from raytune_ft.env import process_start
+    from raytune_ft.train.common import workers_asked_at
+
+    asked = workers_asked_at("s3-4b", process_start())       # an in-process job starts with this process
+    history = mlflow.MlflowClient(s.tracking_uri).get_metric_history(s.mlflow_run_id, "train/loss")
+    first_step = min(m.timestamp for m in history if m.step == 1) / 1000
+    assert asked is not None and first_step < asked < s3_runs["trl_ended"], (asked, first_step)
     weights, ref_weights = (_weights(c[len("s3://"):], fs) for c in (s.checkpoint, ref.checkpoint))
     assert weights.keys() == ref_weights.keys() and weights
     for name in ref_weights:        # fp32 on CPU: within rounding

@@ -118,6 +118,24 @@ def test_the_ray_workers_parts_follow_the_drivers_marks_from_the_submission_when
     assert clock.seconds["ray_workers"] >= now - job_start - 1e-3
 
 
+def test_a_process_ray_started_before_the_attempt_asked_for_workers_counts_from_the_ask():
+    """Ray hands a new worker an idle process that has run nothing yet, which may have started before a restart
+    (the recovery bench once read a negative wait from the kill to the new workers): the workers' set-up counts
+    from when the controller asked for them (launch.NoteWorkersAsked), the wait before it is scheduling."""
+    from raytune_ft.env import process_start
+
+    created = process_start()
+    marks = {"driver": created - 4.0, "ray_start": created - 3.0, "datasets": created - 2.0, "tracking": created - 1.0}
+    clock = StartupClock(created - 6.0, marks, workers_asked=created + 0.5)
+    parts = {k.split(".", 1)[1]: v for k, v in clock.parts.items()}
+    assert parts["scheduling"] == pytest.approx(1.5, abs=1e-6)
+    assert parts["worker_setup"] == pytest.approx(clock.seconds["ray_workers"] - 6.5, abs=1e-6)
+    assert sum(parts.values()) == pytest.approx(clock.seconds["ray_workers"], abs=1e-6)
+    # an ask before the process started changes nothing: a process Ray started for it counts from its start
+    early = StartupClock(created - 6.0, marks, workers_asked=created - 0.5)
+    assert early.parts["ray_workers.scheduling"] == pytest.approx(1.0, abs=1e-6)
+
+
 def test_first_step_prints_one_breakdown_line_and_logs_it(mlflow_run):
     import torch
 

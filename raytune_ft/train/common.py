@@ -130,8 +130,28 @@ PHASE_PARTS = {"ray_workers": RAY_WORKERS_PARTS, "model_build": MODEL_BUILD_PART
                "first_step": {"data_wait": "waiting for data"}}
 
 
-def _ray_workers_parts(job_start: float, marks: dict | None, now: float) -> dict[str, float]:
-    """Seconds of each `RAY_WORKERS_PARTS` part, or {} without the driver's marks or the process's start."""
+def workers_asked_key(run_name: str, job_start: float) -> str:
+    """The key in Ray's key-value store (namespace raytune_ft) under which Ray Train's controller notes when it
+    last asked for this job's workers (launch.NoteWorkersAsked): the attempt's workers read it at their start."""
+    return f"raytune-workers-asked:{run_name}:{job_start:.3f}"
+
+
+def workers_asked_at(run_name: str, job_start: float) -> float | None:
+    """When Ray Train's controller last asked for this job's workers (epoch seconds); None outside Ray or
+    where it did not note it."""
+    try:
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        value = _internal_kv_get(workers_asked_key(run_name, job_start), namespace="raytune_ft")
+        return float(value) if value else None
+    except Exception:  # noqa: BLE001 - a diagnosis only: the parts then count from the process's start
+        return None
+
+
+def _ray_workers_parts(job_start: float, marks: dict | None, now: float,
+                       asked: float | None = None) -> dict[str, float]:
+    """Seconds of each `RAY_WORKERS_PARTS` part, or {} without the driver's marks or the process's start.
+    `asked`: when Ray Train's controller asked for this attempt's workers."""
     if not marks or any(k not in marks for k in DRIVER_MARKS):
         return {}
     from raytune_ft.env import process_start
@@ -142,8 +162,9 @@ def _ray_workers_parts(job_start: float, marks: dict | None, now: float) -> dict
     names = [p for p in RAY_WORKERS_PARTS if p != "submission" or "process" in marks]
     points = [job_start] + ([float(marks["process"])] if "process" in marks else [])
     points += [float(marks[k]) for k in DRIVER_MARKS]
-    # a process Ray had started before the job asked for it counts as scheduled at once
-    points += [min(max(created, points[-1]), now), now]
+    # a process Ray had started before the job, or this attempt, asked for it counts as scheduled once asked:
+    # Ray hands a new worker an idle process that has run nothing yet, which may be older than a restart
+    points += [min(max(created, points[-1], asked or 0.0), now), now]
     return {part: max(0.0, b - a) for part, a, b in zip(names, points, points[1:])}
 
 
@@ -186,12 +207,13 @@ class StartupClock:
     each phase and part ends where the loop marks it (`mark`); `finish()` ends `first_step`, less the
     torch.compile time inside it (`compile`)."""
 
-    def __init__(self, job_start: float | None = None, marks: dict | None = None):
+    def __init__(self, job_start: float | None = None, marks: dict | None = None,
+                 workers_asked: float | None = None):
         now = time.time()
         self.job_start = job_start or now
         self.seconds = dict.fromkeys(STARTUP_PHASES, 0.0)
         self.seconds["ray_workers"] = max(0.0, now - self.job_start)
-        ray_parts = _ray_workers_parts(self.job_start, marks, now) if job_start else {}
+        ray_parts = _ray_workers_parts(self.job_start, marks, now, workers_asked) if job_start else {}
         self.parts = {f"ray_workers.{p}": v for p, v in ray_parts.items()}   # "<phase>.<part>": seconds
         self._mark, self._inner, self._compiled = now, 0.0, _compile_seconds()
         self._cache_counts = _compile_cache_counts()
@@ -289,7 +311,8 @@ class WorkerLog:
                  job_start: float | None = None, startup_marks: dict | None = None):
         self.rank = rank
         self.recipe = recipe
-        self.startup = StartupClock(job_start, startup_marks)
+        asked = workers_asked_at(recipe.tracking.run_name, job_start) if job_start else None
+        self.startup = StartupClock(job_start, startup_marks, asked)
         self._stream = stream
         self._live = False           # a redrawn progress line is on screen (terminal only)
         self._sender = None          # rank 0's MLflow calls, made by a process of their own

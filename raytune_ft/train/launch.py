@@ -9,7 +9,9 @@ run at once on those, with their message, and leaves the rest to Ray's own polic
 from __future__ import annotations
 
 import os
+import time
 
+from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy, create_failure_policy
 
 from raytune_ft.env import ray_train_defaults
@@ -74,6 +76,23 @@ class RaiseUnfixable(FailurePolicy):
         return self._default.make_decision(training_failed_error)
 
 
+class NoteWorkersAsked(WorkerGroupCallback):
+    """Notes in Ray's key-value store when Ray Train's controller asks for an attempt's workers
+    (common.workers_asked_key). Ray may hand a new worker an idle process it started before a restart; the
+    workers' start-up breakdown counts their set-up from this moment at the earliest, not from that start."""
+
+    def __init__(self, key: str):
+        self.key = key
+
+    def before_worker_group_start(self, worker_group_context) -> None:
+        try:
+            from ray.experimental.internal_kv import _internal_kv_put
+
+            _internal_kv_put(self.key, repr(time.time()), overwrite=True, namespace="raytune_ft")
+        except Exception:  # noqa: BLE001 - a diagnosis only: the breakdown then counts from the process's start
+            pass
+
+
 def _trainer_class():
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
@@ -81,12 +100,20 @@ def _trainer_class():
         """Ray Train's data-parallel trainer with the torch backend (train/backend.py: what TorchTrainer is,
         without torch in this process) and RaiseUnfixable as its failure policy (Ray builds the default one
         in `fit`, from the FailureConfig alone, and hands it to the controller it starts here). On a Ray
-        without a dashboard, no placement-group cleaner (`without_blind_callbacks`)."""
+        without a dashboard, no placement-group cleaner (`without_blind_callbacks`). `workers_asked_key`: where
+        the controller notes when it asks for each attempt's workers (NoteWorkersAsked)."""
+
+        def __init__(self, *args, workers_asked_key: str | None = None, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._workers_asked_key = workers_asked_key
 
         def _initialize_and_run_controller(self, **controller_init_kwargs):
             controller_init_kwargs["failure_policy"] = RaiseUnfixable(self.run_config.failure_config)
             if "callbacks" in controller_init_kwargs:
-                controller_init_kwargs["callbacks"] = without_blind_callbacks(controller_init_kwargs["callbacks"])
+                callbacks = without_blind_callbacks(controller_init_kwargs["callbacks"])
+                if self._workers_asked_key:
+                    callbacks = [*callbacks, NoteWorkersAsked(self._workers_asked_key)]
+                controller_init_kwargs["callbacks"] = callbacks
             return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     return Trainer
@@ -220,9 +247,12 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None = None, mlflow_ru
         datasets, dataset_config = prebuilt or build_datasets(recipe)
     if startup_marks is not None:
         config["startup_marks"] = dict(startup_marks)
+    from raytune_ft.train.common import workers_asked_key
+
+    asked_key = workers_asked_key(recipe.tracking.run_name, job_start) if job_start else None
     return _trainer_class()(loop, train_loop_config=config, scaling_config=scaling, run_config=run_config,
-                        backend_config=TorchBackendConfig(backend=backend), datasets=datasets,
-                        dataset_config=dataset_config)
+                            backend_config=TorchBackendConfig(backend=backend), datasets=datasets,
+                            dataset_config=dataset_config, workers_asked_key=asked_key)
 
 
 def tokenize_processes(recipe: Recipe) -> int:
