@@ -351,7 +351,7 @@ def test_trl_4b_on_s3_killed_at_an_epoch_boundary_trains_the_next_epoch_exactly_
     # Ray Train's controller noted when it asked for the restarted attempt's workers (launch.NoteWorkersAsked):
     # after the first attempt logged its first step, so the restart's workers count their set-up from then
     from raytune_ft.env import process_start
-    from raytune_ft.train.common import workers_asked_at
+    from raytune_ft.train.job_attempts import workers_asked_at
 
     asked = workers_asked_at("s3-4b", process_start())       # an in-process job starts with this process
     history = mlflow.MlflowClient(s.tracking_uri).get_metric_history(s.mlflow_run_id, "train/loss")

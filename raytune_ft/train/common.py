@@ -9,6 +9,7 @@ import time
 from typing import Sequence
 
 from raytune_ft.recipe import Recipe, TrainConfig, recipe_from_dict
+from raytune_ft.train.job_attempts import attempt_of_job, workers_asked_at
 from raytune_ft.tracking import mlflow_metric_name, startup_params
 
 
@@ -128,24 +129,6 @@ MODEL_BUILD_PARTS = {"setup": "attempt set-up, JIT caches and data", "tokenizer"
 # `startup/first_step.data_wait_s`
 PHASE_PARTS = {"ray_workers": RAY_WORKERS_PARTS, "model_build": MODEL_BUILD_PARTS,
                "first_step": {"data_wait": "waiting for data"}}
-
-
-def workers_asked_key(run_name: str, job_start: float) -> str:
-    """The key in Ray's key-value store (namespace raytune_ft) under which Ray Train's controller notes when it
-    last asked for this job's workers (launch.NoteWorkersAsked): the attempt's workers read it at their start."""
-    return f"raytune-workers-asked:{run_name}:{job_start:.3f}"
-
-
-def workers_asked_at(run_name: str, job_start: float) -> float | None:
-    """When Ray Train's controller last asked for this job's workers (epoch seconds); None outside Ray or
-    where it did not note it."""
-    try:
-        from ray.experimental.internal_kv import _internal_kv_get
-
-        value = _internal_kv_get(workers_asked_key(run_name, job_start), namespace="raytune_ft")
-        return float(value) if value else None
-    except Exception:  # noqa: BLE001 - a diagnosis only: the parts then count from the process's start
-        return None
 
 
 def _ray_workers_parts(job_start: float, marks: dict | None, now: float,
@@ -283,19 +266,6 @@ class StartupClock:
                          f"{c['fx_cache_hits'] + c['fx_cache_misses']}, AOT autograd {c['aot_cache_hits']} of "
                          f"{c['aot_cache_hits'] + c['aot_cache_misses']})")
         return f"start-up {m['startup/total_s']:.1f} s to the end of the first step: {', '.join(parts)}"
-
-
-def attempt_of_job(run_name: str, job_start: float) -> int:
-    """Which of this job's attempts rank 0 runs (1, 2, ...), counted in Ray's key-value store; 1 outside Ray."""
-    try:
-        from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
-
-        key = f"raytune-attempt:{run_name}:{job_start:.3f}"
-        n = int(_internal_kv_get(key, namespace="raytune_ft") or 0) + 1
-        _internal_kv_put(key, str(n), overwrite=True, namespace="raytune_ft")
-        return n
-    except Exception:  # noqa: BLE001 - a label of the start-up line only
-        return 1
 
 
 class WorkerLog:

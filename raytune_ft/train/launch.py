@@ -9,7 +9,6 @@ run at once on those, with their message, and leaves the rest to Ray's own polic
 from __future__ import annotations
 
 import os
-import time
 
 from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy, create_failure_policy
@@ -78,19 +77,16 @@ class RaiseUnfixable(FailurePolicy):
 
 class NoteWorkersAsked(WorkerGroupCallback):
     """Notes in Ray's key-value store when Ray Train's controller asks for an attempt's workers
-    (common.workers_asked_key). Ray may hand a new worker an idle process it started before a restart; the
-    workers' start-up breakdown counts their set-up from this moment at the earliest, not from that start."""
+    (job_attempts.workers_asked_key). Ray may hand a new worker an idle process it started before a restart;
+    the workers' start-up breakdown counts their set-up from this moment at the earliest, not from that start."""
 
     def __init__(self, key: str):
         self.key = key
 
     def before_worker_group_start(self, worker_group_context) -> None:
-        try:
-            from ray.experimental.internal_kv import _internal_kv_put
+        from raytune_ft.train.job_attempts import note_workers_asked
 
-            _internal_kv_put(self.key, repr(time.time()), overwrite=True, namespace="raytune_ft")
-        except Exception:  # noqa: BLE001 - a diagnosis only: the breakdown then counts from the process's start
-            pass
+        note_workers_asked(self.key)
 
 
 def _trainer_class():
@@ -247,7 +243,7 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None = None, mlflow_ru
         datasets, dataset_config = prebuilt or build_datasets(recipe)
     if startup_marks is not None:
         config["startup_marks"] = dict(startup_marks)
-    from raytune_ft.train.common import workers_asked_key
+    from raytune_ft.train.job_attempts import workers_asked_key
 
     asked_key = workers_asked_key(recipe.tracking.run_name, job_start) if job_start else None
     return _trainer_class()(loop, train_loop_config=config, scaling_config=scaling, run_config=run_config,
