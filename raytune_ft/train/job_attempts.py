@@ -6,12 +6,16 @@ from __future__ import annotations
 _NAMESPACE = "raytune_ft"
 
 
+def _key(kind: str, run_name: str, job_start: float) -> str:
+    return f"raytune-{kind}:{run_name}:{job_start:.3f}"
+
+
 def attempt_of_job(run_name: str, job_start: float) -> int:
     """Which of this job's attempts rank 0 runs (1, 2, ...), counted in Ray's key-value store; 1 outside Ray."""
     try:
         from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 
-        key = f"raytune-attempt:{run_name}:{job_start:.3f}"
+        key = _key("attempt", run_name, job_start)
         n = int(_internal_kv_get(key, namespace=_NAMESPACE) or 0) + 1
         _internal_kv_put(key, str(n), overwrite=True, namespace=_NAMESPACE)
         return n
@@ -22,7 +26,7 @@ def attempt_of_job(run_name: str, job_start: float) -> int:
 def workers_asked_key(run_name: str, job_start: float) -> str:
     """The key in Ray's key-value store (namespace raytune_ft) under which Ray Train's controller notes when it
     last asked for this job's workers (launch.NoteWorkersAsked): the attempt's workers read it at their start."""
-    return f"raytune-workers-asked:{run_name}:{job_start:.3f}"
+    return _key("workers-asked", run_name, job_start)
 
 
 def workers_asked_at(run_name: str, job_start: float) -> float | None:

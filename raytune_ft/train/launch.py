@@ -17,6 +17,7 @@ from raytune_ft.env import ray_train_defaults
 from raytune_ft.lease import RunFolderInUse
 from raytune_ft.recipe import Recipe, absolute_local_paths, recipe_from_dict
 from raytune_ft.train import hooks
+from raytune_ft.train.job_attempts import note_workers_asked, workers_asked_key
 
 
 def _worker_env() -> dict[str, str]:
@@ -84,8 +85,6 @@ class NoteWorkersAsked(WorkerGroupCallback):
         self.key = key
 
     def before_worker_group_start(self, worker_group_context) -> None:
-        from raytune_ft.train.job_attempts import note_workers_asked
-
         note_workers_asked(self.key)
 
 
@@ -96,20 +95,12 @@ def _trainer_class():
         """Ray Train's data-parallel trainer with the torch backend (train/backend.py: what TorchTrainer is,
         without torch in this process) and RaiseUnfixable as its failure policy (Ray builds the default one
         in `fit`, from the FailureConfig alone, and hands it to the controller it starts here). On a Ray
-        without a dashboard, no placement-group cleaner (`without_blind_callbacks`). `workers_asked_key`: where
-        the controller notes when it asks for each attempt's workers (NoteWorkersAsked)."""
-
-        def __init__(self, *args, workers_asked_key: str | None = None, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._workers_asked_key = workers_asked_key
+        without a dashboard, no placement-group cleaner (`without_blind_callbacks`)."""
 
         def _initialize_and_run_controller(self, **controller_init_kwargs):
             controller_init_kwargs["failure_policy"] = RaiseUnfixable(self.run_config.failure_config)
             if "callbacks" in controller_init_kwargs:
-                callbacks = without_blind_callbacks(controller_init_kwargs["callbacks"])
-                if self._workers_asked_key:
-                    callbacks = [*callbacks, NoteWorkersAsked(self._workers_asked_key)]
-                controller_init_kwargs["callbacks"] = callbacks
+                controller_init_kwargs["callbacks"] = without_blind_callbacks(controller_init_kwargs["callbacks"])
             return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     return Trainer
@@ -225,6 +216,8 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None = None, mlflow_ru
         # Ray Train's own progress lines ("Requesting resources", "Checkpoint successfully created at ...")
         # stay in its log files; its warnings and errors still reach the console
         logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+        # Ray Train adds callbacks of its own kinds from here to the controller's
+        callbacks=[NoteWorkersAsked(workers_asked_key(recipe.tracking.run_name, job_start))] if job_start else [],
     )
     # workers get every local path absolute and the MLflow store named: they resolve nothing against
     # their own working folder or home (a second, empty store there would take their metrics)
@@ -243,12 +236,9 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None = None, mlflow_ru
         datasets, dataset_config = prebuilt or build_datasets(recipe)
     if startup_marks is not None:
         config["startup_marks"] = dict(startup_marks)
-    from raytune_ft.train.job_attempts import workers_asked_key
-
-    asked_key = workers_asked_key(recipe.tracking.run_name, job_start) if job_start else None
     return _trainer_class()(loop, train_loop_config=config, scaling_config=scaling, run_config=run_config,
                             backend_config=TorchBackendConfig(backend=backend), datasets=datasets,
-                            dataset_config=dataset_config, workers_asked_key=asked_key)
+                            dataset_config=dataset_config)
 
 
 def tokenize_processes(recipe: Recipe) -> int:
