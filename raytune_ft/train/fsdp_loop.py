@@ -12,6 +12,8 @@ host syncs anyway (log and checkpoint steps), so the step itself never waits on 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -118,66 +120,102 @@ def train_fsdp(config: dict) -> None:
         ckpt_io.export_hf_folder(folder, model, lm.config, tok, rank, dtype=dtype, prefix_strip="lm.",
                                  arch=type(lm).__name__)
 
+    attempt = _Attempt(recipe=recipe, rank=rank, world=world, device=device, log=log, model=model, opt=opt,
+                       params=params, state=state, feed=feed, total_steps=total_steps, window=window,
+                       probes=probes, saver=saver, jit=jit, export=export)
     try:
-        _train(recipe, model, opt, params, feed, window, probes, saver, state, total_steps, log, rank, world,
-               device, jit, export)
+        _train(attempt)
     finally:
         saver.close()
 
 
-def _train(recipe, model, opt, params, feed, window, probes, saver, state, total_steps, log, rank, world,
-           device, jit, export) -> None:
+@dataclass
+class _Attempt:
+    """What this attempt's loop trains with, built once by `train_fsdp` (torchtitan's Trainer holds the same)."""
+
+    recipe: Recipe
+    rank: int
+    world: int
+    device: torch.device
+    log: WorkerLog
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    params: list[nn.Parameter]          # the trained ones (requires_grad)
+    state: TrainState                   # what a checkpoint holds
+    feed: EpochFeeds
+    total_steps: int                    # the schedule's length, 0: none needed
+    window: _Window
+    probes: EvalAndSamples
+    saver: Checkpointer
+    jit: jit_cache.JitCache | None      # what the first step compiled, saved for the next node and run
+    export: Callable[[str], None]       # writes the final checkpoint's hf/ folder
+
+
+def _train(a: _Attempt) -> None:
     """The training loop, from the attempt's first step to the run's end (`_finish`)."""
-    t_cfg = recipe.train
-    fp8_recipe = t_cfg.fp8_recipe if t_cfg.precision == "fp8" else None
-    step = state.step
+    t_cfg, total_steps = a.recipe.train, a.total_steps
+    step = a.state.step
     last_metrics: dict = {}
     while total_steps == 0 or step < total_steps:
         waited = time.time()
-        blocks = feed.next_blocks()
-        log.startup.mark("first_step.data_wait", since=waited)   # kept until the first step ends
+        blocks = a.feed.next_blocks()
+        a.log.startup.mark("first_step.data_wait", since=waited)   # kept until the first step ends
         if blocks is None:  # every rank's data is spent
             break
-        mbs = t_cfg.micro_batch_size
-        micro_batches = [StepBatch.from_blocks(blocks[i:i + mbs], device) for i in range(0, len(blocks), mbs)]
-        loss_sum, denom = forward_backward(model, micro_batches, world, device)
-        grad_norm = clip_gradients(params, t_cfg.max_grad_norm)
-        lr = t_cfg.lr * lr_at(step, t_cfg, total_steps)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if fp8_recipe:
-            precompute_fp8_scales(model, fp8_recipe)
+        _optimizer_step(a, step, blocks)
         step += 1
-        window.add(step, loss_sum, denom, grad_norm.detach(), lr, micro_batches)
-        saver.poll()            # a background save that finished is reported now, one that failed raised
-        if log.startup.done is None:
-            log.first_step_done(step, device)
-            if rank == 0 and jit is not None:    # what the first step compiled, for the next node and run
-                jit.save(log.info)
+        a.saver.poll()          # a background save that finished is reported now, one that failed raised
+        if a.log.startup.done is None:
+            a.log.first_step_done(step, a.device)
+            if a.rank == 0 and a.jit is not None:    # what the first step compiled, for the next node and run
+                a.jit.save(a.log.info)
 
         at_log = step % t_cfg.log_every == 0 or step == total_steps
         at_ckpt = step % t_cfg.checkpoint_every == 0 and step != total_steps
-        at_eval = probes.eval_due(step) and step != total_steps     # the last step's comes with the end
-        if not (at_log or at_ckpt or at_eval):
-            continue
-        last_metrics = window.close(state.progress, rank)
-        last_metrics["epoch_progress"] = step / total_steps if total_steps else 0.0
-        last_metrics["epoch"] = feed.epoch
-        _record_position(state, step, feed)
-        # after the window closed: evaluation and sampling are not counted as training time
-        last_metrics |= probes.run(model, step, state.evaluation, evaluate=at_eval, sample=at_ckpt)
-        log.progress(last_metrics, total_steps, window.elapsed(), steps=window.closed)
-        if at_ckpt:
-            saver.save(last_metrics)
-        else:
-            report(last_metrics | feed.total_counters().as_metrics())
-        # the next window starts after the report/checkpoint, so saving is not counted as training
-        window.restart()
+        at_eval = a.probes.eval_due(step) and step != total_steps     # the last step's comes with the end
+        if at_log or at_ckpt or at_eval:
+            last_metrics = _log_and_save(a, step, evaluate=at_eval, checkpoint=at_ckpt)
 
-    feed.close()
-    _finish(recipe, model, rank, state, step, feed, window, last_metrics, log, probes, saver, export)
+    a.feed.close()
+    _finish(a, step, last_metrics)
+
+
+def _optimizer_step(a: _Attempt, step: int, blocks: list) -> None:
+    """One optimizer step from `step`: forward and backward over the step's micro-batches, clipping, the
+    scheduled LR; its losses, tokens and FLOPs go into the window (on the device, no host sync)."""
+    t_cfg = a.recipe.train
+    mbs = t_cfg.micro_batch_size
+    micro_batches = [StepBatch.from_blocks(blocks[i:i + mbs], a.device) for i in range(0, len(blocks), mbs)]
+    loss_sum, denom = forward_backward(a.model, micro_batches, a.world, a.device)
+    grad_norm = clip_gradients(a.params, t_cfg.max_grad_norm)
+    lr = t_cfg.lr * lr_at(step, t_cfg, a.total_steps)
+    for g in a.opt.param_groups:
+        g["lr"] = lr
+    a.opt.step()
+    a.opt.zero_grad(set_to_none=True)
+    if t_cfg.precision == "fp8":
+        precompute_fp8_scales(a.model, t_cfg.fp8_recipe)
+    a.window.add(step + 1, loss_sum, denom, grad_norm.detach(), lr, micro_batches)
+
+
+def _log_and_save(a: _Attempt, step: int, *, evaluate: bool, checkpoint: bool) -> dict:
+    """Close the window (a host sync), evaluate and sample when due, log, then checkpoint or report;
+    returns the metrics of the window's last step."""
+    state, feed, window = a.state, a.feed, a.window
+    metrics = window.close(state.progress, a.rank)
+    metrics["epoch_progress"] = step / a.total_steps if a.total_steps else 0.0
+    metrics["epoch"] = feed.epoch
+    _record_position(state, step, feed)
+    # after the window closed: evaluation and sampling are not counted as training time
+    metrics |= a.probes.run(a.model, step, state.evaluation, evaluate=evaluate, sample=checkpoint)
+    a.log.progress(metrics, a.total_steps, window.elapsed(), steps=window.closed)
+    if checkpoint:
+        a.saver.save(metrics)
+    else:
+        report(metrics | feed.total_counters().as_metrics())
+    # the next window starts after the report/checkpoint, so saving is not counted as training
+    window.restart()
+    return metrics
 
 
 def _checkpoint_position(rank: int) -> dict:
@@ -343,24 +381,24 @@ class _Window:
                 "run_train_seconds": progress.run_train_seconds}
 
 
-def _finish(recipe: Recipe, model, rank: int, state: TrainState, step: int, feed: EpochFeeds, window: _Window,
-            last_metrics: dict, log: WorkerLog, probes: EvalAndSamples, saver: Checkpointer, export) -> None:
-    """End of the run: the steps since the last log go into the history, then the final checkpoint
+def _finish(a: _Attempt, step: int, last_metrics: dict) -> None:
+    """End of the run at `step`: the steps since the last log go into the history, then the final checkpoint
     (with the hf/ export) or, with train.save_final=false, only the final metrics; a background save still
     in flight is completed and reported first either way."""
-    window.close(state.progress, rank)
+    state, window, log, saver = a.state, a.window, a.log, a.saver
+    window.close(state.progress, a.rank)
     log.log_metrics({}, step, steps=window.closed)     # steps past the last log (the data ran out first)
-    _record_position(state, step, feed)
+    _record_position(state, step, a.feed)
     history = state.progress.history
     final = dict(last_metrics)
     final.update({"step": step, "loss": history[-1]["loss"] if history else float("nan"),
                   "done": True, **window.attempt_metrics(state.progress)})
-    final |= feed.total_counters().as_metrics() | (log.startup.done or {})
-    end = probes.at_end(model, step, state.evaluation)     # the final weights' held-out loss and samples
+    final |= a.feed.total_counters().as_metrics() | (log.startup.done or {})
+    end = a.probes.at_end(a.model, step, state.evaluation)     # the final weights' held-out loss and samples
     log.log_metrics(end, step)
     final |= end
-    if recipe.train.save_final:
-        saver.save(final, final=True, export=export)
+    if a.recipe.train.save_final:
+        saver.save(final, final=True, export=a.export)
     else:
         saver.wait()
         log.info("train.save_final=false: no final checkpoint or hf/ export")
