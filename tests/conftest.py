@@ -134,7 +134,10 @@ def ray_local(_ray_session):
     if ray.is_initialized() and not _SHARED_RAY["up"]:
         ray.shutdown()       # a Ray a test started in this process for itself, with its own CPU count
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True)
+        from tests.faults import RUNTIME_ENV
+
+        # the tests' fault plans reach the workers through this Ray's runtime environment (tests/faults.py)
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True, runtime_env=RUNTIME_ENV)
         _SHARED_RAY["up"] = True
     yield ray
 
@@ -311,13 +314,13 @@ def train_state(ckpt_dir, rank: int = 0) -> dict:
     return read_train_state(pafs.LocalFileSystem(), os.path.abspath(ckpt_dir), rank)
 
 
-def run_with_fault(recipe, fault_env: dict[str, str]) -> Exception | None:
-    """run(recipe, local=True) with `fault_env` set for this run only (tests/faults.fault_env: launch forwards
-    it to the workers); the exception the run raised, None when it finished."""
-    from raytune_ft.env import scoped_env
+def run_with_fault(recipe, plan: dict[str, str]) -> Exception | None:
+    """run(recipe, local=True) with the faults `plan` for this run only (tests/faults.py: they reach the
+    workers of a Ray the tests started); the exception the run raised, None when it finished."""
     from raytune_ft.run import run
+    from tests.faults import fault_plan
 
-    with scoped_env(fault_env):
+    with fault_plan(**plan):
         try:
             run(recipe, local=True)
         except Exception as e:  # noqa: BLE001 - the run is meant to fail

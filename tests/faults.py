@@ -1,9 +1,14 @@
 """The tests' fault plan, installed inside the training workers through the loops' hook points
-(raytune_ft/train/hooks.py): the production code holds no fault code and reads no fault setting.
+(raytune_ft/train/hooks.py): the package holds no fault code, loads no plugin and reads no test setting.
 
-A test asks for faults with `fault_env(...)`, a RAYTUNE_TEST_FAULTS value naming this module and the plan
-as JSON (launch forwards it to the workers, whose loop entry point calls `hooks.load_plugin()`, which calls
-`install` below). The faults, each "STEP:RANK" (that rank, at that step):
+How a plan reaches the workers, all of it the tests' own: the Rays the tests start (conftest's `ray_local`,
+test_s3_runs' `s3_ray`) pass `RUNTIME_ENV`, whose `worker_process_setup_hook` (`attach_handlers`) attaches
+a dispatcher to every hook point in each process of the job, and whose PYTHONPATH lets a worker started
+from another folder import this module. A test names the faults of its next run with `fault_plan(...)`,
+which writes them to a file in this process's temporary folder (its path travels in RUNTIME_ENV); the
+dispatcher reads that file when a point fires, so a worker process started before the plan was written
+follows it too, and one with no plan on file does nothing. The faults, each "STEP:RANK" (that rank, at that
+step):
 
     exit_after_upload    the FSDP2 loop: the process exits once its part of the step's checkpoint is on the
                          run's storage, before its report reaches Ray (a worker dying in the checkpoint window)
@@ -25,44 +30,91 @@ as JSON (launch forwards it to the workers, whose loop entry point calls `hooks.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import tempfile
 import time
+from typing import Any, Callable
 
 from raytune_ft.train import hooks
 
-MODULE = __name__
+FAULTS = ("exit_after_upload", "exit_after_write", "fail_after_write", "kill_at_step", "take_lease", "free_bytes")
+# the variable only this module reads: where the plan of the next run lies (set by RUNTIME_ENV in the workers)
+PLAN_FILE_ENV = "RAYTUNE_TEST_FAULT_PLAN"
+_PLAN_FILE = os.environ.get(PLAN_FILE_ENV) or os.path.join(tempfile.gettempdir(),
+                                                           f"raytune_test_fault_plan_{os.getpid()}.json")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Ray's runtime environment of the tests' own Rays: every process of their jobs attaches the dispatcher
+RUNTIME_ENV = {"worker_process_setup_hook": f"{__name__}.attach_handlers",
+               "env_vars": {PLAN_FILE_ENV: _PLAN_FILE,
+                            "PYTHONPATH": os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)}}
+_POINTS = ("checkpoint.written", "checkpoint.uploaded", "trl.step_end", "trl.saved")
 
 
-def fault_env(**plan: str) -> dict[str, str]:
-    """The environment that installs `plan` in the workers of the next run (see the module's docstring)."""
-    unknown = set(plan) - {"exit_after_upload", "exit_after_write", "fail_after_write", "kill_at_step", "take_lease",
-                           "free_bytes"}
+@contextlib.contextmanager
+def fault_plan(**plan: str):
+    """The faults of the runs started inside the block (see the module's docstring)."""
+    unknown = set(plan) - set(FAULTS)
     if unknown:
         raise ValueError(f"unknown faults: {sorted(unknown)}")
-    # the repository's root: a worker started from another folder (a run launched elsewhere) imports it from there
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return {hooks.PLUGIN_ENV: f"{MODULE}:{json.dumps(plan)}", hooks.PLUGIN_PATH_ENV: root}
+    with open(_PLAN_FILE, "w") as f:
+        json.dump(plan, f)
+    try:
+        yield plan
+    finally:
+        os.remove(_PLAN_FILE)
 
 
-def install(argument: str) -> None:
-    plan = json.loads(argument)
+def attach_handlers() -> None:
+    """Ray's worker_process_setup_hook (RUNTIME_ENV): each hook point calls the plan on file when it fires."""
+    for point in _POINTS:
+        hooks.attach(point, lambda _point=point, **info: [h(**info) for h in _handlers_now().get(_point, ())])
+    hooks.attach("storage.free_bytes", lambda free, **info: _free_bytes(_plan_now(), free, **info))
+
+
+_cache: dict[str, Any] = {"raw": None, "handlers": {}}
+
+
+def _plan_now() -> dict:
+    try:
+        with open(_PLAN_FILE) as f:
+            return json.loads(f.read() or "{}")
+    except FileNotFoundError:
+        return {}
+
+
+def _handlers_now() -> dict[str, list[Callable[..., None]]]:
+    """The handlers of the plan on file now, built once per plan (a plan's handlers keep state across fires)."""
+    plan = _plan_now()
+    if plan != _cache["raw"]:
+        _cache["raw"], _cache["handlers"] = plan, handlers(plan)
+    return _cache["handlers"]
+
+
+def handlers(plan: dict) -> dict[str, list[Callable[..., None]]]:
+    """The handlers of `plan` by hook point (free_bytes apart: `_free_bytes`)."""
+    out: dict[str, list[Callable[..., None]]] = {}
     if "exit_after_upload" in plan:
-        hooks.attach("checkpoint.uploaded", _exit_at(plan["exit_after_upload"], "after uploading"))
+        out.setdefault("checkpoint.uploaded", []).append(_exit_at(plan["exit_after_upload"], "after uploading"))
     if "exit_after_write" in plan:
-        hooks.attach("checkpoint.written", _exit_at(plan["exit_after_write"], "after writing, before the upload of",
-                                                    once_registered=True))
+        out.setdefault("checkpoint.written", []).append(
+            _exit_at(plan["exit_after_write"], "after writing, before the upload of", once_registered=True))
     if "fail_after_write" in plan:
-        hooks.attach("checkpoint.written", _fail_at(plan["fail_after_write"]))
+        out.setdefault("checkpoint.written", []).append(_fail_at(plan["fail_after_write"]))
     if "kill_at_step" in plan:
         spec = plan["kill_at_step"]
-        hooks.attach("trl.saved" if spec.endswith(":saved") else "trl.step_end",
-                     _kill_at(spec, take_lease=plan.get("take_lease") == "1"))
-    if "free_bytes" in plan:
-        value, _, from_step = str(plan["free_bytes"]).partition("@")
-        hooks.attach("storage.free_bytes",
-                     lambda free, step: int(value) if not from_step or step >= int(from_step) else free)
+        out.setdefault("trl.saved" if spec.endswith(":saved") else "trl.step_end", []).append(
+            _kill_at(spec, take_lease=plan.get("take_lease") == "1"))
+    return out
+
+
+def _free_bytes(plan: dict, free, step: int):
+    if "free_bytes" not in plan:
+        return free
+    value, _, from_step = str(plan["free_bytes"]).partition("@")
+    return int(value) if not from_step or step >= int(from_step) else free
 
 
 def _exit_at(spec: str, when: str, *, once_registered: bool = False):

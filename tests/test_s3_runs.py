@@ -56,7 +56,7 @@ import pytest
 from raytune_ft import storage
 from raytune_ft.env import scoped_env
 from tests.conftest import run_with_fault
-from tests.faults import fault_env
+from tests.faults import RUNTIME_ENV, fault_plan
 from tests.test_fault_tolerance import STATE_TRACKING_ENV, STEPS, _assert_history_matches, run_attempts
 from tests.test_trl_resume_edges import EPOCH_STEPS, EPOCH_TWO, _history, _weights
 
@@ -136,7 +136,7 @@ def s3_ray(s3_server, tmp_path_factory):
                      STATE_TRACKING_ENV: "1"}, keep=("RAYTUNE_LOCAL_STORAGE",)):
         os.environ.pop("RAYTUNE_LOCAL_STORAGE", None)
         os.chdir(work)
-        ray.init(address="local", num_cpus=8, include_dashboard=False)
+        ray.init(address="local", num_cpus=8, include_dashboard=False, runtime_env=RUNTIME_ENV)
         try:
             yield work
         finally:
@@ -161,7 +161,7 @@ def s3_runs(s3_server, s3_ray):
     out["r27"] = r27
     watcher = FolderWatcher(fs, f"{bucket}/runs/s3-27b")
     watcher.start()
-    out["faulty_error"] = run_with_fault(r27, fault_env(exit_after_upload=f"{STEPS}:1"))   # every attempt dies
+    out["faulty_error"] = run_with_fault(r27, dict(exit_after_upload=f"{STEPS}:1"))   # every attempt dies
     out["after_faulty"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
     t = time.time()
     out["finished"] = run(r27, local=True)
@@ -187,7 +187,7 @@ def s3_runs(s3_server, s3_ray):
     r4 = _recipe("qwen3_4b_full", root, "s3-4b", *EPOCH_TWO, "scaling.max_failures=1", *NO_ROOM_TO_REGISTER,
                  "registry.name=main.default.s3_4b")
     out["r4"] = r4
-    with scoped_env(fault_env(kill_at_step="4:0")):
+    with fault_plan(kill_at_step="4:0"):
         out["trl"] = run(r4, local=True)
         out["trl_ended"] = time.time()
     cmd = out["trl"].retry_command
@@ -204,9 +204,9 @@ def s3_background(s3_runs):
     common = (f"train.max_steps={STEPS}", f"train.checkpoint_every={EVERY}", "registry.enabled=false",
               "train.async_checkpoint=on", "train.read_ahead=on")     # both GPU defaults; off on CPU
     out["background"] = _recipe("qwen27b_b300", root, "s3-background", "scaling.max_failures=1", *common)
-    out["background_error"] = run_with_fault(out["background"], fault_env(exit_after_write="8:1"))
+    out["background_error"] = run_with_fault(out["background"], dict(exit_after_write="8:1"))
     out["failing"] = _recipe("qwen27b_b300", root, "s3-failing", "scaling.max_failures=0", *common)
-    out["failing_error"] = run_with_fault(out["failing"], fault_env(fail_after_write=f"{EVERY}:1"))
+    out["failing_error"] = run_with_fault(out["failing"], dict(fail_after_write=f"{EVERY}:1"))
     return out
 
 
@@ -220,7 +220,7 @@ def small_storage(s3_ray):
               f"tracking.tracking_uri=sqlite:///{work / 'small_mlflow.db'}")
     out["recipe"] = _recipe("qwen27b_b300", str(work / "small_storage"), "small", f"train.max_steps={STEPS}",
                             f"train.checkpoint_every={EVERY}", *common)
-    out["error"] = run_with_fault(out["recipe"], fault_env(free_bytes="1000@8"))   # meant to stop
+    out["error"] = run_with_fault(out["recipe"], dict(free_bytes="1000@8"))   # meant to stop
     out["attempts"] = len(run_attempts("small"))
     out["folders"] = storage.checkpoint_dirs(storage.resolve(out["recipe"].run_dir).fs, out["recipe"].run_dir)
     # re-submitted with a packing window under the recipe's first one (256 conversations), so that the first
@@ -232,7 +232,7 @@ def small_storage(s3_ray):
     out["trl_recipe"] = _recipe("qwen3_4b_full", str(work / "small_storage"), "small-trl", "train.max_steps=8",
                                 "train.checkpoint_every=4", "train.eval_every=4", "train.log_every=1", *common)
     t = time.time()
-    out["trl_error"] = run_with_fault(out["trl_recipe"], fault_env(free_bytes="1000"))
+    out["trl_error"] = run_with_fault(out["trl_recipe"], dict(free_bytes="1000"))
     out["trl_s"] = time.time() - t
     out["trl_attempts"] = len(run_attempts("small-trl"))
     return out

@@ -211,8 +211,7 @@ def two_epochs(ray_local, tmp_path_factory):
     is counted: once straight, and once with a checkpoint every few steps and a worker dying after writing
     the second checkpoint inside the second epoch, so that Ray Train restarts the attempt from the first
     (one fit, one retry). Two fits serve the epoch, schedule and resume tests."""
-    from raytune_ft.env import scoped_env
-    from tests.faults import fault_env
+    from tests.faults import fault_plan
 
     storage = tmp_path_factory.mktemp("two_epochs")
     src = _low_efficiency_source(storage / "long.jsonl", 16)
@@ -226,7 +225,7 @@ def two_epochs(ray_local, tmp_path_factory):
     assert first_epoch < at < at + every < total, (first_epoch, every, total)
     faulted = _fsdp_recipe(storage, "resumed", src, checkpoint_every=every, **settings)
     faulted.scaling.max_failures = 1
-    with scoped_env(fault_env(exit_after_write=f"{at + every}:1:after={at}")):
+    with fault_plan(exit_after_write=f"{at + every}:1:after={at}"):
         _, out["resumed"] = _fit(faulted)
     return out
 

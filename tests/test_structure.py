@@ -159,3 +159,59 @@ def test_no_module_over_450_lines():
     long = {str(p.relative_to(PKG.parent)): n for p in PKG.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+# the prefix of the tests' own environment variables (tests/faults.py's PLAN_FILE_ENV): the package reads none
+TEST_VARIABLE_PREFIX = "RAYTUNE_TEST"
+
+
+def test_the_package_imports_nothing_of_the_tests_and_reads_none_of_their_variables():
+    """Test-only code stays in tests/: no package module imports from it, names one of its variables, or
+    loads a plugin that a variable names (fault injection reaches the workers through the tests' own Ray
+    runtime environment, tests/faults.py)."""
+    from tests import faults
+
+    assert faults.PLAN_FILE_ENV.startswith(TEST_VARIABLE_PREFIX)
+    found = []
+    for name, path in modules().items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            imported = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                        [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{name} imports {m}" for m in imported if m == "tests" or m.startswith("tests.")]
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and TEST_VARIABLE_PREFIX in node.value:
+                found.append(f"{name} names {node.value!r}")
+    assert not found, "\n".join(found)
+
+
+def _function(module: str, name: str) -> ast.FunctionDef:
+    path = modules()[module]
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def test_the_fsdp2_loop_takes_one_typed_context():
+    """`_train` and `_finish` read what the attempt trains with from one dataclass (torchtitan's Trainer
+    holds the same), not from a dozen positional parameters."""
+    import dataclasses
+
+    from raytune_ft.train import fsdp_loop
+
+    for name in ("_train", "_finish"):
+        fn = _function("raytune_ft.train.fsdp_loop", name)
+        params = [a.arg for a in fn.args.args + fn.args.kwonlyargs]
+        assert len(params) <= 5, f"fsdp_loop.{name} takes {len(params)} parameters: {params}"
+        first = getattr(fsdp_loop, ast.unparse(fn.args.args[0].annotation))
+        assert dataclasses.is_dataclass(first), f"fsdp_loop.{name}'s first parameter is not a typed context"
+
+
+def test_the_trl_report_callback_is_made_of_named_parts():
+    """No class defined inside the callback's builder, and no function of the TRL loop's trainer module
+    longer than a page."""
+    fn = _function("raytune_ft.train.trl.trainer", "report_callback")
+    nested = [n.name for n in ast.walk(fn) if isinstance(n, ast.ClassDef)]
+    assert not nested, f"report_callback defines classes inside itself: {nested}"
+    tree = ast.parse(modules()["raytune_ft.train.trl.trainer"].read_text())
+    long = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree)
+            if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno + 1 > 100}
+    assert not long, f"functions over 100 lines: {long}"

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.faults import fault_env
+from tests.faults import fault_plan
 
 EPOCH_STEPS = 2
 def _recipe(storage, run_name: str, max_failures: int, *overrides: str):
@@ -71,10 +71,9 @@ EPOCH_TWO = ("train.epochs=2", "train.log_every=1", *COUNTED)     # tests/test_s
 def _run_with_fault(recipe, spec: str | None, **more: str):
     """run(recipe, local=True) with the fault hook set to `spec` (and the faults `more`) for this run: (result,
     None) or (None, the exception the run ended with)."""
-    from raytune_ft.env import scoped_env
     from raytune_ft.run import run
 
-    with scoped_env(fault_env(kill_at_step=spec, **more) if spec else {}):
+    with fault_plan(**({"kill_at_step": spec, **more} if spec else {})):
         try:
             return run(recipe, local=True), None
         except Exception as e:  # noqa: BLE001 - some runs are meant to fail

@@ -3,10 +3,8 @@ storage that reports itself full), so the loops hold no test code and branch on 
 
 The loops call `fire(point, **info)` where something may happen, and `value(point, default, **info)`
 where a figure may be replaced; with nothing attached (every run but a test's) both go over an empty
-list. A test attaches handlers inside the workers by naming a plugin in RAYTUNE_TEST_FAULTS,
-"module:argument" (forwarded to the workers by train/launch.py, with RAYTUNE_TEST_FAULTS_PATH, the folder
-the module is imported from when the worker's own path lacks it): `load_plugin()`, called once as a
-worker's loop starts, imports the module and calls its `install(argument)`, which calls `attach`.
+list. A test attaches its handlers itself, in its own process or, through the runtime environment of a Ray
+it started, in the workers' (tests/faults.py): nothing here loads them or reads a setting for them.
 
 Points (`info` in brackets):
     checkpoint.written   [step, rank]  the FSDP2 loop's checkpoint files are complete in the local folder
@@ -17,13 +15,7 @@ Points (`info` in brackets):
 """
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from typing import Any, Callable
-
-PLUGIN_ENV = "RAYTUNE_TEST_FAULTS"
-PLUGIN_PATH_ENV = "RAYTUNE_TEST_FAULTS_PATH"
 
 _handlers: dict[str, list[Callable[..., Any]]] = {}
 
@@ -46,18 +38,3 @@ def value(point: str, default: Any, **info: Any) -> Any:
     for handler in _handlers.get(point, ()):
         default = handler(default, **info)
     return default
-
-
-def load_plugin() -> None:
-    """Install the plugin RAYTUNE_TEST_FAULTS names ("module:argument"), once per process."""
-    spec = os.environ.get(PLUGIN_ENV, "")
-    if spec and spec not in _loaded:
-        module, _, argument = spec.partition(":")
-        folder = os.environ.get(PLUGIN_PATH_ENV)
-        if folder and folder not in sys.path:
-            sys.path.insert(0, folder)
-        importlib.import_module(module).install(argument)
-        _loaded.add(spec)
-
-
-_loaded: set[str] = set()

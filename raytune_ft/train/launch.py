@@ -16,7 +16,6 @@ from ray.train.v2._internal.execution.failure_handling import FailureDecision, F
 from raytune_ft.env import ray_train_defaults
 from raytune_ft.lease import RunFolderInUse
 from raytune_ft.recipe import Recipe, absolute_local_paths, recipe_from_dict
-from raytune_ft.train import hooks
 from raytune_ft.train.job_attempts import note_workers_asked, workers_asked_key
 
 
@@ -25,7 +24,7 @@ def _worker_env() -> dict[str, str]:
     keep = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "RAYTUNE_HF_ROOT", "HF_HOME",
             "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
             "TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "FLA_CACHE_RESULTS",
-            hooks.PLUGIN_ENV, hooks.PLUGIN_PATH_ENV, "RAYTUNE_COMPILE_KEYS")
+            "RAYTUNE_COMPILE_KEYS")
     from raytune_ft.console import QUIET_ENV, PLAIN_ENV
     from raytune_ft.env import BYTECODE_ENV
 
@@ -130,7 +129,6 @@ def run_fsdp_loop(config: dict) -> None:
     never imports it, and its start-up threads do not wait on those imports."""
     from raytune_ft.train.fsdp_loop import train_fsdp
 
-    hooks.load_plugin()     # a test's fault plan, where one is named (train/hooks.py)
     try:
         train_fsdp(config)
     except Exception as e:
@@ -141,7 +139,6 @@ def run_trl_loop(config: dict) -> None:
     """The TRL loop's Ray Train entry point, imported in the worker as `run_fsdp_loop`'s."""
     from raytune_ft.train.trl.loop import train_trl
 
-    hooks.load_plugin()
     try:
         train_trl(config)
     except Exception as e:
