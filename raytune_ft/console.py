@@ -15,6 +15,8 @@ import logging
 import os
 import warnings
 
+from raytune_ft import compat
+
 # Read by Ray and the libraries when their processes start: kept quiet, errors still shown.
 QUIET_ENV = {
     "RAY_DATA_LOG_LEVEL": "WARNING",        # "Starting execution of Dataset ...", execution plans, timings
@@ -36,9 +38,9 @@ PLAIN_ENV = {
 QUIET_LOGGERS = {
     "torchao": logging.ERROR,               # "Failed to load ..._C_cutlass_90a.so" on a machine without that GPU
     "torch.utils._pytree": logging.ERROR,   # torchao's Enum registration, deprecated upstream
-    "ray.train.v2._internal.execution.controller.placement_group_cleaner": logging.ERROR,
-    "ray._private.authentication.authentication_token_setup": logging.ERROR,
-    "ray.data._internal.progress": logging.ERROR,   # "Progress bars disabled ..." where we turned them off
+    # Ray's placement-group cleaner, token set-up and Ray Data's "Progress bars disabled ..." (where we turned
+    # them off): loggers named after Ray's private modules (compat.RAY_QUIET_LOGGERS)
+    **dict.fromkeys(compat.RAY_QUIET_LOGGERS, logging.ERROR),
 }
 # torchao's source files: the module a compile-time warning names is its file's path less ".py"
 TORCHAO_SOURCES = r".*[/\\]torchao[/\\]"
@@ -68,7 +70,7 @@ def _ray_report_logger() -> str | None:
         import ray
     except ImportError:
         return None
-    return os.path.join(os.path.dirname(ray.__file__), "train", "v2", "_internal", "execution", "context.py")
+    return os.path.join(os.path.dirname(ray.__file__), *compat.RAY_REPORT_LOGGER_FILE)
 
 
 def quiet_process() -> None:

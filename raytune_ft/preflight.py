@@ -70,11 +70,9 @@ def cpus_needed(recipe: Recipe) -> float:
 
 def local_gpus() -> int:
     """GPUs Ray would find on this machine (CUDA_VISIBLE_DEVICES respected)."""
-    try:
-        from ray._private.accelerators import get_accelerator_manager_for_resource
-    except ImportError:   # another Ray: nothing is checked here, Ray's own scheduling decides
-        return 1 << 30
-    manager = get_accelerator_manager_for_resource("GPU")
+    from raytune_ft import compat
+
+    manager = compat.RAY_ACCELERATORS.load()("GPU")
     visible = manager.get_current_process_visible_accelerator_ids()
     return len(visible) if visible is not None else manager.get_current_node_num_accelerators()
 

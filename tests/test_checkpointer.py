@@ -138,11 +138,14 @@ def test_background_saves_go_on_when_torchs_stager_closes_itself_after_each_stag
     """torch 2.11's DefaultStager closes its copier at the end of each stage (pytorch#183413): a GPU run's
     second background save failed with KeyError: <class 'type'>, and replacing the stager then pinned its host
     buffers again inside every save. The saves go on with one stager and its buffers. The torch here (2.13)
-    does not close, so its _stage is wrapped to do what 2.11's does: the one stand-in of this test, for a torch
-    not installed."""
+    does not close, so its _stage is wrapped to do what 2.11's does, and compat is told it runs on such a
+    torch: the stand-ins of this test, for a torch not installed."""
     from torch.distributed.checkpoint.staging import DefaultStager
 
+    from raytune_ft import compat
     from raytune_ft.train.state import TrainState
+
+    monkeypatch.setattr(compat, "_stager_closes_copier", lambda: True)
 
     stage = DefaultStager._stage
 

@@ -440,7 +440,7 @@ print(json.dumps({"torchao": "torchao" in sys.modules, "check_restored": is_torc
 @pytest.mark.timeout(300)
 def test_a_bf16_workers_model_build_does_not_import_torchao():
     """The FSDP2 worker's model build, as the worker runs it in a fresh process: in bf16, transformers'
-    quantizers come in without torchao (train/fp8.transformers_without_torchao), and transformers' torchao
+    quantizers come in without torchao (compat.transformers_without_torchao), and transformers' torchao
     check answers as before once the modelling code is in."""
     import json
     import subprocess

@@ -1,4 +1,4 @@
-"""train/fp8.transformers_without_torchao: transformers' torchao check answers False inside the block
+"""compat.transformers_without_torchao: transformers' torchao check answers False inside the block
 only; afterwards it answers truly again in every transformers module, those imported inside the block
 (each binds its own name for the check) included. In a fresh process: the block is without effect where
 transformers' quantizers are imported already, as they are in a test session."""
@@ -16,7 +16,7 @@ pytest.importorskip("torchao", reason="torchao is in the dev extra: pip install 
 
 CHILD = """
 import json, sys
-from raytune_ft.train.fp8 import transformers_without_torchao
+from raytune_ft.compat import transformers_without_torchao
 with transformers_without_torchao("bf16"):
     import transformers.quantizers, transformers.utils.quantization_config, transformers.integrations.torchao
     inside = transformers.utils.quantization_config.is_torchao_available()

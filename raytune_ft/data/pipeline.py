@@ -158,19 +158,15 @@ def _load_tokenizer_here(tokenizer) -> None:
     tokenizer.load()
 
 
-def _train_controller_env() -> dict | None:
+def _train_controller_env() -> dict:
     """The runtime environment Ray Train's controller runs in (its `env_vars`), which the dataset manager,
-    Ray Data's split coordinator and the tokenizing tasks inherit; None where this Ray has no such names. The
-    job's defaults are in the environment already (train/launch.start_tokenizing: env.ray_train_defaults)."""
-    try:
-        from ray.train.v2._internal.constants import (DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
-                                                      RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
-                                                      get_env_vars_to_propagate)
-    except ImportError:
-        return None
-    env_vars = get_env_vars_to_propagate()
-    env_vars.setdefault(RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
-                        DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
+    Ray Data's split coordinator and the tokenizing tasks inherit. The job's defaults are in the environment
+    already (train/launch.start_tokenizing: env.ray_train_defaults)."""
+    from raytune_ft import compat
+
+    env_vars_to_propagate, warn_env_var, warn_default = compat.RAY_TRAIN_CONSTANTS.load()
+    env_vars = env_vars_to_propagate()
+    env_vars.setdefault(warn_env_var, warn_default)
     return {"env_vars": env_vars}
 
 

@@ -185,9 +185,9 @@ def _local_view(param: torch.Tensor):
     except Exception:  # pragma: no cover
         DTensor = ()
     if isinstance(param, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from raytune_ft import compat
 
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        shape, offset = compat.TORCH_DTENSOR_OFFSETS.load()(param.shape, param.device_mesh, param.placements)
         return param.to_local(), tuple(offset), tuple(shape)
     return param, (0,) * param.dim(), tuple(param.shape)
 

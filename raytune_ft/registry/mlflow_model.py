@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from raytune_ft import compat
 from raytune_ft.env import NO_RUN_URL_PRINT, redact, redact_exception, scoped_env
 from raytune_ft.recipe import RecipeError, validate_registry_name
 from raytune_ft.registry.base import (CHAT_TASK, CHECKPOINT_TAG, STATUS_TAG, RegistrationError, RegistrationResult,
@@ -43,32 +44,17 @@ def pip_requirements() -> list[str]:
 
 def chat_signature():
     """The signature MLflow assigns to task llm/v1/chat (OpenAI-style messages in, completion out)."""
-    from mlflow.transformers.llm_inference_utils import _SIGNATURE_FOR_LLM_INFERENCE_TASK
-    return _SIGNATURE_FOR_LLM_INFERENCE_TASK[CHAT_TASK]
+    return compat.MLFLOW_CHAT_SIGNATURE.load()[CHAT_TASK]
 
 
 @contextlib.contextmanager
 def _mlflow_target(tracking_uri: str, registry_uri: str | None) -> Iterator[None]:
-    """Point MLflow's fluent API at these stores for the block, then put the previous ones back.
-
-    A Ray worker process is reused across tasks, so an earlier registration's URIs must not leak.
-    """
-    import mlflow
-    from mlflow.tracking._model_registry import utils as reg_utils
-    from mlflow.tracking._tracking_service import utils as trk_utils
-
-    saved_tracking = getattr(trk_utils, "_tracking_uri", None)
-    saved_registry = getattr(reg_utils, "_registry_uri", None)
+    """Point MLflow's fluent API at these stores for the block, then put the previous ones back
+    (compat.mlflow_target), with MLflow's run-URL prints off."""
     # set_*_uri also export MLFLOW_*_URI to the environment (and so to subprocesses)
-    with scoped_env(NO_RUN_URL_PRINT, keep=("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")):
-        mlflow.set_tracking_uri(tracking_uri)
-        # unset registry URI: the tracking store, or databricks-uc when tracking is databricks
-        mlflow.set_registry_uri(registry_uri or reg_utils._get_default_registry_uri_for_tracking_uri(tracking_uri))
-        try:
-            yield
-        finally:
-            mlflow.set_tracking_uri(saved_tracking)
-            reg_utils._registry_uri = saved_registry
+    with scoped_env(NO_RUN_URL_PRINT, keep=("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")), \
+            compat.mlflow_target(tracking_uri, registry_uri):
+        yield
 
 
 class _Deadline:
@@ -110,18 +96,9 @@ def logged_model_name(meta: dict, ckpt: Path) -> str:
     return re.sub(r"[/:.%\"']", "-", str(meta.get("run_name") or ckpt.name)) or "model"
 
 
-@contextlib.contextmanager
-def _registration_prints_off() -> Iterator[None]:
-    """MLflow prints "Successfully registered model ..." and "Created version ..." whatever its log level;
-    the run's summary says the same. Its logger's warnings and errors still go through."""
-    from mlflow.tracking._model_registry import fluent
-
-    printed = fluent.eprint
-    fluent.eprint = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        fluent.eprint = printed
+def _registration_prints_off():
+    """MLflow's "Successfully registered model ..." prints off (compat.mlflow_registration_prints_off)."""
+    return compat.mlflow_registration_prints_off()
 
 
 @contextlib.contextmanager
@@ -257,7 +234,6 @@ def find_registered_version(checkpoint_path: str, name: str, *, tracking_uri: st
     after `timeout_s` (registry.timeout_s): a registry that does not answer holds nothing up; the
     registration that follows looks again, inside its own deadline."""
     from mlflow import MlflowClient
-    from mlflow.tracking._model_registry import utils as reg_utils
 
     found: dict = {}
 
@@ -265,7 +241,7 @@ def find_registered_version(checkpoint_path: str, name: str, *, tracking_uri: st
         try:
             # a client of its own, not the process-global target: this thread may be left behind
             client = MlflowClient(tracking_uri, registry_uri=registry_uri
-                                  or reg_utils._get_default_registry_uri_for_tracking_uri(tracking_uri))
+                                  or compat.MLFLOW_REGISTRY_UTILS.load()(tracking_uri))
             found["version"] = _find_version(client, name, checkpoint_id(checkpoint_path), run_id)
         except Exception as e:
             logger.info("could not look for a version of %s: %s", name, redact_exception(e))

@@ -22,6 +22,8 @@ from typing import Optional
 
 from ray.train.backend import Backend, BackendConfig
 
+from raytune_ft import compat
+
 
 def _import_ray_torch_backend() -> None:
     try:
@@ -72,9 +74,8 @@ class TorchBackend(Backend):
 
     def _ray(self):
         if self._ray_backend is None:
-            from ray.train.torch.config import _TorchBackend
-
-            self._ray_backend = _TorchBackend()
+            ray_torch_backend, _ = compat.RAY_TORCH_BACKEND.load()
+            self._ray_backend = ray_torch_backend()
         return self._ray_backend
 
     def on_start(self, worker_group, backend_config):
@@ -90,9 +91,8 @@ class TorchBackend(Backend):
         return, and Ray kills them next either way."""
         import ray
         from ray.exceptions import RayActorError
-        from ray.train.torch.config import _shutdown_torch
-
-        pending = list(worker_group.execute_async(_shutdown_torch, destroy_process_group=len(worker_group) > 1))
+        _, shutdown_torch = compat.RAY_TORCH_BACKEND.load()
+        pending = list(worker_group.execute_async(shutdown_torch, destroy_process_group=len(worker_group) > 1))
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
         dead = []
         while pending:
@@ -145,9 +145,7 @@ class TorchBackendConfig(BackendConfig):
 
     @property
     def framework(self):
-        from ray.train.v2._internal.util import TrainingFramework
-
-        return TrainingFramework.TORCH
+        return compat.RAY_TRAINING_FRAMEWORK.load().TORCH
 
     def to_dict(self) -> dict:
         return {"backend": self.backend, "init_method": self.init_method, "timeout_s": self.timeout_s}

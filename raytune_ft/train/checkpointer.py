@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from raytune_ft import compat
 from raytune_ft.train import checkpoint as ckpt_io
 from raytune_ft.train import dcp_io, hooks
 from raytune_ft.train.ckpt_storage import SaveGuard
@@ -83,29 +84,14 @@ class Checkpointer:
             self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytune-checkpoint")
 
     def _new_stager(self):
+        """One DCP stager for the run: its host buffers (pinned on a GPU) are allocated by the first save
+        and reused by the next ones, not allocated again inside every save while the loop waits."""
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         stager = DefaultStager(StagingOptions(use_pinned_memory=self._cuda, use_shared_memory=False,
                                               use_async_staging=False, use_non_blocking_copy=self._cuda))
-        copier = getattr(stager, "_state_dict_stager", None)
-        if copier is not None and "close" not in vars(copier):
-            # torch 2.11's DefaultStager closes its copier at the end of every stage (pytorch#183413): the
-            # pinned host buffers would be dropped and pinned again inside every save, while the loop waits.
-            # The copier's close is held back for this object's close()
-            self._close_copier = copier.close
-            copier.close = lambda: None
+        self._close_copier = compat.keep_stager_buffers(stager)    # a torch whose stager closes after each stage
         return stager
-
-    def _usable_stager(self):
-        """The stager for this save. A closed state-dict copier fails the next save (KeyError: <class
-        'type'>, torch 2.11): should one be closed in a way `_new_stager` does not hold back, the stager is
-        replaced by a new one (its pinned buffers are then allocated again)."""
-        copier = getattr(self.stager, "_state_dict_stager", None)
-        if copier is not None and not getattr(copier, "_deepcopy_dispatch", True):
-            self.stager.close()
-            self._close_copier()
-            self.stager = self._new_stager()
-        return self.stager
 
     def save(self, metrics: dict, *, final: bool = False, export=None) -> float:
         """Save the state at its step and report it with `metrics` (now, or in the background mode once its
@@ -182,7 +168,7 @@ class Checkpointer:
 
         return dcp.async_save({"app": dcp_io.ShardedTrainState(self.state.sharded, self.rank)},
                               checkpoint_id=os.path.join(folder, dcp_io.DCP_DIR), process_group=self.save_group,
-                              async_stager=self._usable_stager())
+                              async_stager=self.stager)
 
     def _complete(self, folder: str, name: str, step: int, staged: Future | None, train_state: dict,
                   meta: dict | None):

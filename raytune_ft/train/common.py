@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Sequence
 
+from raytune_ft import compat
 from raytune_ft.recipe import Recipe, TrainConfig, recipe_from_dict
 from raytune_ft.train.job_attempts import attempt_of_job, workers_asked_at
 from raytune_ft.tracking import mlflow_metric_name, startup_params
@@ -155,12 +156,8 @@ def _compile_seconds() -> float:
     """Seconds torch.compile spent compiling in this process so far (forward and backward graphs)."""
     if "torch._dynamo" not in sys.modules:      # nothing compiled: not worth importing dynamo for
         return 0.0
-    try:
-        from torch._dynamo.utils import calculate_time_spent
-
-        return float(calculate_time_spent().get("total_wall_time", 0.0))
-    except Exception:  # noqa: BLE001 - a private counter: without it compile time stays in the first step
-        return 0.0
+    calculate_time_spent, _ = compat.TORCH_DYNAMO_COUNTERS.load()
+    return float(calculate_time_spent().get("total_wall_time", 0.0))
 
 
 # torch.compile's cache lookups up to the first step's end, `startup/compile.<name>`: counts, not seconds.
@@ -175,12 +172,8 @@ def _compile_cache_counts() -> dict[str, int]:
     """This process's torch.compile cache hits and misses so far (0 each before anything compiled)."""
     if "torch._dynamo" not in sys.modules:
         return dict.fromkeys(COMPILE_CACHE_COUNTERS, 0)
-    try:
-        from torch._dynamo.utils import counters
-
-        return {name: int(counters[group][key]) for name, (group, key) in COMPILE_CACHE_COUNTERS.items()}
-    except Exception:  # noqa: BLE001 - private counters: a diagnosis only
-        return dict.fromkeys(COMPILE_CACHE_COUNTERS, 0)
+    _, counters = compat.TORCH_DYNAMO_COUNTERS.load()
+    return {name: int(counters[group][key]) for name, (group, key) in COMPILE_CACHE_COUNTERS.items()}
 
 
 class StartupClock:

@@ -18,7 +18,6 @@ dtypes: the converted modules' state dicts hold plain tensors (see `_plain_state
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
@@ -32,36 +31,6 @@ FP8_RECIPES = ("tensorwise", "rowwise", "mxfp8")
 # own tables put the break-even near 1k x 1k on Hopper); the 27B's gated-delta-net gates
 # (5120 -> 48) are the case this skips.
 FP8_MIN_DIM = 512
-
-
-@contextlib.contextmanager
-def transformers_without_torchao(precision: str):
-    """Around the worker's first import of transformers' modelling code: in a bf16 run, transformers' torchao
-    check answers False meanwhile, so its quantizers do not import torchao on their way in (a slow import on
-    the way to a GPU worker's first step, and torchao's ".so" warnings on a machine without its GPU). A bf16 run builds its model
-    from a config or bf16/fp32 weights and needs neither a torchao-quantized checkpoint nor float8 through
-    transformers; an fp8 run imports torchao itself (`convert_to_fp8`) and is left as it is. Without effect
-    where transformers' quantizers were imported already.
-
-    Afterwards the check answers truly again everywhere, in the modules imported meanwhile too (each holds
-    its own name for it); what those modules import from torchao when they load stays not imported."""
-    import sys
-
-    if precision == "fp8" or "transformers.quantizers" in sys.modules:
-        yield
-        return
-    import transformers.utils
-    from transformers.utils import import_utils
-
-    real = import_utils.is_torchao_available
-    hidden = lambda *args, **kwargs: False    # noqa: E731
-    import_utils.is_torchao_available = transformers.utils.is_torchao_available = hidden
-    try:
-        yield
-    finally:
-        for name, module in list(sys.modules.items()):
-            if name.startswith("transformers") and getattr(module, "is_torchao_available", None) is hidden:
-                module.is_torchao_available = real
 
 
 def fp8_support_error(device: torch.device, recipe: str) -> str | None:

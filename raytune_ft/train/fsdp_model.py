@@ -49,7 +49,7 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
     tok = tokenizer_for(recipe.model)
     log.startup.mark("model_build.tokenizer")
     # the model code's imports (transformers' modelling, the kernels) count as the model code's part
-    from raytune_ft.train.fp8 import transformers_without_torchao
+    from raytune_ft.compat import transformers_without_torchao
 
     with transformers_without_torchao(recipe.train.precision):
         from raytune_ft.models.attention import select_attention_backend

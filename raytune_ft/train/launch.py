@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 
-from ray.train.v2._internal.execution.callback import WorkerGroupCallback
-from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy, create_failure_policy
-
+from raytune_ft import compat
 from raytune_ft.env import ray_train_defaults
 from raytune_ft.lease import RunFolderInUse
 from raytune_ft.recipe import Recipe, absolute_local_paths, recipe_from_dict
 from raytune_ft.train.job_attempts import note_workers_asked, workers_asked_key
+
+WorkerGroupCallback = compat.RAY_WORKER_GROUP_CALLBACK.load()
+FailureDecision, FailurePolicy, create_failure_policy = compat.RAY_FAILURE_POLICY.load()
 
 
 def _worker_env() -> dict[str, str]:
@@ -113,12 +114,7 @@ def without_blind_callbacks(callbacks: list) -> list:
     unavailable") and it never removes anything: one Ray process per attempt (~1.5 CPU-s to start) that
     cannot do its job. The controller removes the placement group itself when the attempt ends.
     A cluster's Ray (`ray start --head`, `ray job submit`) has a dashboard and keeps it."""
-    try:
-        from ray._private.worker import get_dashboard_url
-
-        if get_dashboard_url():
-            return callbacks
-    except Exception:  # noqa: BLE001 - a Ray without this function: Ray's callbacks as they are
+    if compat.RAY_DASHBOARD_URL.load()():
         return callbacks
     return [c for c in callbacks if type(c).__name__ != "PlacementGroupCleanerCallback"]
 

@@ -12,6 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from raytune_ft import compat
 from raytune_ft.recipe import Recipe, TrainConfig
 from raytune_ft.train import hooks
 from raytune_ft.train.batch import collate_blocks
@@ -114,7 +115,7 @@ def trainer_class():
                                                    fused=self.args.device.type == "cuda")
             return self.optimizer
 
-    return RayBlocksSFTTrainer
+    return compat.check_trainer_internals(RayBlocksSFTTrainer)
 
 
 def recipe_scheduler(optimizer, train: TrainConfig, total_steps: int):

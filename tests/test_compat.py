@@ -1,0 +1,84 @@
+"""raytune_ft/compat.py: every private name of Ray, torch, MLflow and transformers the package uses loads on
+the installed versions; one that moved fails with the installed version named; the patches do what they say
+and only where they are needed. (tests/test_structure.py holds the rest of the package to compat.)"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import re
+
+import pytest
+
+from raytune_ft import compat
+
+
+def test_every_internal_loads_and_says_why_and_where_it_was_checked():
+    entries = compat.internals()
+    assert len(entries) >= 12
+    for name, entry in entries.items():
+        assert entry.load() is not None, name
+        assert len(entry.why) > 20 and entry.package in entry.known, name
+
+
+def test_a_missing_internal_fails_naming_the_installed_version():
+    gone = compat.Internal("ray", "ray.train", ("_no_such_name",), compat.RAY, why="for this test")
+    with pytest.raises(compat.CompatError, match=re.escape(f"ray {importlib.metadata.version('ray')}: ray.train._no_such_name")):
+        gone.load()
+    moved = compat.Internal("torch", "torch._no_such_module", ("x",), compat.TORCH, why="for this test")
+    with pytest.raises(compat.CompatError, match=re.escape(f"torch {importlib.metadata.version('torch')}")):
+        moved.load()
+
+
+def test_the_quieted_ray_loggers_are_named_after_modules_that_exist():
+    """A logger named after a module Ray renamed would quietly stop being quieted."""
+    import ray
+
+    for name in compat.RAY_QUIET_LOGGERS:
+        assert importlib.util.find_spec(name) is not None, name
+    assert os.path.isfile(os.path.join(os.path.dirname(ray.__file__), *compat.RAY_REPORT_LOGGER_FILE))
+
+
+def test_the_stager_patch_applies_only_to_the_torch_versions_that_close_it(monkeypatch):
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    for version, closes in (("2.10.0", False), ("2.11.0+cu130", True), ("2.12.1", True), ("2.13.0+cpu", False)):
+        monkeypatch.setattr(torch, "__version__", version)
+        assert compat._stager_closes_copier() is closes, version
+    monkeypatch.setattr(torch, "__version__", "2.11.0")
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    close = compat.keep_stager_buffers(stager)
+    stager._state_dict_stager.close()                  # what 2.11's _stage does after each stage: held back
+    assert stager._state_dict_stager._deepcopy_dispatch
+    close()
+    assert not stager._state_dict_stager._deepcopy_dispatch
+
+    class Changed:                                     # a torch whose stager holds its copier elsewhere
+        pass
+
+    with pytest.raises(compat.CompatError, match="torch 2.11.0: DefaultStager has no _state_dict_stager"):
+        monkeypatch.setattr(compat, "installed", lambda package: f"{package} {torch.__version__}")
+        compat.keep_stager_buffers(Changed())
+
+
+def test_the_trainer_methods_the_trl_loop_overrides_are_there():
+    from transformers import Trainer
+
+    assert compat.check_trainer_internals(Trainer) is Trainer
+    with pytest.raises(compat.CompatError, match="Trainer has no _maybe_log_save_evaluate"):
+        compat.check_trainer_internals(type("Renamed", (), {}))
+
+
+def test_mlflow_target_puts_the_previous_stores_back(tmp_path):
+    import mlflow
+
+    before = mlflow.get_tracking_uri()
+    target = f"sqlite:///{tmp_path / 'target.db'}"
+    with compat.mlflow_target(target, None):
+        assert mlflow.get_tracking_uri() == target and mlflow.get_registry_uri() == target
+        with compat.mlflow_registration_prints_off():
+            from mlflow.tracking._model_registry import fluent
+
+            fluent.eprint("not printed")
+    assert mlflow.get_tracking_uri() == before
