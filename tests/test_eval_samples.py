@@ -286,14 +286,15 @@ def test_trl_eval_loss_is_logged_as_eval_loss_and_perplexity(tmp_path):
     from raytune_ft import tracking
     from raytune_ft.recipe import Recipe
     from raytune_ft.train.common import WorkerLog
-    from raytune_ft.train.trl.trainer import report_callback
+    from raytune_ft.train.trl.base import Paused
+    from raytune_ft.train.trl.report import ReportContext, report_callback
 
     r = Recipe()
     r.train.loop, r.scaling.use_gpu = "trl", False
     r.tracking.storage_path, r.tracking.run_name = str(tmp_path), "trl-names"
     run_id = tracking.start_run(r)
     log = WorkerLog(0, r, run_id)
-    cb = report_callback(r, 0, log, train_blocks=None, lora=False, pause={"s": 0.0}, world=1)
+    cb = report_callback(ReportContext(recipe=r, rank=0, world=1, log=log, blocks=None, lora=False, paused=Paused()))
     cb.on_log(None, types.SimpleNamespace(global_step=3, max_steps=5), None,
               logs={"eval_loss": 1.25, "eval_runtime": 2.5})
     log.flush()                   # rank 0's MLflow calls are made by a process of their own

@@ -207,3 +207,27 @@ def test_a_fault_plan_reaches_the_hook_points_through_the_tests_dispatcher():
                 pass
     finally:
         hooks.clear()
+
+
+def test_the_trl_loops_checkpoint_parts_are_the_fsdp2_loops_typed_parts(tmp_path):
+    """The TRL loop saves and resumes its train state as train/state.py's parts (no untyped dict): what a
+    rank saved at a step comes back as the same typed parts, in the FSDP2 loop's file layout."""
+    import pyarrow.fs as pafs
+
+    from raytune_ft.recipe import Recipe
+    from raytune_ft.train.batch import schedule_settings
+    from raytune_ft.train.state import Progress, TrainState
+    from raytune_ft.train.trl.checkpoint import resume_state, save_train_state, trl_train_state
+    from raytune_ft.train.trl.data import RankBlocks
+
+    recipe = Recipe()
+    blocks = RankBlocks(recipe, rank=1, flag_device=torch.device("cpu"), epoch=1, skip_blocks=12, fingerprint=99)
+    blocks.counted_steps = 40
+    save_train_state(str(tmp_path), 1, trl_train_state(7, blocks, Progress(tokens_total=1000, run_train_seconds=3.5)))
+    back = resume_state(pafs.LocalFileSystem(), str(tmp_path), 1)
+    assert isinstance(back, TrainState) and back.step == 7
+    assert (back.data.epoch, back.data.blocks_consumed, back.data.data_fingerprint) == (1, 12, 99)
+    assert back.schedule.counted_steps == 40 and back.schedule.counted_for == schedule_settings(recipe)
+    assert (back.progress.tokens_total, back.progress.run_train_seconds) == (1000, 3.5)
+    with open(tmp_path / "train_state" / "rank1.json") as f:
+        assert set(json.load(f)) <= {k for part in TrainState().json_parts.values() for k in part.keys()}

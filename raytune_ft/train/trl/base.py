@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -14,14 +15,21 @@ import torch.distributed as dist
 TRAINER_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", "training_args.bin",
                  "rng_state.pth")
 
+@dataclass
+class Paused:
+    """Seconds of the attempt spent evaluating and checkpointing (`not_training`), left out of tokens/s."""
+
+    seconds: float = 0.0
+
+
 @contextlib.contextmanager
-def not_training(pause: dict):
-    """Add the time spent inside to pause["s"]: evaluation and checkpointing, left out of tokens/s."""
+def not_training(paused: Paused):
+    """Add the time spent inside to `paused`."""
     t0 = time.perf_counter()
     try:
         yield
     finally:
-        pause["s"] += time.perf_counter() - t0
+        paused.seconds += time.perf_counter() - t0
 
 
 def ray_report(metrics: dict, checkpoint_dir: str | None) -> None:

@@ -53,17 +53,29 @@ def stage_checkpoint(src: str, dst: str, *, rank: int, lora: bool) -> None:
         _link_or_copy(path, os.path.join(dst, "trainer", name) if is_state else os.path.join(model_dir, name))
 
 
-def save_train_state(d: str, rank: int, step: int, blocks, metrics: dict) -> None:
-    """This rank's place in the data (`blocks`: the loop's RankBlocks) at optimizer step `step`, and the
-    run's tokens and seconds so far (from `metrics`, the callback's report): the parts of the FSDP2 loop's
-    train state the TRL loop has (train/state.py; its history and evaluation are Hugging Face's trainer state)."""
+def trl_train_state(step: int, blocks, progress: Progress) -> TrainState:
+    """The parts of the FSDP2 loop's train state (train/state.py) the TRL loop has, at optimizer step `step`:
+    the schedule, this rank's place in the data (`blocks`: the loop's RankBlocks) and the run's tokens and
+    seconds so far (`progress`); its history and evaluation are Hugging Face's trainer state."""
     state = TrainState()
     state.schedule = Schedule(step=step, counted_steps=blocks.counted_steps,
                               counted_for=schedule_settings(blocks.recipe) if blocks.counted_steps else None)
     state.data = DataPosition(epoch=blocks.epoch, blocks_consumed=blocks.blocks_consumed,
                               data_fingerprint=blocks.fingerprint, counters=blocks.counters.to_dict())
-    state.progress = Progress(tokens_total=metrics["tokens"], run_train_seconds=metrics["run_train_seconds"])
+    state.progress = progress
+    return state
+
+
+def save_train_state(d: str, rank: int, state: TrainState) -> None:
+    """This rank's train-state file in checkpoint folder `d`."""
     write_train_state(d, rank, state.state_dict())
+
+
+def resume_state(fs, root: str, rank: int) -> TrainState:
+    """The train state rank `rank` saved in the checkpoint at `root` (on `fs`), as typed parts."""
+    state = TrainState()
+    state.load_state_dict(read_train_state(fs, root, rank))
+    return state
 
 
 def save_meta(d: str, recipe: Recipe, state, last: dict, *, final: bool, extra: dict | None = None) -> None:
@@ -80,22 +92,22 @@ def save_meta(d: str, recipe: Recipe, state, last: dict, *, final: bool, extra: 
     })
 
 
-def restore_hf_checkpoint(out_dir: str, rank: int, log: WorkerLog) -> tuple[str | None, dict]:
+def restore_hf_checkpoint(out_dir: str, rank: int, log: WorkerLog) -> tuple[str | None, TrainState | None]:
     """Rebuild a Hugging Face checkpoint folder from the Ray checkpoint to resume from (if any).
 
-    Returns the folder (None: start from scratch) and this rank's train state ({} when none)."""
+    Returns the folder and this rank's train state (None, None: start from scratch)."""
     import ray.train
 
     from raytune_ft import storage
 
     ckpt = ray.train.get_checkpoint()
     if ckpt is None:
-        return None, {}
+        return None, None
     # read where it lies, only what this rank needs: model (or adapter), optimizer, scheduler, trainer state,
     # its own RNG state and train state; never the other ranks' files
     fs, root = ckpt.filesystem, ckpt.path.rstrip("/")
-    st = read_train_state(fs, root, rank)
-    dst = os.path.join(out_dir, f"checkpoint-{st['step']}")
+    st = resume_state(fs, root, rank)
+    dst = os.path.join(out_dir, f"checkpoint-{st.step}")
     os.makedirs(dst, exist_ok=True)
 
     def mine(rel: str) -> bool:
@@ -106,7 +118,7 @@ def restore_hf_checkpoint(out_dir: str, rank: int, log: WorkerLog) -> tuple[str 
         raise RuntimeError(f"checkpoint {root} has no trainer state (trainer/) to resume from")
     for sub in ("hf", "adapter"):
         storage.download(fs, f"{root}/{sub}", dst, only=mine)
-    log.info(f"resuming from step {st['step']} ({st['blocks_consumed']} blocks consumed on rank {rank})")
+    log.info(f"resuming from step {st.step} ({st.data.blocks_consumed} blocks consumed on rank {rank})")
     return dst, st
 
 

@@ -22,11 +22,13 @@ from raytune_ft.data.packing import DataCounters
 from raytune_ft.recipe import Recipe
 from raytune_ft.train.batch import collate_blocks, count_run_steps, run_schedule_steps, worker_blocks
 from raytune_ft.train.common import WorkerLog, mlflow_run_of, recipe_from_config
-from raytune_ft.train.trl.base import ray_report
+from raytune_ft.train.state import TrainState
+from raytune_ft.train.trl.base import Paused, ray_report
 from raytune_ft.train.trl.checkpoint import (point_at_best, restore_hf_checkpoint, save_final, save_meta,
                                              save_train_state)
 from raytune_ft.train.trl.data import RankBlocks, facade, release_facades
-from raytune_ft.train.trl.trainer import report_callback, trainer_class
+from raytune_ft.train.trl.report import ReportContext, report_callback
+from raytune_ft.train.trl.trainer import trainer_class
 
 def train_trl(config: dict) -> None:
     """Ray Train worker entry point for the TRL recipes (full fine-tune or LoRA)."""
@@ -89,30 +91,30 @@ def train_trl(config: dict) -> None:
         tok.save_pretrained(base_dir)
 
     resume_dir, resumed = restore_hf_checkpoint(out_dir, rank, log)
-    best_source = point_at_best(resume_dir, out_dir, int(resumed["step"]), rank, lora, log) if (
+    start = resumed or TrainState()            # a fresh start's parts: step 0, no data consumed
+    best_source = point_at_best(resume_dir, out_dir, start.step, rank, lora, log) if (
         resume_dir and t.load_best_at_end) else None
-    train_blocks = RankBlocks(recipe, rank=rank, flag_device=flag_device, epoch=int(resumed.get("epoch", 0)),
-                              skip_blocks=int(resumed.get("blocks_consumed", 0)),
-                              fingerprint=resumed.get("data_fingerprint"))
+    train_blocks = RankBlocks(recipe, rank=rank, flag_device=flag_device, epoch=start.data.epoch or 0,
+                              skip_blocks=start.data.blocks_consumed, fingerprint=start.data.data_fingerprint)
     train_blocks.flops_config = lm.config
     eval_blocks = _validation_blocks(recipe, log)
 
     max_steps = int(t.max_steps or 0)
     if not max_steps:      # Hugging Face needs the length of a stream it cannot measure, whatever the schedule
-        max_steps = max(1, run_schedule_steps(recipe, resumed, lambda: count_run_steps(
+        max_steps = max(1, run_schedule_steps(recipe, start.schedule.state_dict(), lambda: count_run_steps(
             lambda e, c: worker_blocks(recipe, counters=c, epoch=e), train_blocks.per_step, t.epochs,
             flag_device=flag_device), log.info))
         train_blocks.counted_steps = max_steps      # saved with the train state: a resumed attempt reads it back
-    if int(resumed.get("step") or 0) >= max_steps:
+    if start.step >= max_steps:
         train_blocks.spend()
-        log.info(f"the checkpoint is at step {resumed['step']} of {max_steps}: nothing left to train")
+        log.info(f"the checkpoint is at step {start.step} of {max_steps}: nothing left to train")
 
     from raytune_ft.console import libraries_to_file, library_log
 
     libraries_to_file(library_log("workers"))     # transformers' own log lines too, now that it is imported
-    pause = {"s": 0.0}
-    callback = report_callback(recipe, rank, log, train_blocks, lora, pause, world,
-                               resumed=resumed if resume_dir is not None else {})
+    paused = Paused()
+    callback = report_callback(ReportContext(recipe=recipe, rank=rank, world=world, log=log, blocks=train_blocks,
+                                             lora=lora, paused=paused, resumed=resumed))
     trainer = trainer_class()(
         model=lm, args=_sft_config(recipe, out_dir, max_steps, on_gpu=on_gpu, bf16=compute_bf16, log=log,
                                    liger=kernels.in_use.get("fused_ce") == "liger"),
@@ -128,14 +130,14 @@ def train_trl(config: dict) -> None:
     trainer.raytune_train_blocks = train_blocks
     trainer.raytune_eval_blocks = eval_blocks
     trainer.raytune_recipe = recipe
-    trainer.raytune_pause = pause
+    trainer.raytune_pause = paused
     trainer.raytune_steps = callback.steps
     callback.jit = jit
     trainer.raytune_best_source = best_source
     # room for a checkpoint checked before each save, and first now: a storage that cannot take one stops here
     trainer.raytune_guard = SaveGuard(rank, flag_device, model_checkpoint_bytes(
         p for p in trainer.model.parameters() if p.requires_grad))
-    trainer.raytune_guard.check_first(int(resumed.get("step") or 0), t)
+    trainer.raytune_guard.check_first(start.step, t)
     if lora:
         n_train = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         log.info(f"LoRA r={t.lora_r} alpha={t.lora_alpha} on {t.lora_target_modules or 'all-linear'}: "
@@ -154,7 +156,7 @@ def train_trl(config: dict) -> None:
                  f"checkpoint holds the last weights, step {weights_step}, not the best")
 
     # the final checkpoint: the weights the trainer holds now (the best ones with load_best_at_end)
-    metrics = callback.metrics(state, train_blocks)
+    metrics = callback.metrics(state)
     metrics["done"] = True
     losses = [h["loss"] for h in state.log_history if "loss" in h]
     if losses:
@@ -169,7 +171,7 @@ def train_trl(config: dict) -> None:
             if rank == 0:
                 save_final(trainer, tok, d, recipe, lora, base_dir, log)
                 save_meta(d, recipe, state, callback.last, final=True, extra={"weights_step": weights_step})
-            save_train_state(d, rank, state.global_step, train_blocks, metrics)
+            save_train_state(d, rank, callback.train_state(state.global_step, metrics))
             ray_report(metrics, d)
     shutil.rmtree(out_dir, ignore_errors=True)
     release_facades()

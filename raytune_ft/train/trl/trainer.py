@@ -1,26 +1,18 @@
-"""The SFTTrainer subclass that reads pre-packed blocks, and the callback that logs and reports to Ray.
+"""The SFTTrainer subclass that reads pre-packed blocks (the callback that logs and reports to Ray: report.py).
 
-Both classes are built by functions so that importing this module does not import TRL or transformers.
+The class is built by a function so that importing this module does not import TRL or transformers.
 """
 from __future__ import annotations
 
-import math
-import os
-import tempfile
-import time
-
 import torch
-import torch.distributed as dist
 
 from raytune_ft import compat
 from raytune_ft.recipe import Recipe, TrainConfig
-from raytune_ft.train import hooks
 from raytune_ft.train.batch import collate_blocks
 from raytune_ft.train.ckpt_storage import SaveGuard
-from raytune_ft.train.common import WorkerLog, lr_at
-from raytune_ft.train.trl.base import not_training, ray_report, sum_over_ranks
-from raytune_ft.train.trl.checkpoint import (fetch_best, has_weights, save_meta, save_train_state,
-                                             stage_checkpoint)
+from raytune_ft.train.common import lr_at
+from raytune_ft.train.trl.base import Paused, not_training
+from raytune_ft.train.trl.checkpoint import fetch_best, has_weights
 from raytune_ft.train.trl.data import RankBlocks
 
 
@@ -36,7 +28,7 @@ def trainer_class():
         raytune_eval_blocks: list
         raytune_recipe: Recipe
 
-        raytune_pause: dict           # seconds spent evaluating and saving (not training)
+        raytune_pause: Paused         # seconds spent evaluating and saving (not training)
         raytune_guard: SaveGuard      # room for each save checked first; out of space said so
 
         # where rank 0 fetches a best checkpoint of an earlier attempt from (trl.checkpoint.point_at_best)
@@ -123,153 +115,3 @@ def recipe_scheduler(optimizer, train: TrainConfig, total_steps: int):
     from torch.optim.lr_scheduler import LambdaLR
 
     return LambdaLR(optimizer, lambda step: lr_at(step, train, total_steps))
-
-
-_SHOWN = ("loss", "eval_loss", "learning_rate", "grad_norm", "mean_token_accuracy", "eval_mean_token_accuracy")
-
-
-def report_callback(recipe: Recipe, rank: int, log: WorkerLog, train_blocks: RankBlocks, lora: bool,
-                    pause: dict, world: int, resumed: dict | None = None):
-    """The callback; `resumed` is the train state of the checkpoint this attempt resumed from ({}: none)."""
-    resumed = resumed or {}
-    from transformers import TrainerCallback
-
-    from raytune_ft.hardware import current_device_name, mfu_basis, mfu_metrics
-
-    on_cuda = torch.cuda.is_available() and recipe.scaling.use_gpu
-    device_name = current_device_name() if on_cuda else None
-
-    class RayReportCallback(TrainerCallback):
-        """Logs to MLflow on rank 0 and reports every Hugging Face save to Ray Train as a checkpoint in
-        the project's layout (all ranks report: Ray merges their files into one checkpoint)."""
-
-        def __init__(self):
-            self.t0 = time.perf_counter()
-            self.last: dict[str, float] = {}
-            self.history: list[dict] = []
-            self.window = None             # (time, paused seconds, tokens, flops) at the last train log
-            self.steps: list = []          # filled by the trainer (its raytune_steps), emptied at each log
-            self.jit = None                # the worker's JIT cache (jit_cache.JitCache), saved after step 1
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.window = (time.perf_counter(), pause["s"], train_blocks.real_tokens, train_blocks.flops)
-            log.mfu_basis(mfu_basis(device_name))
-
-        def throughput(self) -> dict[str, float]:
-            """tokens/s (all ranks), per worker, MFU and peak memory since the last train log; evaluation
-            and checkpoint time excluded. A collective: every rank calls it at the same log."""
-            t, paused, tokens, flops = self.window
-            now = time.perf_counter()
-            dt = max(now - t - (pause["s"] - paused), 1e-9)
-            both = torch.tensor([float(train_blocks.real_tokens - tokens), train_blocks.flops - flops],
-                                dtype=torch.float64, device=train_blocks.flag_device)
-            if dist.is_initialized():
-                dist.all_reduce(both)
-            self.window = (now, pause["s"], train_blocks.real_tokens, train_blocks.flops)
-            out = {"tokens_per_s": float(both[0]) / dt, "tokens_per_s_per_worker": float(both[0]) / dt / world}
-            if train_blocks.flops_config is not None:
-                out.update(mfu_metrics(float(both[1]) / dt, device_name, n_gpus=world))
-            if on_cuda:
-                out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            return out
-
-        def step_points(self) -> list[dict]:
-            """Each optimizer step's loss (mean over ranks, as Hugging Face logs it), grad norm and LR since
-            the last log. A collective: every rank calls it at the same log."""
-            kept, self.steps[:] = list(self.steps), []
-            if not kept:
-                return []
-            losses = torch.stack([loss.float().reshape(()) for _, loss, _, _ in kept])
-            if dist.is_initialized():
-                dist.all_reduce(losses)
-                losses /= dist.get_world_size()
-            points = []
-            for (step, _, norm, lr), loss in zip(kept, losses.tolist()):
-                p = {"step": step, "loss": loss, "learning_rate": float(lr)}
-                if norm is not None:
-                    p["grad_norm"] = float(norm)
-                points.append(p)
-            return points
-
-        def log_remaining_steps(self, step: int) -> None:
-            """The steps past the last log (every rank calls it after training)."""
-            points = self.step_points()
-            if rank == 0 and points:
-                log.log_metrics({}, step, steps=points)
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if log.startup.done is None:
-                log.first_step_done(state.global_step, args.device)
-                if rank == 0 and self.jit is not None:    # what the first step compiled, for the next node and run
-                    self.jit.save(log.info)
-            hooks.fire("trl.step_end", step=state.global_step, rank=rank, output_dir=args.output_dir,
-                       resumed=bool(resumed))
-            # Hugging Face saves at the end of training whatever save_steps says; with train.save_final
-            # false only the checkpoint_every saves are wanted
-            if (not recipe.train.save_final and state.global_step >= state.max_steps
-                    and state.global_step % recipe.train.checkpoint_every):
-                control.should_save = False
-            return control
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            logs = {k: float(v) for k, v in (logs or {}).items()
-                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            points = []
-            if "loss" in logs and self.window is not None:
-                logs.update(self.throughput())
-                points = self.step_points()    # MLflow gets each step; the console the window's mean
-            if "eval_loss" in logs:     # the FSDP2 loop's names, so runs of both loops compare in MLflow
-                logs["eval/loss"] = logs["eval_loss"]
-                logs["eval/perplexity"] = math.exp(min(logs["eval_loss"], 700.0))
-                if "eval_runtime" in logs:
-                    logs["eval/seconds"] = logs["eval_runtime"]
-            self.last.update(logs)
-            self.history.append({"step": state.global_step, **logs})
-            if rank == 0 and logs:
-                log.log_metrics(logs, state.global_step, steps=points)
-                shown = " | ".join(f"{k} {v:.4g}" for k, v in logs.items() if k in _SHOWN)
-                if "tokens_per_s" in logs:
-                    shown += f" | {logs['tokens_per_s']:,.0f} tok/s"
-                    if logs.get("mfu"):
-                        shown += f" | MFU {logs['mfu']:.1%} of {logs['mfu_peak_tflops']:,.0f} TFLOP/s"
-                    if "peak_mem_gib" in logs:
-                        shown += f" | mem {logs['peak_mem_gib']:.1f} GiB"
-                if shown:
-                    log.info(f"step {state.global_step}/{state.max_steps} | {shown}")
-
-        def on_save(self, args, state, control, **kwargs):
-            with not_training(pause):                     # staging + upload: not training time
-                self._report_save(args, state)
-
-        def _report_save(self, args, state):
-            src = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-            with tempfile.TemporaryDirectory(prefix="raytune_trl_ckpt_") as d:
-                stage_checkpoint(src, d, rank=rank, lora=lora)
-                metrics = self.metrics(state, train_blocks)
-                save_train_state(d, rank, state.global_step, train_blocks, metrics)
-                if rank == 0:
-                    save_meta(d, recipe, state, self.last, final=False)
-                log.info(f"checkpoint at step {state.global_step}")
-                log.flush()       # the checkpoint's steps are in MLflow before Ray has the checkpoint
-                # the upload to storage happens in ray_report; out of space is said so, not in torch's words
-                from raytune_ft.train.ckpt_storage import run_storage, write_checkpoint
-
-                write_checkpoint(lambda: ray_report(metrics, d), run_storage(), state.global_step)
-            hooks.fire("trl.saved", step=state.global_step, rank=rank, output_dir=args.output_dir,
-                       resumed=bool(resumed))
-
-        def metrics(self, state, blocks: RankBlocks) -> dict:
-            """The last logged figures, with this attempt's and the run's tokens and seconds (a
-            collective: every rank calls it at the same point)."""
-            m = {k: v for k, v in self.last.items()}
-            seconds = time.perf_counter() - self.t0
-            attempt_tokens = int(sum_over_ranks(blocks.real_tokens))
-            m.update({"step": state.global_step, "train_seconds": seconds, "attempt_tokens": attempt_tokens,
-                      "tokens": int(resumed.get("tokens_total", 0)) + attempt_tokens,
-                      "run_train_seconds": float(resumed.get("run_train_seconds", 0.0)) + seconds})
-            if state.best_metric is not None:
-                m["best_eval_loss"] = float(state.best_metric)
-            m.update(log.startup.done or {})
-            return m
-
-    return RayReportCallback()
