@@ -56,7 +56,7 @@ def build_state(gib: float, width: int, device: torch.device) -> tuple[TrainStat
 
 
 def staging_saver(state: TrainState, cuda: bool) -> Checkpointer:
-    """The checkpointer's staging half alone (its `_stage`, `_new_stager`, `_usable_stager`): no Ray Train
+    """The checkpointer's staging half alone (its `_stage`, `_new_stager`): no Ray Train
     storage, report or writer thread, which the held seconds do not include."""
     saver = Checkpointer.__new__(Checkpointer)
     saver.state, saver.rank, saver.save_group, saver._cuda = state, 0, None, cuda

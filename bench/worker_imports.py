@@ -75,7 +75,7 @@ def stages(tokenizer: str | None, cpu: bool) -> dict[str, float]:
         recipe.model.tokenizer = tokenizer
     tok = tokenizer_for(recipe.model)
     lap("tokenizer")
-    from raytune_ft.train.fp8 import transformers_without_torchao
+    from raytune_ft.compat import transformers_without_torchao
 
     with transformers_without_torchao("bf16"):
         from raytune_ft.models import build  # noqa: F401

@@ -111,8 +111,8 @@ def without_blind_callbacks(callbacks: list) -> list:
     local Ray: start_ahead.ensure_ray). The cleaner is a detached actor that asks Ray's state API, served by
     the dashboard, whether the controller is alive, to remove the workers' placement group if it died; with no
     dashboard every ask fails (a warning in its log every few seconds: "State API may be temporarily
-    unavailable") and it never removes anything: one Ray process per attempt (~1.5 CPU-s to start) that
-    cannot do its job. The controller removes the placement group itself when the attempt ends.
+    unavailable") and it never removes anything: one Ray process per attempt (a Python start-up importing Ray:
+    bench/NOTES.md, start-up) that cannot do its job. The controller removes the placement group itself when the attempt ends.
     A cluster's Ray (`ray start --head`, `ray job submit`) has a dashboard and keeps it."""
     if compat.RAY_DASHBOARD_URL.load()():
         return callbacks

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.conftest import run_with_fault, train_state
-from tests.faults import fault_env
+from tests.faults import RUNTIME_ENV
 
 STEPS, EVERY = 8, 4
 LOSS_REL = 1e-2
@@ -48,11 +48,12 @@ def gpu_runs(tmp_path_factory):
     ngpu = torch.cuda.device_count()
     storage = tmp_path_factory.mktemp("gpu_runs")
     out: dict = {"ngpu": ngpu}
-    ray.init(address="local", num_cpus=max(8, 2 * ngpu + 4), num_gpus=ngpu, include_dashboard=False)
+    ray.init(address="local", num_cpus=max(8, 2 * ngpu + 4), num_gpus=ngpu, include_dashboard=False,
+             runtime_env=RUNTIME_ENV)    # the tests' fault plan reaches the workers (tests/faults.py)
     try:
         out["straight"] = run(_recipe(storage, "straight", ngpu), local=True)
         resumed = _recipe(storage, "resumed", ngpu)
-        out["fault_error"] = run_with_fault(resumed, fault_env(exit_after_upload=f"{STEPS}:0"))   # meant to fail
+        out["fault_error"] = run_with_fault(resumed, dict(exit_after_upload=f"{STEPS}:0"))   # meant to fail
         out["resumed"] = run(resumed, local=True)
     finally:
         ray.shutdown()
