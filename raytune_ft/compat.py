@@ -95,6 +95,15 @@ RAY_TRAIN_CONSTANTS = Internal(
      "DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE"), RAY,
     why="to start the tokenizer-loading task in the runtime environment of Ray Train's controller "
         "(data/pipeline.py), so that the worker process it warms is one the controller's tasks can reuse")
+RAY_AUTOSCALING_COORDINATOR = Internal(
+    "ray", "ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator",
+    ("get_or_create_autoscaling_coordinator",), RAY,
+    why="to start the actor Ray Train's controller waits for as soon as Ray is up (start_ahead), beside the "
+        "MLflow run and the datasets")
+RAY_JOB_TABLE = Internal(
+    "ray", "ray._private.ray_constants", ("KV_NAMESPACE_JOB",), RAY,
+    why="to read when a submitted job started from Ray's own job table (start_ahead), with "
+        "ray.dashboard.modules.job.common.JobInfoStorageClient.JOB_DATA_KEY")
 
 # Loggers quieted by console.quiet_process: named after Ray's private modules (and one after its file)
 RAY_QUIET_LOGGERS = ("ray.train.v2._internal.execution.controller.placement_group_cleaner",
