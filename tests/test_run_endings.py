@@ -172,9 +172,16 @@ def test_a_finished_run_resubmitted_answers_without_ray_and_leaves_its_mlflow_ru
     assert not os.path.exists(os.path.join(_run_folder(recipe), LEASE_FILE))
 
 
-def test_each_attempt_logs_its_start_up_under_its_own_names(tmp_path):
-    """A resumed attempt's start-up params were refused (MLflow params cannot change): a real store takes
-    every attempt's, and the run's breakdown reads the latest."""
+def test_attempts_sharing_a_first_step_log_their_start_up_under_names_of_their_own(tmp_path):
+    """Two attempts with the same first step (a re-run killed before its first checkpoint: both start at step
+    1; two jobs resuming one checkpoint: both at step 11, each its job's attempt 1) used to log the same
+    startup.* names: MLflow refused the second batch and the run's breakdown read the older attempt. Each
+    WorkerLog names its attempt; a real store takes every attempt's, and the breakdown reads the latest."""
+    import io
+
+    import torch
+
+    from raytune_ft.train.common import WorkerLog
     from mlflow.entities import Param
 
     from raytune_ft.tracking import startup_from_params, startup_params
@@ -182,11 +189,13 @@ def test_each_attempt_logs_its_start_up_under_its_own_names(tmp_path):
     recipe = _recipe(tmp_path)
     run_id = start_run(recipe)
     client = MlflowClient(recipe.tracking_uri)
-    for first_step, attempt, seconds in ((1, 1, 10.0), (11, 1, 20.0), (11, 2, 30.0)):
-        params = startup_params({"startup/total_s": seconds}, first_step, attempt)
-        client.log_batch(run_id, params=[Param(k, v) for k, v in params.items()])
-    logged = client.get_run(run_id).data.params
-    assert {k: v for k, v in logged.items() if k.startswith("startup.")} == {
-        "startup.total_s": "10.000", "startup.step11.attempt1.total_s": "20.000",
-        "startup.step11.attempt2.total_s": "30.000"}
-    assert startup_from_params(logged) == {"total_s": 30.0}
+    logged = []
+    for first_step in (1, 1, 11, 11):     # each: a job's first attempt (the same job_start label)
+        # what rank 0's first_step_done logs (its MLflow sender's process is left out: a second each)
+        log = WorkerLog(0, recipe, None, stream=io.StringIO(), job_start=time.time() - first_step)
+        logged.append(log.first_step_done(first_step, torch.device("cpu")))
+        client.log_batch(run_id, params=[Param(k, v) for k, v in startup_params(logged[-1], log.attempt_id).items()])
+        time.sleep(0.01)                  # attempts start at least a millisecond apart
+    params = client.get_run(run_id).data.params
+    assert len({k for k in params if k.startswith("startup.") and k.endswith(".total_s")}) == 4, params
+    assert startup_from_params(params)["total_s"] == pytest.approx(logged[-1]["startup/total_s"], abs=1e-3)

@@ -157,7 +157,7 @@ def test_first_step_prints_one_breakdown_line_and_logs_it(mlflow_run):
 
     params = MlflowClient(recipe.tracking_uri).get_run(run_id).data.params
     assert startup_from_params(params) == pytest.approx({k[len("startup/"):]: v for k, v in first.items()}, abs=1e-3)
-    assert set(params) >= {"startup." + k[len("startup/"):] for k in STARTUP_METRICS}
+    assert set(params) >= {f"startup.{log.attempt_id}." + k[len("startup/"):] for k in STARTUP_METRICS}
 
 
 def _run_page_sections(keys) -> list[list[str]]:

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from raytune_ft.recipe import Recipe, TrainConfig, recipe_from_dict
 from raytune_ft.train.job_attempts import attempt_of_job, workers_asked_at
-from raytune_ft.tracking import mlflow_metric_name, startup_params
+from raytune_ft.tracking import attempt_id, mlflow_metric_name, startup_params
 
 
 def recipe_from_config(config: dict) -> Recipe:
@@ -286,6 +286,7 @@ class WorkerLog:
         self._stream = stream
         self._live = False           # a redrawn progress line is on screen (terminal only)
         self._sender = None          # rank 0's MLflow calls, made by a process of their own
+        self.attempt_id = attempt_id()   # this attempt's start-up params are named after it
         if rank == 0 and job_start:
             self.startup.attempt = attempt_of_job(recipe.tracking.run_name, job_start)
         if rank == 0 and run_id:
@@ -415,7 +416,7 @@ class WorkerLog:
         self.info(self.startup.line())
         if self._sender is not None:    # MLflow params do not change: each attempt logs under its own names
             self._sender.call("log_batch", "MLflow params startup.* not logged ({error}); summary.json has them",
-                              params=[[k, str(v)] for k, v in startup_params(m, step, self.startup.attempt).items()])
+                              params=[[k, str(v)] for k, v in startup_params(m, self.attempt_id).items()])
         return m
 
     def flush(self) -> None:
