@@ -419,11 +419,12 @@ class WorkerLog:
                               params=[[k, str(v)] for k, v in startup_params(m, self.attempt_id).items()])
         return m
 
-    def flush(self) -> None:
-        """Wait until rank 0's MLflow calls so far are made (before a checkpoint is reported, and where a test
-        reads the run)."""
-        if self._sender is not None:
-            self._sender.flush()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for rank 0's MLflow calls so far, at most `timeout` s (default the sender's REPORT_WAIT_S: what
+        a hung store may cost a checkpoint report; the calls left are made later); whether all are made."""
+        if self._sender is None:
+            return True
+        return self._sender.flush() if timeout is None else self._sender.flush(timeout)
 
     def close(self) -> None:
         """The end of the loop: rank 0's MLflow calls made, its sender ended."""
