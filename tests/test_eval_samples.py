@@ -189,8 +189,11 @@ def watched_run(ray_local, tmp_path_factory):
     r.train.sample_prompts = write_prompts(tmp / "prompts.jsonl")
     r.train.read_ahead = "on"
     r = validate(r)
+    from raytune_ft.run_opening import put_run_id
+
     run_id = tracking.start_run(r)
-    result = build_trainer(r, mlflow_run_id=run_id).fit()
+    put_run_id("mlflow_run/watched", {"run_id": run_id})      # the one way a run id reaches rank 0
+    result = build_trainer(r, mlflow_run_key="mlflow_run/watched").fit()
     return r, result, run_id
 
 

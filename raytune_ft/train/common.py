@@ -17,22 +17,6 @@ def recipe_from_config(config: dict) -> Recipe:
     return recipe_from_dict(config["recipe"])
 
 
-_run_key: str | None = None     # the run id's key in Ray's key-value store, where the loop's config names one
-
-
-def mlflow_run_of(config: dict, rank: int) -> str | None:
-    """The MLflow run rank 0 logs to: the id `run()` hands over through Ray's key-value store
-    (run_opening.RunIdHandoff), waited for here; or, for a trainer built with the id (tests, benchmarks), the id in
-    the loop's config. Other ranks log nothing and wait for nothing."""
-    global _run_key
-    _run_key = config.get("mlflow_run_key")     # each node's system metrics wait for the run there too
-    if rank != 0 or config.get("mlflow_run_id") or not config.get("mlflow_run_key"):
-        return config.get("mlflow_run_id")
-    from raytune_ft.run_opening import await_run_id
-
-    return await_run_id(config["mlflow_run_key"])
-
-
 def lr_at(step: int, t: TrainConfig, total_steps: int) -> float:
     """Multiplier of the peak LR at optimizer step `step` (0-based) of `total_steps`: linear warmup,
     then the schedule, whose last step (total_steps - 1) trains at the floor `min_lr_ratio`; past the
@@ -278,7 +262,13 @@ class WorkerLog:
     """
 
     def __init__(self, rank: int, recipe: Recipe, run_id: str | None = None, stream=None,
-                 job_start: float | None = None, startup_marks: dict | None = None):
+                 job_start: float | None = None, startup_marks: dict | None = None, run_key: str | None = None):
+        """`run_id`: the MLflow run rank 0 logs to, or `run_key`: where rank 0 waits for it in Ray's key-value
+        store (run_opening.await_run_id) and each node's system metrics find it; neither: no tracking."""
+        if rank == 0 and run_key and not run_id:
+            from raytune_ft.run_opening import await_run_id
+
+            run_id = await_run_id(run_key)
         self.rank = rank
         self.recipe = recipe
         asked = workers_asked_at(recipe.tracking.run_name, job_start) if job_start else None
@@ -296,7 +286,14 @@ class WorkerLog:
             self.set_tag("raytune.gpu", _gpu_description(recipe.scaling.num_workers))
         from raytune_ft.train.system_metrics import start_for_node
 
-        self._system = start_for_node(recipe, rank, run_id, _run_key, self.info)
+        self._system = start_for_node(recipe, rank, run_id, run_key, self.info)
+
+    @classmethod
+    def of_worker(cls, rank: int, recipe: Recipe, config: dict) -> "WorkerLog":
+        """A Ray Train worker's log, from the loop's config (launch.build_trainer): the run's key, the start-up
+        breakdown's job start and driver marks."""
+        return cls(rank, recipe, run_key=config.get("mlflow_run_key"), job_start=config.get("job_start"),
+                   startup_marks=config.get("startup_marks"))
 
     @property
     def tracks(self) -> bool:
