@@ -153,6 +153,8 @@ class RunLifecycle:
                 self._end(exc)
             if self.opened is not None:   # first: a handoff still waiting for the run id stops waiting
                 self.opened.close()
+            if self.lease is not None:    # before anything that may wait on a Ray gone with the driver's group
+                self.lease.release()
         finally:
             try:
                 self._held.close()     # the handed-over key, the opener's process, the threads, the lease
@@ -169,8 +171,11 @@ class RunLifecycle:
         if self.opened is not None:
             status, tags = endings.mlflow_ending(exc)
             answer = self.opened.end(status, tags)
-            if not answer and not self.opened.done():
-                print("[raytune_ft] the MLflow run did not open in time: the tracking store did not answer")
+            if not answer:
+                from raytune_ft.run_opening import END_WAIT_S
+
+                print(f"[raytune_ft] the MLflow run did not end within {END_WAIT_S:.0f} s (its opener or the tracking "
+                      "store did not answer): its opener is stopped; a re-submit reopens a run it left RUNNING")
         if endings.before_the_run(exc):
             return
         ckpt = endings.checkpoint_step(self.storage, self.run_path) if self.storage is not None else None

@@ -156,12 +156,21 @@ class RunIdHandoff:
     def __exit__(self, *exc) -> None:
         import contextlib
 
+        import threading
+
         if self._thread is not None:
             self._thread.join(timeout=2.0)
-        with contextlib.suppress(Exception):  # the job's Ray may be gone already
-            from ray.experimental.internal_kv import _internal_kv_del
 
-            _internal_kv_del(self.key, namespace=RUN_KEY_NAMESPACE)
+        def delete() -> None:
+            with contextlib.suppress(Exception):  # the job's Ray may be gone already
+                from ray.experimental.internal_kv import _internal_kv_del
+
+                _internal_kv_del(self.key, namespace=RUN_KEY_NAMESPACE)
+
+        # a Ray whose processes a Ctrl-C ended with the driver's would hold the deletion for its reconnect time
+        deleting = threading.Thread(target=delete, name="raytune-run-key", daemon=True)
+        deleting.start()
+        deleting.join(timeout=2.0)
 
 
 def await_run_id(key: str, timeout_s: float = 600.0, poll_s: float = 0.2) -> str:
