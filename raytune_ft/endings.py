@@ -32,6 +32,11 @@ def exit_code(exc: BaseException) -> int:
     return 1
 
 
+def raise_stopped(signum, frame):
+    """A SIGTERM handler: Stopped, raised in the main thread."""
+    raise Stopped(signum)
+
+
 @contextlib.contextmanager
 def sigterm_raises():
     """SIGTERM raises Stopped in the main thread while the block runs, so the run ends in its own words."""
@@ -39,10 +44,7 @@ def sigterm_raises():
         yield
         return
 
-    def stop(signum, frame):
-        raise Stopped(signum)
-
-    before = signal.signal(signal.SIGTERM, stop)
+    before = signal.signal(signal.SIGTERM, raise_stopped)
     try:
         yield
     finally:

@@ -28,8 +28,8 @@ class RunLifecycle:
        it reaches the workers, so the trainer never waits for the run to open;
     4. `finish` ends the MLflow run of a job that returned, with its outcome.
 
-    However the block ends (an exception, Ctrl-C, SIGTERM from `ray job stop`: SIGTERM raises
-    endings.Stopped while the block runs), `__exit__` gives everything back in reverse order within
+    `fit` runs the trainer. However the block ends (an exception, Ctrl-C, SIGTERM from `ray job stop`: the
+    lifecycle holds both signals while the block runs, SIGTERM raising endings.Stopped), `__exit__` gives everything back in reverse order within
     END_BOUND_S, with SIGINT and SIGTERM held off meanwhile: the MLflow run ended KILLED or FAILED with its
     reason (endings.mlflow_ending) by the opener's process, which waits for a run still opening and is
     killed where the store does not answer in time; the line saying where the run stopped left on the
@@ -47,12 +47,21 @@ class RunLifecycle:
         self.job_start = process_start() or time.time()
         self._held = contextlib.ExitStack()
         self._prepared = None
+        self._signals: dict = {}
 
     def __enter__(self) -> "RunLifecycle":
-        from raytune_ft.endings import sigterm_raises
-
-        self._held.enter_context(sigterm_raises())
+        self._signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if _main_thread() else {}
+        self._hold_signals()
         return self
+
+    def _hold_signals(self) -> None:
+        """SIGTERM raises endings.Stopped in the main thread (ray.init puts in a handler that exits the process
+        instead); SIGINT raises KeyboardInterrupt, as Python's own handler does."""
+        from raytune_ft.endings import raise_stopped
+
+        if self._signals:
+            signal.signal(signal.SIGTERM, raise_stopped)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     # 1. the run folder
     def hold_folder(self, st, run_path: str):
@@ -91,6 +100,7 @@ class RunLifecycle:
         from raytune_ft.start_ahead import ensure_ray, start_train_helpers, submitted_at
 
         ensure_ray(self.local)
+        self._hold_signals()
         self.marks["ray_start"] = time.time()
         submitted = submitted_at() if self.joins else None
         if submitted is not None:   # `ray job submit`: the wait starts at the submission (the process's start
@@ -128,6 +138,28 @@ class RunLifecycle:
         self.marks["tracking"] = time.time()
         return handoff.key
 
+    def fit(self, trainer):
+        """`trainer.fit()`, run in a thread of its own while the main thread waits: Ray Train takes SIGINT in
+        the main thread (to abort its run, then exit the process), so from here the lifecycle keeps hearing
+        Ctrl-C and ends the run in its own words. The trainer's error is raised here."""
+        import threading
+
+        outcome: dict = {}
+
+        def fit() -> None:
+            try:
+                outcome["result"] = trainer.fit()
+            except BaseException as e:  # noqa: BLE001 - raised in the main thread
+                outcome["error"] = e
+
+        thread = threading.Thread(target=fit, name="raytune-fit", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(timeout=0.5)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["result"]
+
     def run_id(self) -> str:
         """The MLflow run's id, waiting for it to open; its error (FinishedRunError, the store's) raised."""
         return self.opened.result()
@@ -146,8 +178,8 @@ class RunLifecycle:
         return answer.get("experiment_id")
 
     def __exit__(self, kind, exc, tb) -> None:
-        held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} \
-            if _main_thread() else {}
+        for s in self._signals:      # the ending is not cut short; the handlers before the run come back last
+            signal.signal(s, signal.SIG_IGN)
         try:
             if exc is not None:
                 self._end(exc)
@@ -159,7 +191,7 @@ class RunLifecycle:
             try:
                 self._held.close()     # the handed-over key, the opener's process, the threads, the lease
             finally:
-                for s, handler in held.items():
+                for s, handler in self._signals.items():
                     signal.signal(s, handler)
 
     def _end(self, exc: BaseException) -> None:

@@ -224,7 +224,7 @@ def _fit(recipe: Recipe, life: RunLifecycle):
     trainer = build_trainer(recipe, mlflow_run_key=life.run_key(), lease_token=life.lease.token,
                             job_start=life.job_start, startup_marks=life.marks, prebuilt=datasets)
     try:
-        result = trainer.fit()
+        result = life.fit(trainer)
     except Exception as e:
         life.run_id()   # a run that did not open stops here, in its own words (FinishedRunError, the store's)
         unfixable = unfixable_error(e)

@@ -101,7 +101,7 @@ def prepare_driver(recipe: Recipe) -> None:
     loaded again: its class is remembered (through AutoTokenizer, the load imports torch, which under `ray
     job submit` nothing hides). The training loop's own modules (the model code) are imported by the
     workers only (train/launch.loop_function), and torch by neither (train/backend.py)."""
-    import mlflow  # noqa: F401 - ending a stopped run must fit in the 3 s `ray job stop` leaves it
+    import mlflow  # noqa: F401 - the end of the run uses it (plots, the registry): imported while Ray starts
     import ray.train.v2.api.data_parallel_trainer  # noqa: F401
 
     from raytune_ft.data import pipeline  # noqa: F401

@@ -28,7 +28,7 @@ STARTUP_PARAM = "startup."
 # "false" on a finished run whose latest checkpoint is not a final one (train.save_final=false): a
 # re-submit resumes it from there, as the loops do, instead of handing back its weights
 FINAL_CHECKPOINT_TAG = "raytune.final_checkpoint"
-# what a failed or stopped attempt leaves on the run (endings.RunEnding), removed when a later attempt finishes it
+# what a failed or stopped attempt leaves on the run (endings.mlflow_ending), removed when a later attempt finishes it
 ENDING_TAGS = ("raytune.error", "raytune.ended_by")
 
 
