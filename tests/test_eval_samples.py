@@ -299,7 +299,7 @@ def test_trl_eval_loss_is_logged_as_eval_loss_and_perplexity(tmp_path):
     cb = report_callback(r, 0, log, train_blocks=None, lora=False, pause={"s": 0.0}, world=1)
     cb.on_log(None, types.SimpleNamespace(global_step=3, max_steps=5), None,
               logs={"eval_loss": 1.25, "eval_runtime": 2.5})
-    log.flush()                   # rank 0's MLflow calls are made by a process of their own
+    log.flush(240)                 # rank 0's MLflow calls are made by a process of their own
     got = {k: mlflow.MlflowClient(r.tracking_uri).get_metric_history(run_id, k)
            for k in ("validation/loss", "validation/perplexity", "validation/seconds")}
     assert [(m.step, m.value) for m in got["validation/loss"]] == [(3, 1.25)]
