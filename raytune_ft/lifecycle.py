@@ -28,13 +28,15 @@ class RunLifecycle:
        it reaches the workers, so the trainer never waits for the run to open;
     4. `finish` ends the MLflow run of a job that returned, with its outcome.
 
-    `fit` runs the trainer. However the block ends (an exception, Ctrl-C, SIGTERM from `ray job stop`: the
-    lifecycle holds both signals while the block runs, SIGTERM raising endings.Stopped), `__exit__` gives everything back in reverse order within
-    END_BOUND_S, with SIGINT and SIGTERM held off meanwhile: the MLflow run ended KILLED or FAILED with its
-    reason (endings.mlflow_ending) by the opener's process, which waits for a run still opening and is
-    killed where the store does not answer in time; the line saying where the run stopped left on the
-    exception (endings.ending_line); the handed-over key deleted; the opener's process and the lease gone.
-    Ray is left up: a local one ends with this process, a later run of the same process reuses it.
+    `fit` runs the trainer. However the block ends (a return, an exception, Ctrl-C, SIGTERM from `ray job
+    stop`: the lifecycle holds both signals while the block runs, SIGTERM raising endings.Stopped),
+    `__exit__` gives everything back within END_BOUND_S, SIGINT and SIGTERM ignored meanwhile: the MLflow run
+    ended KILLED or FAILED with its reason (endings.mlflow_ending) by the opener's process, which waits for
+    a run still opening and is killed where the store does not answer in time; the line saying where the
+    run stopped left on the exception (endings.ending_line); the opener's process ended and the lease given
+    back; then the handed-over key deleted (bounded: a Ray that a Ctrl-C ended with the driver's process group
+    does not answer) and the threads left. Ray is left up: a local one ends with this process, a later run of
+    the same process reuses it.
     `marks` are the driver's side of the start-up breakdown (train/common.DRIVER_MARKS)."""
 
     def __init__(self, recipe: Recipe, *, local: bool):
@@ -50,7 +52,8 @@ class RunLifecycle:
         self._signals: dict = {}
 
     def __enter__(self) -> "RunLifecycle":
-        self._signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if _main_thread() else {}
+        if _main_thread():           # restored at the end
+            self._signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         self._hold_signals()
         return self
 

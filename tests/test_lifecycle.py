@@ -69,7 +69,9 @@ def _ended(proc: subprocess.Popen, sig: int) -> tuple[int, float, str, list[psut
     rest = proc.stdout.read()
     code = proc.wait(timeout=120)
     line = next((ln[len("LINE "):] for ln in rest.splitlines() if ln.startswith("LINE ")), "")
-    return code, time.monotonic() - t0, line, children
+    seconds = time.monotonic() - t0
+    print(f"{signal.Signals(sig).name} to the driver's exit: {seconds:.1f} s")
+    return code, seconds, line, children
 
 
 def _statuses(recipe) -> list[str]:
@@ -210,6 +212,7 @@ def _interrupt_and_resume(tmp_path) -> None:
     os.killpg(proc.pid, signal.SIGINT)
     out.append(proc.stdout.read())
     code, seconds = proc.wait(timeout=120), time.monotonic() - t0
+    print(f"Ctrl-C to the local job's exit: {seconds:.1f} s")
     console = "".join(out)
     said = [ln for ln in console.splitlines() if ln.startswith("[raytune_ft] interrupted")]
     assert code == 130 and seconds < END_BOUND_S + 10, (code, seconds, console[-4000:])
