@@ -1,15 +1,15 @@
-"""The order of a run: validate -> open run -> fit -> register. The only module that knows training and registry."""
+"""The order of a run: validate -> open run -> fit -> register, read top-down through its lifecycle
+(lifecycle.RunLifecycle). The only module that knows training and registry."""
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 from raytune_ft.env import process_start, public_uri, redact_exception
 from raytune_ft.recipe import Recipe, absolute_local_paths, check_tracking_store, nodes_of, validate
-from raytune_ft.start_ahead import StartAhead, local_cpus
+from raytune_ft.lifecycle import RunLifecycle
+from raytune_ft.start_ahead import local_cpus
 
 
 # `mlflow ui`'s page of an experiment's training runs (its routes are behind a # in MLflow 3's UI)
@@ -181,19 +181,15 @@ def _set_throughput(summary: RunSummary, metrics: dict) -> None:
 
 
 def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) -> RunSummary:
-    """Validate, train on Ray Train, then register the final checkpoint from a separate Ray task."""
-    from raytune_ft.endings import RunEnding, sigterm_raises
-
-    # the run folder's lease, taken once the storage is checked, is given back however the run ends; a run
-    # that does not finish is closed in MLflow first (endings.py)
-    with sigterm_raises(), contextlib.ExitStack() as held, RunEnding(recipe) as ending:
-        return _run(recipe, local=local, register=register, held=held, ending=ending)
+    """Validate, train on Ray Train, then register the final checkpoint from a separate Ray task. However it
+    ends, its lifecycle gives back what it took: the MLflow run ended with the reason, the lease."""
+    with RunLifecycle(recipe, local=local) as life:
+        return _run(recipe, life, register=register)
 
 
-def _validate(recipe: Recipe, held: contextlib.ExitStack, ending):
-    """The checks that need neither Ray nor the MLflow run, and the run folder's lease, taken once its
-    storage is checked: the run's storage and folder, its lease."""
-    from raytune_ft import lease, preflight, storage
+def _validate(recipe: Recipe):
+    """The checks that need neither Ray nor the MLflow run: the run's storage and its folder."""
+    from raytune_ft import preflight, storage
     from raytune_ft.storage_check import check_storage
 
     # every local path absolute here, once: Ray workers resolve nothing against their own folders
@@ -202,19 +198,14 @@ def _validate(recipe: Recipe, held: contextlib.ExitStack, ending):
     # object storage that cannot be used fails here, in words: before Ray starts or an MLflow run is opened
     check_storage(recipe)
     # a run over several nodes needs a tracking store they all reach: the scaling's nodes before Ray
-    # starts, then those of the cluster joined (StartAhead.start_ray)
+    # starts, then those of the cluster joined (RunLifecycle.start_ray)
     check_tracking_store(recipe, nodes_of(recipe.scaling), f"scaling.num_workers={recipe.scaling.num_workers} "
                          f"with {recipe.scaling.gpus_per_node} GPUs per node")
-    st, run_path = storage.run_storage(recipe)
-    # one job per run folder: a second one stops here, before Ray starts, an MLflow run opens or a checkpoint
-    # is touched
-    run_lease = held.enter_context(lease.hold(st, run_path))
-    ending.storage, ending.run_path = st, run_path
-    return st, run_path, run_lease
+    return storage.run_storage(recipe)
 
 
 def _check_before_ray(recipe: Recipe, *, local: bool, joins: bool) -> None:
-    """The data source, and the resources of a Ray this job starts (a cluster joined: StartAhead.start_ray)."""
+    """The data source, and the resources of a Ray this job starts (a cluster joined: RunLifecycle.start_ray)."""
     from raytune_ft import preflight
 
     preflight.check_data_source(recipe)
@@ -224,24 +215,23 @@ def _check_before_ray(recipe: Recipe, *, local: bool, joins: bool) -> None:
                                   "this machine")
 
 
-def _fit(recipe: Recipe, ahead: StartAhead, lease_token: str):
+def _fit(recipe: Recipe, life: RunLifecycle):
     """Ray Train's result and the MLflow run's id. An error no retry can fix (storage full, ...) is said in
-    plain words, not as Ray's wrapping of it; the ending (endings.RunEnding) closes the MLflow run with it."""
+    plain words, not as Ray's wrapping of it; the lifecycle ends the MLflow run with it."""
     from raytune_ft.train.launch import build_trainer, unfixable_error
 
-    datasets = ahead.datasets()
-    run_key = ahead.run_key(lease_token)
-    trainer = build_trainer(recipe, mlflow_run_key=run_key, lease_token=lease_token, job_start=ahead.job_start,
-                            startup_marks=ahead.marks, prebuilt=datasets)
+    datasets = life.datasets()
+    trainer = build_trainer(recipe, mlflow_run_key=life.run_key(), lease_token=life.lease.token,
+                            job_start=life.job_start, startup_marks=life.marks, prebuilt=datasets)
     try:
-        result = trainer.fit()
+        result = life.fit(trainer)
     except Exception as e:
-        ahead.run_id()   # a run that did not open stops here, in its own words (FinishedRunError, the store's)
+        life.run_id()   # a run that did not open stops here, in its own words (FinishedRunError, the store's)
         unfixable = unfixable_error(e)
         if unfixable is not None:
             raise unfixable from e
         raise
-    return result, ahead.run_id()
+    return result, life.run_id()
 
 
 def _summarize(recipe: Recipe, result, run_id: str, st, run_path: str) -> tuple[RunSummary, dict, str | None]:
@@ -276,31 +266,31 @@ def _summarize(recipe: Recipe, result, run_id: str, st, run_path: str) -> tuple[
     return summary, meta, ckpt_uri
 
 
-def _run(recipe: Recipe, *, local: bool, register: bool | None, held: contextlib.ExitStack, ending) -> RunSummary:
+def _run(recipe: Recipe, life: RunLifecycle, *, register: bool | None) -> RunSummary:
     from raytune_ft import preflight
 
-    joins = bool(os.environ.get("RAY_ADDRESS")) or ("ray" in sys.modules and sys.modules["ray"].is_initialized())
     # validate
-    st, run_path, run_lease = _validate(recipe, held, ending)
+    st, run_path = _validate(recipe)
+    life.hold_folder(st, run_path)
     t0 = time.time()
     do_register = recipe.registry.enabled if register is None else register
     finished = preflight.finished_run_summary(recipe, st, run_path, do_register)
     if finished is not None:   # nothing to train or register: Ray is not started, the MLflow run not touched
         known = {k: v for k, v in finished.items() if k in RunSummary.__dataclass_fields__}
         return RunSummary(**{**known, "seconds": time.time() - min(process_start() or t0, t0)})
-    _check_before_ray(recipe, local=local, joins=joins)
+    _check_before_ray(recipe, local=life.local, joins=life.joins)
     # open the run, with Ray started beside it
-    ahead = held.enter_context(StartAhead(recipe, ending, local=local, joins=joins, t0=t0))
-    ahead.start_ray()
+    life.start(t0)
+    life.start_ray()
     # fit
-    result, run_id = _fit(recipe, ahead, run_lease.token)
+    result, run_id = _fit(recipe, life)
     summary, meta, ckpt_uri = _summarize(recipe, result, run_id, st, run_path)
     # register
-    return _register_and_close(recipe, summary, meta, ckpt_uri, do_register, st, run_path, ahead.job_start)
+    return _register_and_close(recipe, summary, meta, ckpt_uri, do_register, st, run_path, life)
 
 
 def _register_and_close(recipe: Recipe, summary: RunSummary, meta: dict, ckpt_uri: str | None, do_register: bool,
-                        st, run_path: str, job_start: float) -> RunSummary:
+                        st, run_path: str, life: RunLifecycle) -> RunSummary:
     """Register the final checkpoint (once: a re-submit finds the version it has), close the MLflow run with
     the outcome, write summary.json."""
     from raytune_ft import storage, tracking
@@ -334,13 +324,11 @@ def _register_and_close(recipe: Recipe, summary: RunSummary, meta: dict, ckpt_ur
             summary.registration_error = outcome.error
             summary.retry_command = outcome.retry_command
             status_tags.update({"raytune.status": "trained_not_registered"})
-    summary.seconds = time.time() - job_start
-    try:
-        summary.mlflow_experiment_id = tracking.end_run(recipe, run_id, tags=status_tags,
-                         metrics={"final_loss": summary.final_loss or float("nan"), "total_tokens": summary.tokens},
-                         json_artifacts={"data.json": _data_record(data)} if data else None)
-    except Exception as e:  # the run is trained and (maybe) registered: tracking must not lose it
-        print(f"[raytune_ft] could not close the MLflow run: {type(e).__name__}")
+    summary.seconds = time.time() - life.job_start
+    # the run is trained and (maybe) registered: a store that does not answer loses none of it (said)
+    summary.mlflow_experiment_id = life.finish(
+        status_tags, {"final_loss": summary.final_loss or float("nan"), "total_tokens": summary.tokens},
+        {"data.json": _data_record(data)} if data else None)
     storage.write_json(st.fs, f"{run_path}/summary.json", asdict(summary))
     tracking.keep_tracking_db(recipe, st, run_path)
     return summary

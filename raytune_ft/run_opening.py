@@ -1,14 +1,18 @@
-"""The driver's MLflow run opened beside the start-up (RunOpening: a process of its own) and its id handed to
-rank 0 through Ray's key-value store (RunIdHandoff, read by `await_run_id` in the worker)."""
+"""The driver's MLflow run opened beside the start-up and ended by the same process however the job ends
+(RunOpening: a channel.Channel's child), and its id handed to rank 0 through Ray's key-value store
+(RunIdHandoff, read by `await_run_id` in the worker): the one way a run id reaches the workers."""
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
+import base64
+import json
+import pickle
 
 from raytune_ft.env import redact
 from raytune_ft.recipe import Recipe, RecipeError
-from raytune_ft.tracking import start_run
+from raytune_ft.tracking import end_run, start_run
+
+# how long RunOpening.end waits for its process to end the run (the store's answer included) before it kills it
+END_WAIT_S = 10.0
 
 
 class RunOpening:
@@ -17,115 +21,75 @@ class RunOpening:
 
     The driver opens the run while its threads import torch, Ray Train and the tokenizer: in a thread the
     run's imports and store calls would share the GIL with them. Its own process imports nothing but MLflow
-    and the recipe. Where no process can be started, a thread does it. `close()` (or the end of a `with`)
-    ends a process still running and removes its answer file, however the run ended."""
+    and the recipe. It stays until `close()`: `end(status, tags)` has it end the run it opened (or is still
+    opening: the end waits for the open, so a run created or reopened to RUNNING is never left so), within
+    a bound, whatever the store does."""
 
     def __init__(self, recipe: Recipe):
-        import json
-        import sys
-        import tempfile
-        import threading
+        from raytune_ft.channel import Channel
 
-        self._result: str | None = None
-        self._error: BaseException | None = None
-        self._thread = None
-        self._path: str | None = None
-        self._lock = threading.Lock()      # the driver's main thread and RunIdHandoff's may both wait
-        from raytune_ft.env import child_python_env
+        self._answer: dict | None = None
+        self._ended: dict | None = None
+        self._closed = False
+        self._channel = Channel("raytune_ft.run_opening", "serve", on_message=self._answered, name="run-opener")
+        self._channel.send({"recipe": json.loads(json.dumps(recipe.to_dict(), default=str))})
 
-        env = child_python_env()
-        fd, self._path = tempfile.mkstemp(prefix="raytune_run_", suffix=".pickle")
-        os.close(fd)
-        code = f"from raytune_ft.run_opening import _open_run_here; _open_run_here({self._path!r})"
-        self._proc = None
-        try:   # the child's output (the re-submit's notes) goes where the driver's goes
-            self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, env=env)
-            self._proc.stdin.write(json.dumps(recipe.to_dict(), default=str).encode())
-            self._proc.stdin.close()
-        except OSError:
-            self.close()
-            self._thread = threading.Thread(target=self._in_thread, args=(recipe,), daemon=True)
-            self._thread.start()
-
-    def _in_thread(self, recipe: Recipe) -> None:
-        try:
-            self._result = start_run(recipe)
-        except BaseException as e:  # noqa: BLE001 - handed to result()
-            self._error = e
+    def _answered(self, msg: dict) -> None:
+        if "ended" in msg:
+            self._ended = msg
+        else:
+            self._answer = msg
 
     def done(self) -> bool:
-        """Whether the run is open (or failed to open), without waiting."""
-        if self._thread is not None:
-            return not self._thread.is_alive()
-        proc = self._proc
-        return proc is None or proc.poll() is not None
+        """Whether the run is open (or failed to open, or never will), without waiting."""
+        return self._answer is not None or not self._channel.alive
 
     def wait(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for the run to open (or fail to); whether it is done."""
-        import time
-
-        deadline = time.monotonic() + timeout
-        while not self.done() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        self._channel.wait(lambda: self._answer is not None, timeout)
         return self.done()
 
-    def _wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            return
-        with self._lock:
-            self._wait_for_process()
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """start_run's error, waiting for it (up to `timeout` s: None, however long the store takes)."""
+        self._channel.wait(lambda: self._answer is not None, timeout if timeout is not None else 1e9)
+        if self._answer is None:
+            if self._closed:
+                return RuntimeError("opening the MLflow run was abandoned: the run ended first")
+            if self._channel.alive:
+                return TimeoutError(f"the MLflow run did not open within {timeout:.0f} s")
+            return RuntimeError(f"opening the MLflow run failed: its process exited with code "
+                                f"{self._channel.exit_code} and no answer")
+        if "error" in self._answer:
+            return pickle.loads(base64.b64decode(self._answer["error"]))
+        return None
 
-    def _wait_for_process(self) -> None:
-        if self._proc is None:
-            return
-        import pickle
+    def result(self, timeout: float | None = None) -> str:
+        """The run id, waiting for it (up to `timeout` s); start_run's error raised."""
+        error = self.exception(timeout)
+        if error is not None:
+            raise error
+        return self._answer["run_id"]
 
-        code, self._proc = self._proc.wait(), None
-        try:
-            with open(self._path, "rb") as f:
-                outcome = pickle.load(f)
-        except Exception as e:  # noqa: BLE001 - the child died before writing (killed, out of memory)
-            outcome = {"error": RuntimeError(f"opening the MLflow run failed: its process exited with code {code} "
-                                             f"and no answer ({type(e).__name__})")}
-        self._remove_file()
-        self._result, self._error = outcome.get("run_id"), outcome.get("error")
+    def end(self, status: str, tags: dict, timeout: float = END_WAIT_S, **more) -> dict:
+        """Have the process end the run with `status` and `tags` (and tracking.end_run's `metrics`,
+        `json_artifacts`) once it is open, within `timeout` s. Its answer: `ended` (the run's id; None where
+        the run did not open, was not RUNNING, or the store failed), `experiment_id`, `step` (the last step of
+        the loss curve); {} where the store did not answer in time."""
+        if not self._channel.send({"end": {"status": status, "tags": tags, **more}}):
+            return {}
+        self._channel.wait(lambda: self._ended is not None, timeout)
+        return self._ended or {}
 
-    def _remove_file(self) -> None:
-        path, self._path = self._path, None
-        if path:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-
-    def close(self) -> None:
-        """End the opening's process if it still runs (the run it was opening is not used) and remove its file."""
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if proc is not None and self._result is None and self._error is None:
-            self._error = RuntimeError("opening the MLflow run was abandoned: the run ended first")
-        self._remove_file()
+    def close(self, timeout: float = 2.0) -> None:
+        """End the process: it exits once done with what it was sent, or is killed after `timeout` s."""
+        self._closed = True
+        self._channel.close(timeout)
 
     def __enter__(self) -> "RunOpening":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def exception(self) -> BaseException | None:
-        self._wait()
-        return self._error
-
-    def result(self) -> str:
-        self._wait()
-        if self._error is not None:
-            raise self._error
-        return self._result
 
 
 class RunNotOpened(RecipeError):
@@ -140,71 +104,78 @@ class RunIdHandoffError(RuntimeError):
 RUN_KEY_NAMESPACE = "raytune_ft"
 
 
+def put_run_id(key: str, value: dict) -> None:
+    """`value` ({"run_id": ...}, {"error": ...} or {"pending": True}) under `key` in Ray's key-value store, where
+    rank 0 waits for it (`await_run_id`); RunIdHandoffError, in one line, when the store cannot be written."""
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    try:
+        _internal_kv_put(key, json.dumps(value), overwrite=True, namespace=RUN_KEY_NAMESPACE)
+    except Exception as e:  # noqa: BLE001 - said in one line: rank 0 would otherwise wait for nothing
+        raise RunIdHandoffError("could not hand the MLflow run id to the workers through Ray's key-value "
+                                f"store: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from e
+
+
 class RunIdHandoff:
-    """The one way the MLflow run's id reaches rank 0 in a run: Ray's key-value store, under `key`, once
-    `opened` (a RunOpening) has it, so that the trainer need not wait for the run to open. An opening that
-    failed hands over its words, and the worker waiting for the id (`await_run_id`) stops the attempt.
+    """The one way the MLflow run's id reaches rank 0: Ray's key-value store, under `key`, once `opened` (a
+    RunOpening) has it, so that the trainer need not wait for the run to open. An opening that failed hands
+    over its words, and the worker waiting for the id (`await_run_id`) stops the attempt.
 
     The first write is made here, on the caller's thread: a store that cannot be written fails the run at
-    once (RunIdHandoffError), not the worker after its wait. A context manager: the key is deleted at the end."""
+    once (RunIdHandoffError), not the worker after its wait. A context manager: the key is deleted at the end
+    (the opening closed first ends the thread's wait at once)."""
 
     def __init__(self, opened: RunOpening, token: str):
         import threading
 
         self.key = f"mlflow_run/{token}"
         self._opened = opened
-        self.error: BaseException | None = None
         self._thread = None
         if opened.done():
-            self._put(self._value())
+            put_run_id(self.key, self._value())
             return
-        self._put({"pending": True})
+        put_run_id(self.key, {"pending": True})
         self._thread = threading.Thread(target=self._hand_over, name="raytune-run-handoff", daemon=True)
         self._thread.start()
 
     def _value(self) -> dict:
         from raytune_ft.env import redact_exception
 
-        try:
-            return {"run_id": self._opened.result()}
-        except BaseException as e:  # noqa: BLE001 - handed to the worker in words; the driver raises it itself
-            return {"error": redact_exception(e)[:2000]}
-
-    def _put(self, value: dict) -> None:
-        import json
-
-        from ray.experimental.internal_kv import _internal_kv_put
-
-        try:
-            _internal_kv_put(self.key, json.dumps(value), overwrite=True, namespace=RUN_KEY_NAMESPACE)
-        except Exception as e:  # noqa: BLE001 - said in one line: rank 0 would otherwise wait for nothing
-            raise RunIdHandoffError("could not hand the MLflow run id to the workers through Ray's key-value "
-                                    f"store: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from e
+        error = self._opened.exception()
+        return {"error": redact_exception(error)[:2000]} if error is not None else {"run_id": self._opened.result()}
 
     def _hand_over(self) -> None:
-        value = self._value()
         try:
-            self._put(value)
-        except RunIdHandoffError as e:
-            self.error = e      # the store went away since the first write: the job's Ray with it
+            put_run_id(self.key, self._value())
+        except RunIdHandoffError as e:   # the store went away since the first write: the job's Ray with it
             print(f"[raytune_ft] {e}")
 
     def __enter__(self) -> "RunIdHandoff":
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout=60)
-        with contextlib.suppress(Exception):  # the job's Ray may be gone already
-            from ray.experimental.internal_kv import _internal_kv_del
+        import contextlib
 
-            _internal_kv_del(self.key, namespace=RUN_KEY_NAMESPACE)
+        import threading
+
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+
+        def delete() -> None:
+            with contextlib.suppress(Exception):  # the job's Ray may be gone already
+                from ray.experimental.internal_kv import _internal_kv_del
+
+                _internal_kv_del(self.key, namespace=RUN_KEY_NAMESPACE)
+
+        # a Ray whose processes a Ctrl-C ended with the driver's would hold the deletion for its reconnect time
+        deleting = threading.Thread(target=delete, name="raytune-run-key", daemon=True)
+        deleting.start()
+        deleting.join(timeout=2.0)
 
 
 def await_run_id(key: str, timeout_s: float = 600.0, poll_s: float = 0.2) -> str:
     """In a worker: the run id `RunIdHandoff` hands over under `key`, waiting for it up to `timeout_s`; raises
     RunNotOpened with the driver's words when the run did not open."""
-    import json
     import time
 
     from ray.experimental.internal_kv import _internal_kv_get
@@ -222,24 +193,51 @@ def await_run_id(key: str, timeout_s: float = 600.0, poll_s: float = 0.2) -> str
         time.sleep(poll_s)
 
 
-def _open_run_here(result_path: str) -> None:
-    """The child of RunOpening: the recipe (JSON) from stdin, the run id or the error (pickled) to a file."""
-    import json
-    import pickle
-    import sys
+def _pickled(e: BaseException) -> str:
+    try:
+        raw = pickle.dumps(e)
+    except Exception:  # noqa: BLE001 - an error that does not pickle goes as its type and words
+        raw = pickle.dumps(RuntimeError(f"{type(e).__name__}: {redact(str(e))}"))
+    return base64.b64encode(raw).decode()
 
+
+def serve(child) -> None:
+    """RunOpening's process (channel.Channel's child): the recipe from the first message, the run id (or the
+    error, pickled) answered; then an `end` message ends that run, answered `ended` with its id."""
     from raytune_ft.recipe import recipe_from_dict
 
+    messages = child.messages()
+    first = next(messages, None)
+    if first is None:
+        return
+    recipe, run_id = recipe_from_dict(first["recipe"]), None
     try:
-        outcome = {"run_id": start_run(recipe_from_dict(json.loads(sys.stdin.read())))}
+        run_id = start_run(recipe)
+        child.answer(run_id=run_id)
     except Exception as e:  # noqa: BLE001 - raised again in the driver
-        try:
-            pickle.dumps(e)
-            outcome = {"error": e}
-        except Exception:  # noqa: BLE001 - an error that does not pickle goes as its type and words
-            outcome = {"error": RuntimeError(f"{type(e).__name__}: {redact(str(e))}")}
-    with open(result_path, "wb") as f:
-        pickle.dump(outcome, f)
-    sys.stdout.flush()
-    # MLflow's background threads (telemetry, async logging) have nothing left to do for this process
-    os._exit(0)
+        child.answer(error=_pickled(e))
+    for msg in messages:
+        if "end" in msg:
+            child.answer(**_end(recipe, run_id, msg["end"]))
+
+
+def _end(recipe: Recipe, run_id: str | None, how: dict) -> dict:
+    """End run `run_id` as `how` says (status, tags, metrics, json_artifacts), where it is RUNNING or is
+    finishing: a finished run re-submitted is left as it was."""
+    out: dict = {"ended": None}
+    if run_id is None:
+        return out
+    try:
+        import mlflow
+
+        from raytune_ft.tracking import mlflow_metric_name
+
+        client = mlflow.MlflowClient(recipe.tracking_uri)
+        history = client.get_metric_history(run_id, mlflow_metric_name("loss"))
+        out["step"] = max(m.step for m in history) if history else None
+        if how["status"] == "FINISHED" or client.get_run(run_id).info.status == "RUNNING":
+            out["experiment_id"] = end_run(recipe, run_id, **how)
+            out["ended"] = run_id
+    except Exception as e:  # noqa: BLE001 - the driver says the run may stay RUNNING
+        print(f"[raytune_ft] could not end the MLflow run {run_id}: {type(e).__name__}", flush=True)
+    return out

@@ -1,15 +1,11 @@
-"""The driver's start-up with its latency hidden: Ray started or joined, and what the run needs later (its
-MLflow run, the driver's imports and tokenizer, the tokenizing processes) started early beside it."""
+"""The driver's start-up parts that hide its latency (lifecycle.RunLifecycle runs them in order): Ray started
+or joined, the driver's imports and tokenizer loaded beside it, what Ray Train waits for started early."""
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import os
 import sys
-import time
 
-from raytune_ft.env import process_start
-from raytune_ft.recipe import Recipe, check_tracking_store
+from raytune_ft.recipe import Recipe
 
 
 def local_cpus(local: bool) -> int | None:
@@ -105,7 +101,7 @@ def prepare_driver(recipe: Recipe) -> None:
     loaded again: its class is remembered (through AutoTokenizer, the load imports torch, which under `ray
     job submit` nothing hides). The training loop's own modules (the model code) are imported by the
     workers only (train/launch.loop_function), and torch by neither (train/backend.py)."""
-    import mlflow  # noqa: F401 - ending a stopped run must fit in the 3 s `ray job stop` leaves it
+    import mlflow  # noqa: F401 - the end of the run uses it (plots, the registry): imported while Ray starts
     import ray.train.v2.api.data_parallel_trainer  # noqa: F401
 
     from raytune_ft.data import pipeline  # noqa: F401
@@ -113,81 +109,3 @@ def prepare_driver(recipe: Recipe) -> None:
     from raytune_ft.train import launch  # noqa: F401
 
     load_once(recipe.model, tokenizer_memo(recipe))
-
-
-class StartAhead:
-    """The start-up's latency hiding: what `_run` needs later, started early so that it overlaps Ray's start.
-
-    Before Ray starts: the driver's imports and the tokenizer (a thread, `_prepare_driver`) and, on a Ray this
-    job starts (one node: the node check cannot fail), the MLflow run (its own process: run_opening.RunOpening).
-    A cluster joined is checked before the run opens. Once Ray is up: Ray Data's coordinator and the
-    tokenizing processes. The run id reaches rank 0 one way, through Ray's key-value store
-    (run_opening.RunIdHandoff), so the trainer never waits for the run to open. `marks` are the driver's side of
-    the start-up breakdown (train/common.DRIVER_MARKS). A context manager: however the run ends, the opening's
-    process and file, the thread and the handed-over key are left behind."""
-
-    def __init__(self, recipe: Recipe, ending, *, local: bool, joins: bool, t0: float):
-        from raytune_ft import run_opening
-
-        self.recipe, self.local, self.joins, self._ending = recipe, local, joins, ending
-        self.marks, self.job_start = {"driver": t0}, min(process_start() or t0, t0)
-        self._held = contextlib.ExitStack()
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raytune-start")
-        self._held.callback(pool.shutdown, wait=False)   # a stopped run ends without waiting for imports
-        self._prepared = pool.submit(prepare_driver, recipe)
-        self.opened = None if joins else self._open(run_opening.RunOpening(recipe))
-
-    def _open(self, opened):
-        self._ending.opened = self._held.enter_context(opened)
-        return opened
-
-    def __enter__(self) -> "StartAhead":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._held.close()
-
-    def start_ray(self) -> None:
-        """Ray up (started or joined) and checked; the MLflow run opening; the driver's imports done."""
-        from raytune_ft import preflight, run_opening
-
-        ensure_ray(self.local)
-        self.marks["ray_start"] = time.time()
-        submitted = submitted_at() if self.joins else None
-        if submitted is not None:   # `ray job submit`: the wait starts at the submission (the process's start
-            # time has a resolution of 10 ms: a driver Ray started at once may seem to start before it)
-            self.marks["process"], self.job_start = self.job_start, min(submitted, self.job_start)
-        check_tracking_store(self.recipe, preflight.cluster_nodes(), "nodes of the Ray cluster it joined")
-        if self.joins:
-            import ray
-
-            preflight.check_resources(self.recipe, ray.cluster_resources(), "the Ray cluster it joined")
-        self.opened = self.opened or self._open(run_opening.RunOpening(self.recipe))
-        start_train_helpers()
-        self._prepared.result()
-        from raytune_ft.train.launch import start_tokenizing
-
-        # beside Ray Train's start, with the tokenizer loaded (the driver's choice of class) by the first read
-        start_tokenizing(self.recipe)
-
-    def datasets(self):
-        """The datasets, built while the MLflow run opens in its own process."""
-        from raytune_ft.train.launch import build_datasets
-
-        out = build_datasets(self.recipe)
-        self.marks["datasets"] = time.time()
-        return out
-
-    def run_key(self, token: str) -> str:
-        """Where rank 0 finds the run id: handed over once the run is open (at once if it is; a run that
-        failed to open and is done raises here, in the driver)."""
-        from raytune_ft import run_opening
-
-        if self.opened.done():
-            self.opened.result()
-        handoff = self._held.enter_context(run_opening.RunIdHandoff(self.opened, token))
-        self.marks["tracking"] = time.time()
-        return handoff.key
-
-    def run_id(self) -> str:
-        return self.opened.result()

@@ -28,7 +28,7 @@ STARTUP_PARAM = "startup."
 # "false" on a finished run whose latest checkpoint is not a final one (train.save_final=false): a
 # re-submit resumes it from there, as the loops do, instead of handing back its weights
 FINAL_CHECKPOINT_TAG = "raytune.final_checkpoint"
-# what a failed or stopped attempt leaves on the run (endings.RunEnding), removed when a later attempt finishes it
+# what a failed or stopped attempt leaves on the run (endings.mlflow_ending), removed when a later attempt finishes it
 ENDING_TAGS = ("raytune.error", "raytune.ended_by")
 
 
@@ -53,40 +53,35 @@ def loop_metric_name(name: str) -> str:
     return name
 
 
-def startup_prefix(first_step: int = 1, attempt: int = 1) -> str:
-    """The params' prefix of an attempt's start-up: `startup.` for the run's first (its first step is step 1,
-    Ray's attempt 1 of the job), `startup.step<N>.attempt<A>.` for a later one, whose first step was N: MLflow
-    params cannot change, so each attempt logs under names of its own."""
-    if first_step <= 1 and attempt <= 1:
-        return STARTUP_PARAM
-    return f"{STARTUP_PARAM}step{first_step}.attempt{attempt}."
+def attempt_id(started: float | None = None) -> str:
+    """A name of its own for one attempt of a run (rank 0's start, in milliseconds, and 4 random hex digits):
+    attempts that share a first step (a re-run killed before its first checkpoint, two jobs resuming one
+    checkpoint) never share it, and its leading time orders attempts."""
+    import secrets
+    import time
+
+    return f"{int((started or time.time()) * 1000):013d}-{secrets.token_hex(2)}"
 
 
-_LATER_ATTEMPT = re.compile(r"step(\d+)\.attempt(\d+)\.(.+)")
+_ATTEMPT_PARAM = re.compile(r"(\d{13}-[0-9a-f]{4})\.(.+)")
 
 
-def startup_params(breakdown: dict, first_step: int = 1, attempt: int = 1) -> dict[str, str]:
-    """The start-up breakdown (`startup/<phase>_s` seconds) as MLflow params `<startup_prefix><phase>_s`:
-    one-off values per attempt, not curves."""
-    prefix = startup_prefix(first_step, attempt)
-    return {prefix + k.split("/", 1)[1]: f"{float(v):.3f}" for k, v in breakdown.items()}
+def startup_params(breakdown: dict, attempt: str) -> dict[str, str]:
+    """The start-up breakdown (`startup/<phase>_s` seconds) as MLflow params `startup.<attempt>.<phase>_s`
+    (`attempt`: `attempt_id()`): one-off values per attempt, not curves; MLflow params cannot change, so
+    each attempt logs under names of its own."""
+    return {f"{STARTUP_PARAM}{attempt}.{k.split('/', 1)[1]}": f"{float(v):.3f}" for k, v in breakdown.items()}
 
 
 def startup_from_params(params: dict) -> dict[str, float]:
     """The start-up breakdown of the run's latest attempt its params hold, by phase (`ray_workers_s`:
     seconds, ...)."""
-    first: dict[str, float] = {}
-    later: dict[tuple[int, int], dict[str, float]] = {}
+    by_attempt: dict[str, dict[str, float]] = {}
     for k, v in params.items():
-        if not k.startswith(STARTUP_PARAM):
-            continue
-        name = k[len(STARTUP_PARAM):]
-        m = _LATER_ATTEMPT.fullmatch(name)
+        m = _ATTEMPT_PARAM.fullmatch(k[len(STARTUP_PARAM):]) if k.startswith(STARTUP_PARAM) else None
         if m:
-            later.setdefault((int(m[1]), int(m[2])), {})[m[3]] = float(v)
-        else:
-            first[name] = float(v)
-    return later[max(later)] if later else first
+            by_attempt.setdefault(m[1], {})[m[2]] = float(v)
+    return by_attempt[max(by_attempt)] if by_attempt else {}
 
 
 class FinishedRunError(RecipeError):

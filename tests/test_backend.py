@@ -22,7 +22,7 @@ DRIVER = textwrap.dedent("""
     from raytune_ft.cli import _job_recipe
     from raytune_ft.train.launch import build_trainer
     recipe = _job_recipe("qwen27b_b300", True, ["tracking.storage_path=" + sys.argv[1]])
-    trainer = build_trainer(recipe, mlflow_run_id=None)
+    trainer = build_trainer(recipe)
     print(json.dumps({"torch": "torch" in sys.modules, "backend": type(trainer.backend_config).__name__,
                       "nccl_free": trainer.backend_config.backend,
                       "poll": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")}))

@@ -189,8 +189,11 @@ def watched_run(ray_local, tmp_path_factory):
     r.train.sample_prompts = write_prompts(tmp / "prompts.jsonl")
     r.train.read_ahead = "on"
     r = validate(r)
+    from raytune_ft.run_opening import put_run_id
+
     run_id = tracking.start_run(r)
-    result = build_trainer(r, mlflow_run_id=run_id).fit()
+    put_run_id("mlflow_run/watched", {"run_id": run_id})      # the one way a run id reaches rank 0
+    result = build_trainer(r, mlflow_run_key="mlflow_run/watched").fit()
     return r, result, run_id
 
 
@@ -297,7 +300,7 @@ def test_trl_eval_loss_is_logged_as_eval_loss_and_perplexity(tmp_path):
     cb = report_callback(ReportContext(recipe=r, rank=0, world=1, log=log, blocks=None, lora=False, paused=Paused()))
     cb.on_log(None, types.SimpleNamespace(global_step=3, max_steps=5), None,
               logs={"eval_loss": 1.25, "eval_runtime": 2.5})
-    log.flush()                   # rank 0's MLflow calls are made by a process of their own
+    log.flush(240)                 # rank 0's MLflow calls are made by a process of their own
     got = {k: mlflow.MlflowClient(r.tracking_uri).get_metric_history(run_id, k)
            for k in ("validation/loss", "validation/perplexity", "validation/seconds")}
     assert [(m.step, m.value) for m in got["validation/loss"]] == [(3, 1.25)]

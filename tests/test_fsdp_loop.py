@@ -43,7 +43,7 @@ def tiny_recipe(storage, name: str, **train) -> Recipe:
 def fit(recipe: Recipe, blocks_by_rank=None):
     from raytune_ft.train.launch import build_trainer
 
-    result = build_trainer(recipe, mlflow_run_id=None, blocks_by_rank=blocks_by_rank).fit()
+    result = build_trainer(recipe, blocks_by_rank=blocks_by_rank).fit()
     return result, train_state(result.checkpoint.path)
 
 

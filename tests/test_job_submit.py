@@ -35,8 +35,10 @@ def ray_head(tmp_path_factory):
     token = temp / "auth_token"
     token.write_text(secrets.token_hex(32))
     # PYTHONDONTWRITEBYTECODE: as container images often set it (the job keeps its own bytecode, below)
+    # RAY_JOB_STOP_WAIT_TIME_S: `ray job stop` kills a job 3 s after its SIGTERM by default; the job's ending
+    # takes up to lifecycle.END_BOUND_S, which a loaded test host may need
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), PYTHONDONTWRITEBYTECODE="1",
-               PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+               PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", RAY_JOB_STOP_WAIT_TIME_S="15")
     env.pop("RAY_ADDRESS", None)
     start = subprocess.run(
         [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
@@ -131,3 +133,57 @@ def test_submit_without_token_is_refused(ray_head):
     out = subprocess.run([str(BIN / "ray"), "job", "list", "--address", address], env=bare,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
+
+
+def _ray_job(env, *args, timeout=580) -> str:
+    out = subprocess.run([str(BIN / "ray"), "job", *args], env=env, capture_output=True, text=True, timeout=timeout)
+    return out.stdout + out.stderr
+
+
+@pytest.mark.timeout(1200)
+def test_ray_job_stop_says_one_line_ends_the_run_killed_and_the_same_submit_resumes(ray_head, tmp_path):
+    """Issue 50 item 8: `ray job stop` (SIGTERM to the job's driver and its children) once the step-3 checkpoint
+    is reported: the job's log ends with one line and no traceback, the MLflow run is KILLED with
+    raytune.ended_by=interrupt, the lease is given back; the same submit resumes and finishes."""
+    import re
+
+    from mlflow import MlflowClient
+
+    from raytune_ft import storage as storage_mod
+    from raytune_ft.cli import _job_recipe
+    from raytune_ft.lease import LEASE_FILE
+
+    address, env, _ = ray_head
+    sets = [f"tracking.storage_path={tmp_path / 'runs'}", "train.max_steps=8", "train.checkpoint_every=3",
+            f"train.cache_dir={tmp_path / 'cache'}", "train.bytecode_cache=on"]
+    entry = ["--", "python", "jobs/qwen27b_b300.py", "--local", "--no-register", *[f"--set={s}" for s in sets]]
+    recipe = _job_recipe("qwen27b_b300", True, sets)
+    folder = os.path.join(recipe.tracking.storage_path, recipe.tracking.run_name)
+    for _ in range(12):  # the head's job agent can take a while to come up on a loaded host
+        said = _ray_job(env, "submit", "--address", address, "--working-dir", str(REPO), "--no-wait", *entry)
+        if "No available agent to submit job" not in said:
+            break
+        time.sleep(10)
+    job = re.search(r"raysubmit_\w+", said)
+    assert job, said
+    fs = storage_mod.for_recipe(recipe).fs
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and not storage_mod.reported_checkpoints(fs, folder):
+        time.sleep(1)
+    assert storage_mod.reported_checkpoints(fs, folder), _ray_job(env, "logs", "--address", address, job[0])[-4000:]
+    _ray_job(env, "stop", "--address", address, job[0])
+    log = _ray_job(env, "logs", "--address", address, job[0])
+    assert "STOPPED" in _ray_job(env, "status", "--address", address, job[0])
+    said = [ln for ln in log.splitlines() if ln.startswith("[raytune_ft] interrupted")]
+    assert len(said) == 1 and re.fullmatch(r"\[raytune_ft\] interrupted at step \d+; the checkpoint at step \d+ is "
+                                           r"kept; run the same command to resume", said[0]), log[-4000:]
+    assert "Traceback" not in log, log[-4000:]
+    client = MlflowClient(recipe.tracking_uri)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "KILLED" and run.data.tags["raytune.ended_by"] == "interrupt"
+    assert not os.path.exists(os.path.join(folder, LEASE_FILE))
+    again = _ray_job(env, "submit", "--address", address, "--working-dir", str(REPO), *entry)
+    assert "succeeded" in again, again[-4000:]
+    summary = json.loads(open(os.path.join(folder, "summary.json")).read())
+    assert summary["steps"] == 8 and summary["mlflow_run_id"] == run.info.run_id
+    assert client.get_run(run.info.run_id).info.status == "FINISHED"

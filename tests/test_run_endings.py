@@ -12,7 +12,7 @@ import pytest
 from mlflow import MlflowClient
 
 from raytune_ft.cli import _job_recipe
-from raytune_ft.endings import RunEnding, Stopped, ending_line, exit_code, sigterm_raises
+from raytune_ft.endings import Stopped, ending_line, exit_code, sigterm_raises
 from raytune_ft.lease import LEASE_FILE
 from raytune_ft.recipe import RecipeError
 from raytune_ft.tracking import FINAL_CHECKPOINT_TAG, end_run, start_run
@@ -94,48 +94,52 @@ def test_sigterm_raises_stopped_and_exits_143():
     assert signal.getsignal(signal.SIGTERM) is not None and exit_code(RuntimeError()) == 1
 
 
-class _Opened:
-    """The run id RunOpening hands over, for a run opened here with start_run."""
-
-    def __init__(self, run_id):
-        self.run_id = run_id
-
-    def done(self):
-        return True
-
-    def result(self):
-        return self.run_id
-
-
-@pytest.mark.parametrize("exc, status, line", [
-    (Stopped(signal.SIGTERM), "KILLED", "stopped by SIGTERM at step 7; the checkpoint at step 5 is kept; "
-                                        "run the same command to resume"),
-    (KeyboardInterrupt(), "KILLED", "interrupted at step 7; the checkpoint at step 5 is kept; "
-                                    "run the same command to resume"),
-    (RuntimeError("disk\non fire"), "FAILED", "failed at step 7 (RuntimeError: disk on fire); the checkpoint at "
-                                              "step 5 is kept; fix the cause and run the same command to resume"),
+@pytest.mark.parametrize("exc, status, ended_by, line", [
+    (Stopped(signal.SIGTERM), "KILLED", "interrupt",
+     "interrupted at step 7; the checkpoint at step 5 is kept; run the same command to resume"),
+    (KeyboardInterrupt(), "KILLED", "interrupt",
+     "interrupted at step 7; the checkpoint at step 5 is kept; run the same command to resume"),
+    (RuntimeError("disk\non fire"), "FAILED", "RuntimeError",
+     "failed at step 7 (RuntimeError: disk on fire); the checkpoint at step 5 is kept; fix the cause and run the "
+     "same command to resume"),
 ])
-def test_an_ending_closes_the_run_with_its_reason_and_says_how_to_resume(tmp_path, exc, status, line):
+def test_an_ending_says_how_the_run_ended_and_how_to_resume(exc, status, ended_by, line):
+    """Ctrl-C and `ray job stop` (SIGTERM) are the user's choice: one line, "interrupted", KILLED with
+    raytune.ended_by=interrupt; an error is FAILED with its type and says to fix the cause."""
+    from raytune_ft.endings import ending_text, mlflow_ending
+
+    got_status, tags = mlflow_ending(exc)
+    assert (got_status, tags["raytune.ended_by"]) == (status, ended_by) and "\n" not in tags["raytune.error"]
+    assert ending_text(exc, 7, 5) == line
+
+
+@pytest.mark.timeout(120)
+def test_an_ending_closes_the_run_with_its_reason_through_the_opener(tmp_path):
+    """The lifecycle's ending on a real opener process and run folder: the MLflow run KILLED with its reason,
+    the line from the run's last logged step and the folder's latest checkpoint, the lease given back; the
+    run resumed and finished carries nothing of the ending."""
     from raytune_ft import storage
+    from raytune_ft.lifecycle import RunLifecycle
 
     recipe = _recipe(tmp_path)
-    run_id = start_run(recipe)
-    client = MlflowClient(recipe.tracking_uri)
-    client.log_metric(run_id, "train/loss", 1.0, step=7)
     folder = _run_folder(recipe)
     # what Ray Train's checkpoint manager records in a run folder: the latest checkpoint and its metrics
     os.makedirs(os.path.join(folder, "checkpoint_1"), exist_ok=True)
     with open(os.path.join(folder, storage.SNAPSHOT_FILE), "w") as f:
         json.dump({"checkpoint_results": [], "latest_checkpoint_result": {
             "checkpoint_dir_name": "checkpoint_1", "metrics": {"step": 5}}}, f)
-    ending = RunEnding(recipe)
-    ending.opened = _Opened(run_id)
-    ending.storage, ending.run_path = storage.for_recipe(recipe), folder
-    with pytest.raises(type(exc)) as caught, ending:
-        raise exc
-    assert ending_line(caught.value) == line
+    client = MlflowClient(recipe.tracking_uri)
+    with pytest.raises(Stopped) as caught, RunLifecycle(recipe, local=True) as life:
+        life.hold_folder(storage.for_recipe(recipe), folder)
+        life.open_run()
+        run_id = life.run_id()
+        client.log_metric(run_id, "train/loss", 1.0, step=7)
+        raise Stopped(signal.SIGTERM)
+    assert ending_line(caught.value) == ("interrupted at step 7; the checkpoint at step 5 is kept; "
+                                         "run the same command to resume")
     run = client.get_run(run_id)
-    assert run.info.status == status and "\n" not in run.data.tags["raytune.error"]
+    assert run.info.status == "KILLED" and run.data.tags["raytune.ended_by"] == "interrupt"
+    assert not os.path.exists(os.path.join(folder, LEASE_FILE))
     # the run resumed and finished: nothing of the ending stays on it
     end_run(recipe, start_run(recipe), tags={"raytune.status": "trained"})
     assert "raytune.error" not in client.get_run(run_id).data.tags
@@ -172,9 +176,16 @@ def test_a_finished_run_resubmitted_answers_without_ray_and_leaves_its_mlflow_ru
     assert not os.path.exists(os.path.join(_run_folder(recipe), LEASE_FILE))
 
 
-def test_each_attempt_logs_its_start_up_under_its_own_names(tmp_path):
-    """A resumed attempt's start-up params were refused (MLflow params cannot change): a real store takes
-    every attempt's, and the run's breakdown reads the latest."""
+def test_attempts_sharing_a_first_step_log_their_start_up_under_names_of_their_own(tmp_path):
+    """Two attempts with the same first step (a re-run killed before its first checkpoint: both start at step
+    1; two jobs resuming one checkpoint: both at step 11, each its job's attempt 1) used to log the same
+    startup.* names: MLflow refused the second batch and the run's breakdown read the older attempt. Each
+    WorkerLog names its attempt; a real store takes every attempt's, and the breakdown reads the latest."""
+    import io
+
+    import torch
+
+    from raytune_ft.train.common import WorkerLog
     from mlflow.entities import Param
 
     from raytune_ft.tracking import startup_from_params, startup_params
@@ -182,11 +193,13 @@ def test_each_attempt_logs_its_start_up_under_its_own_names(tmp_path):
     recipe = _recipe(tmp_path)
     run_id = start_run(recipe)
     client = MlflowClient(recipe.tracking_uri)
-    for first_step, attempt, seconds in ((1, 1, 10.0), (11, 1, 20.0), (11, 2, 30.0)):
-        params = startup_params({"startup/total_s": seconds}, first_step, attempt)
-        client.log_batch(run_id, params=[Param(k, v) for k, v in params.items()])
-    logged = client.get_run(run_id).data.params
-    assert {k: v for k, v in logged.items() if k.startswith("startup.")} == {
-        "startup.total_s": "10.000", "startup.step11.attempt1.total_s": "20.000",
-        "startup.step11.attempt2.total_s": "30.000"}
-    assert startup_from_params(logged) == {"total_s": 30.0}
+    logged = []
+    for first_step in (1, 1, 11, 11):     # each: a job's first attempt (the same job_start label)
+        # what rank 0's first_step_done logs (its MLflow sender's process is left out: a second each)
+        log = WorkerLog(0, recipe, None, stream=io.StringIO(), job_start=time.time() - first_step)
+        logged.append(log.first_step_done(first_step, torch.device("cpu")))
+        client.log_batch(run_id, params=[Param(k, v) for k, v in startup_params(logged[-1], log.attempt_id).items()])
+        time.sleep(0.01)                  # attempts start at least a millisecond apart
+    params = client.get_run(run_id).data.params
+    assert len({k for k in params if k.startswith("startup.") and k.endswith(".total_s")}) == 4, params
+    assert startup_from_params(params)["total_s"] == pytest.approx(logged[-1]["startup/total_s"], abs=1e-3)

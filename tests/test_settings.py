@@ -174,7 +174,7 @@ def _fsdp_recipe(storage, name: str, source: str, **train) -> Recipe:
 def _fit(recipe: Recipe) -> tuple[dict, dict]:
     from raytune_ft.train.launch import build_trainer
 
-    result = build_trainer(recipe, mlflow_run_id=None).fit()
+    result = build_trainer(recipe).fit()
     return result, {rank: train_state(result.checkpoint.path, rank) for rank in range(recipe.scaling.num_workers)}
 
 

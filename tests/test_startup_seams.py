@@ -1,9 +1,8 @@
-"""The driver's start-up seams (issue 38): the MLflow run id handed to rank 0 one way, a key-value write that
-fails said at once, and the run's opening process and file gone however `run()` ends. Real MLflow (sqlite)
+"""The driver's start-up seams (issues 38, 53): the MLflow run id handed to rank 0 one way, a key-value write
+that fails said at once, and the run's opening process gone however `run()` ends. Real MLflow (sqlite)
 stores, real child processes."""
 from __future__ import annotations
 
-import glob
 import os
 import tempfile
 import time
@@ -24,7 +23,7 @@ def _openers() -> list[psutil.Process]:
     out = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if any("_open_run_here" in part for part in child.cmdline()):
+            if any("raytune_ft.run_opening" in part for part in child.cmdline()):
                 out.append(child)
         except psutil.Error:
             pass
@@ -54,17 +53,17 @@ def test_a_key_value_store_that_cannot_be_written_fails_the_handoff_at_once(tmp_
         with pytest.raises(RunIdHandoffError, match="could not hand the MLflow run id") as caught:
             RunIdHandoff(opening, "token-x")
         assert time.time() - t0 < 5 and "\n" not in str(caught.value)
-        assert opening.result()          # the run opened all the same: the driver ends it (RunEnding)
+        assert opening.result()          # the run opened all the same: the lifecycle ends it
     assert not _openers() and not list(own_tempdir.iterdir())
 
 
 @pytest.mark.timeout(120)
-def test_closing_an_opening_still_running_ends_its_process_and_removes_its_file(tmp_path, own_tempdir):
+def test_closing_an_opening_still_running_ends_its_process(tmp_path, own_tempdir):
     from raytune_ft.run_opening import RunOpening
 
     opening = RunOpening(_recipe(tmp_path))
-    assert not opening.done() and len(list(own_tempdir.glob("raytune_run_*.pickle"))) == 1
-    opening.close()
+    assert not opening.done() and len(_openers()) == 1
+    opening.close(timeout=0)
     assert opening.done() and not _openers() and not list(own_tempdir.iterdir())
     with pytest.raises(RuntimeError, match="abandoned"):
         opening.result()
@@ -73,8 +72,8 @@ def test_closing_an_opening_still_running_ends_its_process_and_removes_its_file(
 @pytest.mark.timeout(300)
 def test_a_run_failing_early_leaves_no_opening_process_or_file(tmp_path, own_tempdir, monkeypatch):
     """`run()` failing right after the MLflow run began to open (here Ray's start, made to fail: Ray cannot
-    be made to fail to start for real in a test) leaves neither the opening's process nor its answer file,
-    and gives the run folder's lease back."""
+    be made to fail to start for real in a test) leaves no opening process and no RUNNING run, and gives the
+    run folder's lease back."""
     from raytune_ft import start_ahead
     from raytune_ft.lease import LEASE_FILE
     from raytune_ft.recipe import RecipeError
@@ -88,7 +87,12 @@ def test_a_run_failing_early_leaves_no_opening_process_or_file(tmp_path, own_tem
     with pytest.raises(RecipeError, match="Ray did not start"):
         run(recipe, local=True)
     assert not _openers()
-    assert not glob.glob(str(own_tempdir / "raytune_run_*.pickle"))
+    from mlflow import MlflowClient
+
+    runs = MlflowClient(recipe.tracking_uri).search_runs(
+        [e.experiment_id for e in MlflowClient(recipe.tracking_uri).search_experiments()])
+    # the run the opener had opened ended FAILED (or none, where the opener was killed before it opened one)
+    assert [r.info.status for r in runs] in ([], ["FAILED"])
     assert not os.path.exists(os.path.join(recipe.tracking.storage_path, recipe.tracking.run_name, LEASE_FILE))
 
 
@@ -103,4 +107,11 @@ def test_the_run_id_reaches_rank_0_one_way():
     tree = ast.parse((root / "run.py").read_text())
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "build_trainer"]
     assert len(calls) == 1 and {k.arg for k in calls[0].keywords} >= {"mlflow_run_key"}
-    assert "mlflow_run_id" not in {k.arg for k in calls[0].keywords}
+    # no second path: no trainer built with an id, no worker reading one from its config or a module global
+    import inspect
+
+    from raytune_ft.train import common, launch
+
+    assert "mlflow_run_id" not in inspect.signature(launch.build_trainer).parameters
+    assert not hasattr(common, "mlflow_run_of") and not hasattr(common, "_run_key")
+    assert "mlflow_run_id" not in (root / "train" / "launch.py").read_text()

@@ -33,7 +33,7 @@ def test_every_step_has_its_own_loss_lr_and_grad_norm_point(mlflow_run):
     for steps in ([1, 2, 3, 4, 5], [6, 7]):
         points, window = _window(steps, None)
         log.progress(window, 7, elapsed=1.0, steps=points)
-    log.flush()                   # rank 0's MLflow calls are made by a process of their own
+    log.flush(240)                 # rank 0's MLflow calls are made by a process of their own
     for key in ("train/loss", "train/lr", "train/grad_norm"):
         hist = _history(recipe, run_id, key)
         assert [s for s, _ in hist] == [1, 2, 3, 4, 5, 6, 7], (key, hist)
@@ -50,14 +50,14 @@ def test_no_mfu_metric_where_no_peak_is_known(mlflow_run):
     log = WorkerLog(0, recipe, run_id, stream=out)
     points, window = _window([1, 2], None)          # CPU: no datasheet peak
     log.progress(window, 4, elapsed=1.0, steps=points)
-    log.flush()
+    log.flush(240)
     metrics = MlflowClient(recipe.tracking_uri).get_run(run_id).data.metrics
     assert "tokens_per_s" in metrics
     assert not [k for k in metrics if k.startswith("mfu")], metrics
     assert "MFU n/a" in out.getvalue()               # the console still says why there is none
     points, window = _window([3, 4], "NVIDIA H200")  # a known GPU: measured, so logged
     log.progress(window, 4, elapsed=2.0, steps=points)
-    log.flush()
+    log.flush(240)
     assert _history(recipe, run_id, "mfu") == [(4, pytest.approx(0.4))]
 
 
@@ -67,7 +67,7 @@ def test_data_counters_are_not_metrics(mlflow_run):
     recipe, run_id = mlflow_run
     log = WorkerLog(0, recipe, run_id, stream=io.StringIO())
     log.log_metrics({"loss": 1.0, "tokens": 10, "data/rows_read": 600.0, "data/blocks": 40.0}, 3)
-    log.flush()
+    log.flush(240)
     metrics = MlflowClient(recipe.tracking_uri).get_run(run_id).data.metrics
     assert metrics.keys() == {"train/loss", "tokens"}
 
@@ -150,14 +150,14 @@ def test_first_step_prints_one_breakdown_line_and_logs_it(mlflow_run):
     for label in ("Ray and workers", "model build", "kernel check", "compile", "first step"):
         assert label in lines[0], lines[0]
     assert again == first and first["startup/total_s"] >= 1.0
-    log.flush()
+    log.flush(240)
     from mlflow import MlflowClient
 
     from raytune_ft.tracking import startup_from_params
 
     params = MlflowClient(recipe.tracking_uri).get_run(run_id).data.params
     assert startup_from_params(params) == pytest.approx({k[len("startup/"):]: v for k, v in first.items()}, abs=1e-3)
-    assert set(params) >= {"startup." + k[len("startup/"):] for k in STARTUP_METRICS}
+    assert set(params) >= {f"startup.{log.attempt_id}." + k[len("startup/"):] for k in STARTUP_METRICS}
 
 
 def _run_page_sections(keys) -> list[list[str]]:
@@ -186,7 +186,7 @@ def test_run_page_opens_on_the_training_curves(mlflow_run):
     log.progress(window, 4, elapsed=1.0, steps=points)
     log.log_metrics({"eval/loss": 2.0, "eval/perplexity": 7.4, "eval/tokens": 100, "eval/seconds": 0.5,
                      "samples/seconds": 0.2, "samples/tokens": 8}, 2)       # what EvalAndSamples.run returns
-    log.flush()
+    log.flush(240)
     metrics = MlflowClient(recipe.tracking_uri).get_run(run_id).data.metrics
     sections = _run_page_sections(metrics)
     assert sections[0][:3] == ["train/grad_norm", "train/loss", "train/lr"], sections

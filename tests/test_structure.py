@@ -4,15 +4,15 @@ counts; one under `if TYPE_CHECKING:` does not). Importing `a.b.c` also imports 
 `a`, so those count as imported too, except the importer's own packages (already being imported).
 
 Layers, lowest first (a module imports only its own layer or lower ones):
-  1 base       typed_values, env, console, hardware, storage, storage_errors, compat: values, the
-               environment, printing, the machine, where files live, the libraries' internals; nothing of
-               the project above them
+  1 base       typed_values, env, console, hardware, storage, storage_errors, compat, channel: values, the
+               environment, printing, the machine, where files live, the libraries' internals, a child
+               process to talk to; nothing of the project above them
   2 parts      recipe, recipe_sections, tracking, run_opening, lease, shapes, data.*, models.*: the typed recipe
                and the pieces a run is made of (data pipeline, model build, the MLflow store, the run's lease)
   3 library    train.* (but train.launch), registry.*: the training loops, checkpoints, registration
   4 driver     plan, storage_plan, storage_check, endings, preflight, plots, train.launch: what the
                launching process checks, starts and reports around one fit
-  5 run        start_ahead, run: one run, top-down
+  5 run        start_ahead, lifecycle, run: one run, top-down
   6 entry      cli: the command line
 A new top-level module has to be placed here (the test names it).
 """
@@ -25,11 +25,11 @@ PKG = Path(__file__).resolve().parents[1] / "raytune_ft"
 MAX_LINES = 450
 
 LAYERS = {
-    1: {"typed_values", "env", "console", "hardware", "storage", "storage_errors", "compat"},
+    1: {"typed_values", "env", "console", "hardware", "storage", "storage_errors", "compat", "channel"},
     2: {"recipe", "recipe_sections", "tracking", "run_opening", "lease", "shapes", "data", "models"},
     3: {"train", "registry"},
     4: {"plan", "storage_plan", "storage_check", "endings", "preflight", "plots", "train.launch"},
-    5: {"start_ahead", "run"},
+    5: {"start_ahead", "lifecycle", "run"},
     6: {"cli"},
 }
 
@@ -150,7 +150,8 @@ def test_no_module_imports_a_layer_above_its_own():
 def test_the_low_layers_never_import_the_run():
     """The rule the layers exist for, spelled out: data, models and registry know nothing of a run."""
     graph = import_graph()
-    top = {"raytune_ft.run", "raytune_ft.cli", "raytune_ft.train.launch", "raytune_ft.start_ahead"}
+    top = {"raytune_ft.run", "raytune_ft.cli", "raytune_ft.train.launch", "raytune_ft.start_ahead",
+           "raytune_ft.lifecycle"}
     low = [m for m in graph if m.startswith(("raytune_ft.data", "raytune_ft.models", "raytune_ft.registry"))]
     assert len(low) > 15
     assert not {(m, d) for m in low for d in graph[m] if d in top}

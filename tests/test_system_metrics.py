@@ -56,4 +56,4 @@ def test_turned_on_the_monitor_logs_system_metrics_of_this_node(mlflow_run):
     assert "system/node_0/cpu_utilization_percentage" in names, names
     assert "system/node_0/system_memory_usage_megabytes" in names
     assert not said
-    assert monitor._proc is None
+    assert monitor._channel is None

@@ -60,18 +60,19 @@ def test_the_driver_opens_the_run_in_a_process_of_its_own_with_start_runs_answer
     from raytune_ft.tracking import FinishedRunError
 
     run_id, client = _finished(tmp_path)
-    assert RunOpening(_recipe(tmp_path)).result() == run_id           # the finished run's own id, as start_run
+    with RunOpening(_recipe(tmp_path)) as opening:
+        assert opening.result() == run_id                              # the finished run's own id, as start_run
     assert f"finished already (MLflow run {run_id})" in capfd.readouterr().out   # its note, on the console
-    opening = RunOpening(_recipe(tmp_path, "train.max_steps=7"))
-    assert isinstance(opening.exception(), FinishedRunError)
-    with pytest.raises(FinishedRunError, match=r"train\.max_steps") as caught:
-        opening.result()
+    with RunOpening(_recipe(tmp_path, "train.max_steps=7")) as opening:
+        assert isinstance(opening.exception(), FinishedRunError)
+        with pytest.raises(FinishedRunError, match=r"train\.max_steps") as caught:
+            opening.result()
     assert run_id in str(caught.value)
     assert [r.info.run_id for r in _runs(client)] == [run_id]
 
     code = ("import json, sys; from raytune_ft.cli import _job_recipe; from raytune_ft.run_opening import RunOpening; "
             f"r = _job_recipe('qwen27b_b300', True, ['tracking.storage_path={tmp_path / 'fresh'}']); "
-            "rid = RunOpening(r).result(); print(json.dumps([rid, 'mlflow' in sys.modules]))")
+            "o = RunOpening(r); rid = o.result(); o.close(); print(json.dumps([rid, 'mlflow' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     rid, driver_imported_mlflow = json.loads(out.stdout.strip().splitlines()[-1])
@@ -83,29 +84,24 @@ def test_the_driver_opens_the_run_in_a_process_of_its_own_with_start_runs_answer
 @pytest.mark.timeout(240)
 def test_a_run_still_opening_reaches_rank_0_through_rays_key_value_store(tmp_path, ray_local):
     """RunIdHandoff: the driver starts the trainer while the run opens; rank 0 (here a task in a Ray worker
-    process) waits for the id the driver's RunOpening gets, other ranks for nothing; the words of a run that
-    did not open (a finished run re-submitted with other settings) stop rank 0; the key goes at the end."""
+    process) waits for the id the driver's RunOpening gets; the words of a run that did not open (a finished
+    run re-submitted with other settings) stop rank 0; the key goes at the end."""
     import ray
     from ray.experimental.internal_kv import _internal_kv_get
 
-    from raytune_ft.run_opening import RUN_KEY_NAMESPACE, RunIdHandoff, RunNotOpened, RunOpening
-    from raytune_ft.train.common import mlflow_run_of
+    from raytune_ft.run_opening import RUN_KEY_NAMESPACE, RunIdHandoff, RunNotOpened, RunOpening, await_run_id
 
     @ray.remote(num_cpus=0.1, max_retries=0)
-    def worker(config, rank):
-        return mlflow_run_of(config, rank)
+    def rank_0(key):
+        return await_run_id(key)
 
-    opening = RunOpening(_recipe(tmp_path / "a"))
-    with RunIdHandoff(opening, "token-a") as handoff:
-        config = {"mlflow_run_id": None, "mlflow_run_key": handoff.key}
-        assert ray.get([worker.remote(config, 0), worker.remote(config, 1)], timeout=120) == [opening.result(), None]
+    with RunOpening(_recipe(tmp_path / "a")) as opening, RunIdHandoff(opening, "token-a") as handoff:
+        assert ray.get(rank_0.remote(handoff.key), timeout=120) == opening.result()
         key = handoff.key
     assert _internal_kv_get(key, namespace=RUN_KEY_NAMESPACE) is None
-    # the id in the config (the run opened before the trainer started) is taken as it is
-    assert ray.get(worker.remote({"mlflow_run_id": "abc", "mlflow_run_key": key}, 0), timeout=60) == "abc"
 
     _finished(tmp_path / "b")
-    refused = RunOpening(_recipe(tmp_path / "b", "train.max_steps=7"))
-    with RunIdHandoff(refused, "token-b") as handoff:
+    with RunOpening(_recipe(tmp_path / "b", "train.max_steps=7")) as refused, \
+            RunIdHandoff(refused, "token-b") as handoff:
         with pytest.raises(RunNotOpened, match=r"did not open: .*train\.max_steps"):
-            ray.get(worker.remote({"mlflow_run_id": None, "mlflow_run_key": handoff.key}, 0), timeout=120)
+            ray.get(rank_0.remote(handoff.key), timeout=120)

@@ -11,27 +11,11 @@ from typing import Sequence
 from raytune_ft import compat
 from raytune_ft.recipe import Recipe, TrainConfig, recipe_from_dict
 from raytune_ft.train.job_attempts import attempt_of_job, workers_asked_at
-from raytune_ft.tracking import mlflow_metric_name, startup_params
+from raytune_ft.tracking import attempt_id, mlflow_metric_name, startup_params
 
 
 def recipe_from_config(config: dict) -> Recipe:
     return recipe_from_dict(config["recipe"])
-
-
-_run_key: str | None = None     # the run id's key in Ray's key-value store, where the loop's config names one
-
-
-def mlflow_run_of(config: dict, rank: int) -> str | None:
-    """The MLflow run rank 0 logs to: the id `run()` hands over through Ray's key-value store
-    (run_opening.RunIdHandoff), waited for here; or, for a trainer built with the id (tests, benchmarks), the id in
-    the loop's config. Other ranks log nothing and wait for nothing."""
-    global _run_key
-    _run_key = config.get("mlflow_run_key")     # each node's system metrics wait for the run there too
-    if rank != 0 or config.get("mlflow_run_id") or not config.get("mlflow_run_key"):
-        return config.get("mlflow_run_id")
-    from raytune_ft.run_opening import await_run_id
-
-    return await_run_id(config["mlflow_run_key"])
 
 
 def lr_at(step: int, t: TrainConfig, total_steps: int) -> float:
@@ -271,7 +255,13 @@ class WorkerLog:
     """
 
     def __init__(self, rank: int, recipe: Recipe, run_id: str | None = None, stream=None,
-                 job_start: float | None = None, startup_marks: dict | None = None):
+                 job_start: float | None = None, startup_marks: dict | None = None, run_key: str | None = None):
+        """`run_id`: the MLflow run rank 0 logs to, or `run_key`: where rank 0 waits for it in Ray's key-value
+        store (run_opening.await_run_id) and each node's system metrics find it; neither: no tracking."""
+        if rank == 0 and run_key and not run_id:
+            from raytune_ft.run_opening import await_run_id
+
+            run_id = await_run_id(run_key)
         self.rank = rank
         self.recipe = recipe
         asked = workers_asked_at(recipe.tracking.run_name, job_start) if job_start else None
@@ -279,6 +269,7 @@ class WorkerLog:
         self._stream = stream
         self._live = False           # a redrawn progress line is on screen (terminal only)
         self._sender = None          # rank 0's MLflow calls, made by a process of their own
+        self.attempt_id = attempt_id()   # this attempt's start-up params are named after it
         if rank == 0 and job_start:
             self.startup.attempt = attempt_of_job(recipe.tracking.run_name, job_start)
         if rank == 0 and run_id:
@@ -288,7 +279,14 @@ class WorkerLog:
             self.set_tag("raytune.gpu", _gpu_description(recipe.scaling.num_workers))
         from raytune_ft.train.system_metrics import start_for_node
 
-        self._system = start_for_node(recipe, rank, run_id, _run_key, self.info)
+        self._system = start_for_node(recipe, rank, run_id, run_key, self.info)
+
+    @classmethod
+    def of_worker(cls, rank: int, recipe: Recipe, config: dict) -> "WorkerLog":
+        """A Ray Train worker's log, from the loop's config (launch.build_trainer): the run's key, the start-up
+        breakdown's job start and driver marks."""
+        return cls(rank, recipe, run_key=config.get("mlflow_run_key"), job_start=config.get("job_start"),
+                   startup_marks=config.get("startup_marks"))
 
     @property
     def tracks(self) -> bool:
@@ -408,14 +406,15 @@ class WorkerLog:
         self.info(self.startup.line())
         if self._sender is not None:    # MLflow params do not change: each attempt logs under its own names
             self._sender.call("log_batch", "MLflow params startup.* not logged ({error}); summary.json has them",
-                              params=[[k, str(v)] for k, v in startup_params(m, step, self.startup.attempt).items()])
+                              params=[[k, str(v)] for k, v in startup_params(m, self.attempt_id).items()])
         return m
 
-    def flush(self) -> None:
-        """Wait until rank 0's MLflow calls so far are made (before a checkpoint is reported, and where a test
-        reads the run)."""
-        if self._sender is not None:
-            self._sender.flush()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for rank 0's MLflow calls so far, at most `timeout` s (default the sender's REPORT_WAIT_S: what
+        a hung store may cost a checkpoint report; the calls left are made later); whether all are made."""
+        if self._sender is None:
+            return True
+        return self._sender.flush() if timeout is None else self._sender.flush(timeout)
 
     def close(self) -> None:
         """The end of the loop: rank 0's MLflow calls made, its sender ended."""

@@ -27,7 +27,7 @@ from raytune_ft.train import ckpt_storage, jit_cache
 from raytune_ft.train.checkpointer import Checkpointer, async_enabled
 from raytune_ft.train.batch import (EpochFeeds, StepBatch, count_run_steps, needs_counting_pass,
                                     run_schedule_steps, schedule_settings, worker_blocks)
-from raytune_ft.train.common import WorkerLog, lr_at, mlflow_run_of, recipe_from_config, report
+from raytune_ft.train.common import WorkerLog, lr_at, recipe_from_config, report
 from raytune_ft.train.evaluate import EvalAndSamples, start_reading_held_out
 from raytune_ft.train.fp8 import precompute_fp8_scales
 from raytune_ft.train.fsdp_model import PackedCausalLM, build_fsdp_model, compile_pointwise, shard_packed_model
@@ -72,8 +72,7 @@ def train_fsdp(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = _device()
-    log = WorkerLog(rank, recipe, mlflow_run_of(config, rank), job_start=config.get("job_start"),
-                    startup_marks=config.get("startup_marks"))
+    log = WorkerLog.of_worker(rank, recipe, config)
     t_cfg = recipe.train
     if ckpt_storage.report_if_finished(log):
         return

@@ -168,15 +168,14 @@ def loop_function(recipe: Recipe):
     return run_fsdp_loop if recipe.train.loop == "fsdp2" else run_trl_loop
 
 
-def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None = None, mlflow_run_key: str | None = None,
-                  blocks_by_rank: dict | None = None,
+def build_trainer(recipe: Recipe, *, mlflow_run_key: str | None = None, blocks_by_rank: dict | None = None,
                   lease_token: str | None = None, job_start: float | None = None,
                   startup_marks: dict | None = None, prebuilt: tuple | None = None):
     """The Ray Train trainer for `recipe`; re-running with the same run name resumes from its last checkpoint.
 
     The MLflow run rank 0 logs to: `mlflow_run_key`, where it finds the run id in Ray's key-value store
-    (run_opening.RunIdHandoff: how `run()` hands it over), or `mlflow_run_id` for a caller that has the id (tests,
-    benchmarks); neither: no tracking. `lease_token`: the run folder's lease this job holds
+    (run_opening.RunIdHandoff, or run_opening.put_run_id for a caller that has the id): the one way a run id
+    reaches the workers; None: no tracking. `lease_token`: the run folder's lease this job holds
     (lease.py); each attempt's workers check it is still theirs before they clear the checkpoints dead attempts
     left. `prebuilt`: `build_datasets(recipe)`'s answer, where the caller built them already (run.py, while
     the MLflow run opens)."""
@@ -218,10 +217,8 @@ def build_trainer(recipe: Recipe, *, mlflow_run_id: str | None = None, mlflow_ru
     shipped.tracking.tracking_uri = shipped.tracking_uri
     # job_start (epoch seconds): the workers' start-up breakdown counts from it (train/common.StartupClock)
     # startup_marks: the driver's times after each of its start-up parts (train/common.DRIVER_MARKS)
-    config = {"recipe": shipped.to_dict(), "mlflow_run_id": mlflow_run_id, "job_start": job_start,
+    config = {"recipe": shipped.to_dict(), "mlflow_run_key": mlflow_run_key, "job_start": job_start,
               "lease_token": lease_token}
-    if mlflow_run_key is not None:
-        config["mlflow_run_key"] = mlflow_run_key
     if blocks_by_rank is not None:
         config["blocks_by_rank"] = blocks_by_rank
         datasets, dataset_config = None, None

@@ -6,12 +6,12 @@ local rank 0 starts a process of its own that runs MLflow's `SystemMetricsMonito
 imports and the store's calls stay out of the training process, and the node's GPUs are all visible to it
 (pynvml counts the node's devices, whatever CUDA_VISIBLE_DEVICES says). The process ends when the worker
 closes its pipe or dies (its stdin reaches the end), and MLflow's monitor stops by itself once the run is no
-longer RUNNING. A restarted attempt's monitor continues the steps where the last one stopped.
+longer RUNNING. A restarted attempt's monitor continues the steps where the last one stopped. The process is
+a channel.Channel's child: one that dies takes the node's samples with it (said in the worker's log).
 """
 from __future__ import annotations
 
-import json
-import subprocess
+import os
 import sys
 import threading
 from typing import Callable
@@ -43,48 +43,28 @@ class NodeMonitor:
 
     def __init__(self, tracking_uri: str, node: str, say: Callable[[str], None], *,
                  sample_every_s: float = SAMPLE_EVERY_S, gpus: bool = False):
-        from raytune_ft.env import child_python_env
+        from raytune_ft.channel import Channel
 
         self._first = {"tracking_uri": tracking_uri, "node_id": node, "sample_every_s": sample_every_s,
                        "gpus": gpus}
-        self._say = say
-        self._lock = threading.Lock()
-        try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-c", "from raytune_ft.train.system_metrics import main; main()"],
-                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=child_python_env(), text=True, bufsize=1)
-        except OSError as e:
-            say(f"system metrics off: the monitor's process did not start ({type(e).__name__})")
-            self._proc = None
+        self._say, self._closed = say, False
+        self._channel: Channel | None = Channel("raytune_ft.train.system_metrics", "serve", on_exit=self._exited,
+                                                name="system-metrics")
+
+    def _exited(self, code: int) -> None:
+        if not self._closed and code != 0:
+            self._say(f"system metrics off: the monitor's process exited (code {code})")
 
     def give_run(self, run_id: str | None) -> None:
         """Start sampling into `run_id` (None: the run never came; the process ends)."""
-        with self._lock:
-            if self._proc is None:
-                return
-            try:
-                if run_id:
-                    self._proc.stdin.write(json.dumps({**self._first, "run_id": run_id}) + "\n")
-                    self._proc.stdin.flush()
-                else:
-                    self._end()
-            except OSError:
-                self._end()
+        if self._channel is not None and not (run_id and self._channel.send({**self._first, "run_id": run_id})):
+            self.close()
 
     def close(self, timeout: float = 30.0) -> None:
-        """The last samples logged, the process ended."""
-        with self._lock:
-            self._end(timeout)
-
-    def _end(self, timeout: float = 30.0) -> None:
-        if self._proc is None:
-            return
-        proc, self._proc = self._proc, None
-        try:
-            proc.stdin.close()
-            proc.wait(timeout)
-        except (OSError, subprocess.TimeoutExpired):
-            proc.kill()
+        """The last samples logged, the process ended (killed after `timeout` s)."""
+        channel, self._channel, self._closed = self._channel, None, True
+        if channel is not None:
+            channel.close(timeout)
 
 
 def start_for_node(recipe, rank: int, run_id: str | None, run_key: str | None,
@@ -120,16 +100,16 @@ def start_for_node(recipe, rank: int, run_id: str | None, run_key: str | None,
     return monitor
 
 
-def main() -> None:
-    """The monitor's process: the run from the first line of stdin, then samples until stdin ends."""
+def serve(child) -> None:
+    """The monitor's process (channel.Channel's child): the run from the first message, then samples until
+    the worker closes the pipe or dies."""
     import logging
-    import os
 
     os.dup2(2, 1)           # anything a library prints goes to the worker's log
-    first = sys.stdin.readline()
-    if not first:
+    messages = child.messages()
+    cfg = next(messages, None)
+    if cfg is None:
         return
-    cfg = json.loads(first)
     logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
@@ -139,5 +119,6 @@ def main() -> None:
         print("[raytune_ft] system metrics without the GPUs' figures: pynvml is missing (pip install nvidia-ml-py)",
               file=sys.stderr, flush=True)
     monitor.start()
-    sys.stdin.read()        # until the worker closes the pipe or dies
+    for _ in messages:      # until the worker closes the pipe or dies
+        pass
     monitor.finish()

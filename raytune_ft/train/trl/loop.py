@@ -21,7 +21,7 @@ import torch.distributed as dist
 from raytune_ft.data.packing import DataCounters
 from raytune_ft.recipe import Recipe
 from raytune_ft.train.batch import collate_blocks, count_run_steps, run_schedule_steps, worker_blocks
-from raytune_ft.train.common import WorkerLog, mlflow_run_of, recipe_from_config
+from raytune_ft.train.common import WorkerLog, recipe_from_config
 from raytune_ft.train.state import TrainState
 from raytune_ft.train.trl.base import Paused, ray_report
 from raytune_ft.train.trl.checkpoint import (point_at_best, restore_hf_checkpoint, save_final, save_meta,
@@ -43,8 +43,7 @@ def train_trl(config: dict) -> None:
     t = recipe.train
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    log = WorkerLog(rank, recipe, mlflow_run_of(config, rank), job_start=config.get("job_start"),
-                    startup_marks=config.get("startup_marks"))
+    log = WorkerLog.of_worker(rank, recipe, config)
     from raytune_ft.train.ckpt_storage import SaveGuard, model_checkpoint_bytes, report_if_finished, start_attempt
 
     if report_if_finished(log):   # the final checkpoint is the latest: it stays the run's result
