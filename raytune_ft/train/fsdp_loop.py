@@ -29,6 +29,7 @@ from raytune_ft.train.common import WorkerLog, lr_at, mlflow_run_of, recipe_from
 from raytune_ft.train.evaluate import EvalAndSamples, start_reading_held_out
 from raytune_ft.train.fp8 import precompute_fp8_scales
 from raytune_ft.train.fsdp_model import PackedCausalLM, build_fsdp_model, compile_pointwise, shard_packed_model
+from raytune_ft.train.lora_export import export_bytes, final_export
 from raytune_ft.train.state import Progress, TrainState
 
 # the model's parts are importable from here too (benchmarks build exactly what the loop trains)
@@ -97,9 +98,10 @@ def train_fsdp(config: dict) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=t_cfg.lr, betas=tuple(t_cfg.betas), weight_decay=t_cfg.weight_decay,
                             fused=device.type == "cuda")
-    export_bytes = sum(p.numel() for p in params) * (2 if recipe.model.dtype == "bfloat16" else 4)
-    guard = ckpt_storage.SaveGuard(rank, device, ckpt_storage.model_checkpoint_bytes(params), export_bytes)
-    state = _resume_state(TrainState(model, opt), rank, log)
+    guard = ckpt_storage.SaveGuard(rank, device, ckpt_storage.model_checkpoint_bytes(params),
+                                   export_bytes(recipe, model, params))
+    # LoRA: the checkpoints hold the adapters only; the frozen base is rebuilt from its source
+    state = _resume_state(TrainState(model, opt, trainable_only=t_cfg.lora_r > 0), rank, log)
     # a storage that cannot take the next checkpoint stops the attempt here, before training to it
     guard.check_first(state.step, t_cfg)
     saver = Checkpointer(state, rank, device, guard, log, background=async_enabled(t_cfg.async_checkpoint, device),
@@ -114,9 +116,7 @@ def train_fsdp(config: dict) -> None:
     log.mfu_basis(window.mfu_basis)
     dtype = torch.bfloat16 if recipe.model.dtype == "bfloat16" else torch.float32
 
-    def export(folder: str) -> None:     # the final checkpoint's hf/ folder
-        ckpt_io.export_hf_folder(folder, model, lm.config, tok, rank, dtype=dtype, prefix_strip="lm.",
-                                 arch=type(lm).__name__)
+    export = final_export(recipe, model, lm, tok, rank, dtype, log)     # the final checkpoint's hf/ (adapter/)
 
     try:
         _train(recipe, model, opt, params, feed, window, probes, saver, state, total_steps, log, rank, world,
@@ -211,7 +211,7 @@ def _meta(recipe: Recipe) -> dict:
     """raytune_meta.json's fields every checkpoint of the run shares (the registry reads them)."""
     m = recipe.model
     return {"job": recipe.job, "model_name": m.name, "revision": m.revision, "family": m.family,
-            "run_name": recipe.tracking.run_name, "loop": "fsdp2"}
+            "run_name": recipe.tracking.run_name, "loop": "fsdp2", "lora": recipe.train.lora_r > 0}
 
 
 def clip_gradients(params: list, max_norm: float | None) -> torch.Tensor:
