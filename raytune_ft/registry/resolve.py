@@ -104,20 +104,24 @@ def merge_lora(adapter_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                base_model: str | None = None) -> Path:
     """Merge a PEFT LoRA adapter into its base model and save a safetensors HF folder at `out_dir`.
 
-    The base is `base_model`, else the adapter's `base_model_name_or_path` (a local folder or a hub
-    id). The folder is written under a temporary name and renamed, so a crash leaves no half folder
+    The base is `base_model`, else the checkpoint's base/ (the random base of a --local run), else the
+    adapter's `base_model_name_or_path` at its `revision` (a local folder or a hub id), loaded as the
+    base's own class (a Qwen3_5ForConditionalGeneration stays one: the merged folder is in the base's
+    layout). The folder is written under a temporary name and renamed, so a crash leaves no half folder
     that a later attempt would take for a finished one. The adapter's files are only read.
     """
     from peft import PeftConfig, PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     peft_cfg = PeftConfig.from_pretrained(str(adapter_dir))
-    base_ref = base_model or peft_cfg.base_model_name_or_path
+    beside = adapter_dir.parent / "base"
+    base_ref = base_model or (str(beside) if _is_hf_folder(beside) else peft_cfg.base_model_name_or_path)
     if not base_ref:
         raise RegistrationError(f"{adapter_dir}/adapter_config.json names no base_model_name_or_path")
+    revision = None if base_model or Path(base_ref).is_dir() else peft_cfg.revision
     logger.info("merging LoRA adapter %s into base %s", adapter_dir, base_ref)
-    model = AutoModelForCausalLM.from_pretrained(base_ref, dtype="auto")
+    model = _base_class(base_ref, revision).from_pretrained(base_ref, dtype="auto", revision=revision)
     model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     # the adapter folder carries the tokenizer the run trained with (chat template included)
     tok_src = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_ref
@@ -136,6 +140,15 @@ def merge_lora(adapter_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         raise
     del model
     return out_dir
+
+
+def _base_class(base_ref: str, revision: str | None):
+    """The class the base checkpoint names (its config's architectures), else AutoModelForCausalLM."""
+    import transformers
+    from transformers import AutoConfig
+
+    archs = getattr(AutoConfig.from_pretrained(base_ref, revision=revision), "architectures", None) or []
+    return (getattr(transformers, archs[0], None) if archs else None) or transformers.AutoModelForCausalLM
 
 
 def count_parameters(hf_dir: str | os.PathLike) -> int:
