@@ -39,7 +39,7 @@ def _files_to_fetch(rel_paths: list[str]) -> set[str]:
     """Of a checkpoint's files, those registration reads: the meta file and the model folder only."""
     present = set(rel_paths)
     if "hf/config.json" in present:
-        wanted = ("hf/",)
+        wanted = ("hf/", "adapter/")           # adapter/: a LoRA run's, merged in training and logged too
     elif "adapter/adapter_config.json" in present:
         wanted = ("adapter/", "base/")         # base/: the random base of a --local LoRA run
     else:
@@ -174,6 +174,21 @@ def hf_config(hf_dir: Path) -> dict[str, Any]:
         return json.load(f)
 
 
+ADAPTER_ARTIFACT = "lora_adapter"    # a LoRA run's PEFT adapter, logged in the model's run beside the model
+
+
+def version_tags(meta: dict[str, Any], ckpt: Path) -> dict[str, str]:
+    """The registered version's tags: the base model and its revision it was trained from; for a LoRA run,
+    that the version is the merged model and where its PEFT adapter is (an artifact of the same run)."""
+    tags = {}
+    if meta.get("model_name"):
+        tags = {"raytune.base_model": str(meta["model_name"]),
+                "raytune.base_model_revision": str(meta.get("revision") or "unpinned")}
+    if (ckpt / "adapter" / "adapter_config.json").is_file():
+        tags |= {"raytune.lora": "merged", "raytune.lora_adapter_artifact": ADAPTER_ARTIFACT}
+    return tags
+
+
 def build_metadata(hf_dir: Path, meta: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
     """The MLmodel metadata: task, pretrained name, family, parameter count, the run's facts."""
     cfg = hf_config(hf_dir)
@@ -187,6 +202,8 @@ def build_metadata(hf_dir: Path, meta: dict[str, Any], extra: dict[str, Any] | N
     for key in ("job", "run_name", "step", "final_loss", "lora"):
         if key in meta:
             md[f"raytune_{key}"] = meta[key]
+    if meta.get("model_name"):    # what it was trained from, as the run's recipe named it
+        md["base_model"], md["base_model_revision"] = meta["model_name"], meta.get("revision") or "unpinned"
     md.update(scrub(extra or {}))
     md["task"] = CHAT_TASK  # MLflow checks it against the flavor's task: the caller cannot change it
     return scrub(md)
