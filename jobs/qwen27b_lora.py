@@ -59,7 +59,7 @@ def local(r: Recipe) -> Recipe:
     """The same recipe on local Ray on CPU: tiny qwen3_5 model, generated chat data, 2 gloo workers."""
     on_local_cpu(r, workers=2, rows=600, seq_len=512, run_name="qwen27b-lora-local",
                  registry_name="main.default.qwen27b_lora_local")
-    r.train.lr = 1e-2
+    r.train.lr = 3e-2
     r.train.warmup_steps = 2
     r.train.schedule = "cosine"
     r.train.max_steps = 20

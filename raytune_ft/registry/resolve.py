@@ -181,7 +181,9 @@ def version_tags(meta: dict[str, Any], ckpt: Path) -> dict[str, str]:
     """The registered version's tags: the base model and its revision it was trained from; for a LoRA run,
     that the version is the merged model and where its PEFT adapter is (an artifact of the same run)."""
     tags = {}
-    if meta.get("model_name"):
+    if (ckpt / "base" / "config.json").is_file():     # a --local tiny or random base, kept in the checkpoint
+        tags = {"raytune.base_model": "base/ of the checkpoint (random weights)", "raytune.base_model_revision": "none"}
+    elif meta.get("model_name"):
         tags = {"raytune.base_model": str(meta["model_name"]),
                 "raytune.base_model_revision": str(meta.get("revision") or "unpinned")}
     if (ckpt / "adapter" / "adapter_config.json").is_file():
@@ -202,8 +204,9 @@ def build_metadata(hf_dir: Path, meta: dict[str, Any], extra: dict[str, Any] | N
     for key in ("job", "run_name", "step", "final_loss", "lora"):
         if key in meta:
             md[f"raytune_{key}"] = meta[key]
-    if meta.get("model_name"):    # what it was trained from, as the run's recipe named it
-        md["base_model"], md["base_model_revision"] = meta["model_name"], meta.get("revision") or "unpinned"
+    tags = version_tags(meta, hf_dir.parent)      # what it was trained from, as the version's tags say
+    if "raytune.base_model" in tags:
+        md["base_model"], md["base_model_revision"] = tags["raytune.base_model"], tags["raytune.base_model_revision"]
     md.update(scrub(extra or {}))
     md["task"] = CHAT_TASK  # MLflow checks it against the flavor's task: the caller cannot change it
     return scrub(md)
