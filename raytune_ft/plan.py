@@ -287,7 +287,7 @@ def memory_plan(recipe: Recipe, *, gpu: str | None = None, tokens_per_s_per_gpu:
 
     # ---- states
     if lora:   # the frozen base, fp32 adapters with their grads and AdamW states (plan_lora.py)
-        trainable, state_lines = lora_state_lines(shape, t, compute_b, shard)
+        trainable, state_lines = lora_state_lines(shape, t, compute_b, shard, _fmt_count)
         for line in state_lines:
             add(*line)
     else:

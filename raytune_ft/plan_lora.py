@@ -8,19 +8,21 @@ input-gradient matmuls need; the adapters' own (the r-wide intermediate) are lef
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from raytune_ft.shapes import ModelShape
 
 
-def lora_state_lines(shape: ModelShape, train_cfg, compute_b: int, shard: int) -> tuple[int, list[tuple]]:
-    """(trainable parameters, [(line name, bytes per GPU, how)]) of a LoRA run's weights and states."""
-    from raytune_ft.plan import _fmt_count
-
+def lora_state_lines(shape: ModelShape, train_cfg, compute_b: int, shard: int,
+                     fmt: Callable[[float], str]) -> tuple[int, list[tuple]]:
+    """(trainable parameters, [(line name, bytes per GPU, how)]) of a LoRA run's weights and states; `fmt`
+    writes a count as the plan writes it."""
     P, r = shape.total_params, train_cfg.lora_r
     trainable = shape.lora_params(r, list(train_cfg.lora_target_modules))   # []: every linear
     div = f" / {shard}" if shard > 1 else ""
     return trainable, [
-        ("params", P * compute_b / shard, f"{_fmt_count(P)} frozen base x {compute_b} B{div}"),
-        ("lora params", trainable * 4 / shard, f"{_fmt_count(trainable)} adapter params (r={r}) x 4 B (fp32){div}"),
+        ("params", P * compute_b / shard, f"{fmt(P)} frozen base x {compute_b} B{div}"),
+        ("lora params", trainable * 4 / shard, f"{fmt(trainable)} adapter params (r={r}) x 4 B (fp32){div}"),
         ("grads", trainable * 4 / shard, f"adapter grads, fp32{div}"),
         ("optimizer", trainable * 8 / shard, f"AdamW 2 states x fp32, adapters only{div}"),
     ]

@@ -164,3 +164,39 @@ def test_checkpoint_holds_adapters_only_and_a_resumed_step_gives_the_same_loss(t
     assert moments and all(".lora_A." in k or ".lora_B." in k for k in moments)
     n_adapter = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert len(weights) == sum(1 for p in model.parameters() if p.requires_grad) and n_adapter > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_bf16_base_and_fp32_adapters_shard_together_and_only_the_adapters_get_gradients(tmp_path):
+    """As on a GPU: the base built in bf16 (the compute dtype), the adapters fp32, one FSDP2 unit per layer
+    under the bf16 policy, activation checkpointing on; the base never gets a gradient and the loss falls."""
+    from raytune_ft.models.build import load_causal_lm, materialize_model
+    from raytune_ft.models.tiny import local_tokenizer
+    from raytune_ft.train.batch import StepBatch
+    from raytune_ft.train.fsdp_loop import forward_backward
+    from raytune_ft.train.fsdp_model import shard_packed_model
+    from raytune_ft.train.lora import add_adapters, init_adapters
+
+    with one_rank_group():
+        r = recipe(tmp_path, lora_r=4, lora_alpha=8)
+        lm = load_causal_lm(r.model, tokenizer_vocab_size=len(local_tokenizer()), device="meta", dtype=torch.bfloat16)
+        add_adapters(lm, r.train)
+        model = shard_packed_model(lm, torch.device("cpu"), compute_dtype=torch.bfloat16,
+                                   activation_checkpointing="full")
+        materialize_model(lm, r.model, "cpu", seed=0)
+        init_adapters(lm, 0)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        assert {p.dtype for p in trainable} == {torch.float32}
+        assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+        opt = torch.optim.AdamW(trainable, lr=5e-3)
+        losses = []
+        for b in blocks(3):
+            loss_sum, denom = forward_backward(model, [StepBatch.from_blocks([b], torch.device("cpu"))], 1,
+                                               torch.device("cpu"))
+            assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in trainable)
+            assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss_sum / denom))
+    assert losses[-1] < losses[0]
