@@ -2,25 +2,10 @@
 trained a few steps on packed blocks exactly as `fsdp_loop` trains it, and its logits."""
 from __future__ import annotations
 
-import contextlib
-import socket
-
 import torch
-import torch.distributed as dist
 
 from raytune_ft.recipe import Recipe, validate
-
-
-@contextlib.contextmanager
-def one_rank_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+from tests.test_train_state import one_rank_group  # noqa: F401 - the one-rank gloo group these tests run in
 
 
 def recipe(storage, *, name: str | None = None, **train) -> Recipe:

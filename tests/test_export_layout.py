@@ -62,21 +62,28 @@ def _assert_base_layout(folder, base: dict[str, torch.Tensor]) -> None:
     assert (folder / "preprocessor_config.json").is_file()
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_full_sft_export_is_the_conditional_base_with_the_trained_text_tower(tmp_path):
+def _train_and_export(tmp_path, x, **train) -> torch.Tensor:
+    """The loop's model on the base at tmp_path/base, 2 steps, its final export into tmp_path/ckpt; the trained
+    model's logits for `x`. Before training, it gives the base's own text logits."""
     from raytune_ft.train.lora_export import final_export
 
-    base = _conditional_base(tmp_path / "base")
-    x = ids()
     with one_rank_group():
-        r = recipe(tmp_path, name=str(tmp_path / "base"))
+        r = recipe(tmp_path, name=str(tmp_path / "base"), **train)
         model, lm, tok, opt = build(r)
         torch.testing.assert_close(loop_logits(model, x), _text_logits(tmp_path / "base", x), atol=1e-4, rtol=1e-4)
         for b in blocks(2):
             train_step(model, opt, b)
         trained = loop_logits(model, x)
         final_export(r, model, lm, tok, 0, torch.float32)(str(tmp_path / "ckpt" / "hf"))
+    return trained
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_full_sft_export_is_the_conditional_base_with_the_trained_text_tower(tmp_path):
+    base = _conditional_base(tmp_path / "base")
+    x = ids()
+    trained = _train_and_export(tmp_path, x)
     _assert_base_layout(tmp_path / "ckpt" / "hf", base)
     torch.testing.assert_close(_text_logits(tmp_path / "ckpt" / "hf", x), trained, atol=1e-4, rtol=1e-4)
 
@@ -89,17 +96,10 @@ def test_lora_adapter_and_merges_follow_the_conditional_base(tmp_path):
     from transformers import Qwen3_5ForConditionalGeneration
 
     from raytune_ft.registry import merge_lora
-    from raytune_ft.train.lora_export import final_export
 
     base = _conditional_base(tmp_path / "base")
     x = ids()
-    with one_rank_group():
-        r = recipe(tmp_path, name=str(tmp_path / "base"), lora_r=4, lora_alpha=8, merge_adapter=True)
-        model, lm, tok, opt = build(r)
-        for b in blocks(2):
-            train_step(model, opt, b)
-        trained = loop_logits(model, x)
-        final_export(r, model, lm, tok, 0, torch.float32)(str(tmp_path / "ckpt" / "hf"))
+    trained = _train_and_export(tmp_path, x, lora_r=4, lora_alpha=8, merge_adapter=True)
     ckpt = tmp_path / "ckpt"
     assert {p.name for p in ckpt.iterdir()} == {"adapter", "hf"}     # a real base: no base/ copy
     keys = list(load_file(str(ckpt / "adapter" / "adapter_model.safetensors")))
