@@ -200,3 +200,26 @@ def test_a_bf16_base_and_fp32_adapters_shard_together_and_only_the_adapters_get_
             opt.zero_grad(set_to_none=True)
             losses.append(float(loss_sum / denom))
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("family,n_linears", [("qwen3_5", 31), ("qwen3", 28), ("qwen2", 28)])
+def test_every_linear_by_default_and_a_named_target_the_model_lacks_is_refused(family, n_linears):
+    """The default set adapts whatever linears the family has (qwen3/qwen2: no gated-delta-net ones); a target
+    named in train.lora_target_modules that no layer has fails with the field's name."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from raytune_ft.models.tiny import tiny_config
+    from raytune_ft.train.lora import add_adapters
+
+    def adapted(targets):
+        with torch.device("meta"):
+            lm = AutoModelForCausalLM.from_config(tiny_config(family, 512))
+        return add_adapters(lm, SimpleNamespace(lora_r=2, lora_alpha=4, lora_dropout=0.0,
+                                                lora_target_modules=targets))
+
+    assert len(adapted([])) == n_linears
+    if family != "qwen3_5":
+        with pytest.raises(ValueError, match=r"train.lora_target_modules: \['in_proj_b'\]"):
+            adapted(["q_proj", "in_proj_b"])

@@ -74,8 +74,9 @@ def add_adapters(lm: nn.Module, train_cfg) -> list[str]:
             setattr(parent, leaf, LoraLinear(module, train_cfg.lora_r, train_cfg.lora_alpha,
                                              train_cfg.lora_dropout))
             wrapped.append(f"{layer_name}.{name}")
-    missing = sorted(set(targets) - {w.rsplit(".", 1)[-1] for w in wrapped})
-    if missing:
+    # every linear by default (a qwen3 or qwen2 model has no gated-delta-net ones); a named one must exist
+    missing = sorted(set(train_cfg.lora_target_modules) - {w.rsplit(".", 1)[-1] for w in wrapped})
+    if missing or not wrapped:
         raise ValueError(f"train.lora_target_modules: {missing} name no linear of this model's decoder layers")
     return wrapped
 
