@@ -223,3 +223,29 @@ def test_every_linear_by_default_and_a_named_target_the_model_lacks_is_refused(f
     if family != "qwen3_5":
         with pytest.raises(ValueError, match=r"train.lora_target_modules: \['in_proj_b'\]"):
             adapted(["q_proj", "in_proj_b"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compiled_layers_with_adapters_train_as_the_eager_ones(tmp_path, monkeypatch):
+    """train.compile with LoRA: each layer's MLP (its adapted gate/up/down inside) goes through torch.compile's
+    graph capture, and the steps give the eager model's losses. The graphs run on dynamo's "eager" backend:
+    Inductor would spend the test's time in a C++ compiler (tests/test_eval_samples.py does the same)."""
+    import functools
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counting))
+    data = blocks(2)
+    losses = {}
+    for compiled in (False, True):
+        with one_rank_group():
+            torch._dynamo.reset()
+            model, lm, tok, opt = build(recipe(tmp_path, lora_r=4, lora_alpha=8, compile=compiled))
+            losses[compiled] = [train_step(model, opt, b) for b in data]
+    assert graphs and any("lora_A" in str(g.code) or "lora_a" in str(g.code).lower() for g in graphs)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
