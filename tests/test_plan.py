@@ -117,6 +117,12 @@ def test_fsdp2_lora_plan_freezes_the_base_and_keeps_the_activations():
     assert plan.fits and not full.fits
     two = memory_plan(apply_overrides(job("qwen27b_lora").recipe(), ["scaling.num_workers=2"]), gpu="H200")
     assert two.component("params") == P * 2 / 2 and two.component("optimizer") == trainable * 8 / 2
+    # its checkpoints hold the adapters and their AdamW states, its final export the merged model
+    from raytune_ft.storage_plan import storage_plan
+
+    store = storage_plan(job("qwen27b_lora").recipe())
+    assert [name for name, _, _ in store.parts] == ["adapter", "optimizer", "train state"]
+    assert store.checkpoint_bytes < trainable * 12 + 2**20 and store.final_extra_bytes == P * 2
 
 
 def test_lora_plan_counts_the_adapters_the_loop_adds():
