@@ -5,7 +5,10 @@ Layout of one Ray Train checkpoint directory (every rank's files merged by Ray i
                          rank's copy of the replicated state is in its own file (train/dcp_io.py)
     train_state/rank{R}.json   this rank's schedule, data position, progress and evaluation parts
                          (train/state.py), one flat JSON object
-    hf/                  (final checkpoint only) config.json, sharded *.safetensors + index, tokenizer
+    hf/                  (final checkpoint only) config.json, sharded *.safetensors + index, tokenizer, in the
+                         base checkpoint's layout (models/layout.py)
+    adapter/, base/      (LoRA, final checkpoint only) the PEFT adapter, a random base (train/lora_export.py);
+                         a LoRA run's dcp/ holds the adapters and their optimizer state only
     raytune_meta.json    job, model name, family, step, final loss (read by the registry)
 
 The JSON files' readers and writers are in train/checkpoint_meta.py (no torch at import, for the driver
@@ -148,5 +151,6 @@ def export_hf_folder(out_dir: str, model: torch.nn.Module, hf_config, tokenizer,
         dist.barrier()
 
 
-__all__ = ["save_train_checkpoint", "load_train_checkpoint", "write_train_state", "export_hf_folder", "gathered_state",
-           "write_meta", "read_meta", "read_meta_at", "read_train_state", "train_state_path", "META_FILE", "StateDictOptions"]
+__all__ = ["save_train_checkpoint", "load_train_checkpoint", "write_train_state", "export_hf_folder",
+           "gathered_state", "write_meta", "read_meta", "read_meta_at", "read_train_state", "train_state_path",
+           "META_FILE", "StateDictOptions"]
