@@ -28,16 +28,16 @@ import threading
 import time
 from typing import Callable
 
-from bench import records
+from bench import gpu_lora, records
 
 REPO = records.REPO
 PY = sys.executable
 SUBCOMMANDS = ("suite", "speed", "fp8", "parity", "kernel-check", "startup", "imports", "eval", "recovery",
-               "all")
+               "lora", "all")
 # a fresh node JIT-compiles the fla/tilelang/Triton kernels and the compiled layers before the first step
 # (minutes); each part's limit leaves room for that
 DEFAULT_TIMEOUT_S = {"suite": 560, "speed": 540, "fp8": 540, "parity": 580, "kernel-check": 300,
-                     "startup": 540, "imports": 300, "eval": 540, "recovery": 580}
+                     "startup": 540, "imports": 300, "eval": 540, "recovery": 580, "lora": 540}
 STARTUP_KEYS = ("ray_workers_s", "model_build_s", "kernel_check_s", "compile_s", "eval_setup_s", "first_step_s",
                 "total_s")
 SUITE_PARTS = {"kernels": ["tests/gpu/test_packed_equality.py", "tests/gpu/test_kernel_check_gpu.py"],
@@ -551,7 +551,7 @@ class Kit:
                     for p in self.parts(b)]
         parts = {"suite": self.suite, "speed": self.speed, "fp8": self.fp8, "parity": self.parity,
                  "kernel-check": self.kernel_check, "startup": self.startup, "imports": self.imports,
-                 "eval": self.eval, "recovery": self.recovery}[bench]()
+                 "eval": self.eval, "recovery": self.recovery, "lora": lambda: gpu_lora.parts(self)}[bench]()
         for p in parts:
             p.bench = bench
         return parts
@@ -710,6 +710,7 @@ def add_arguments(p) -> None:
                    "and samples every N steps (default: half the steps; 0: no checkpoint, the held-out loss at half)")
     p.add_argument("--precisions", default="bf16,fp8", help="fp8: which runs of the pair (bf16, fp8 or both)")
     p.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "mxfp8"])
+    p.add_argument("--lora-seq", type=int, default=32768, help="lora: the 64-layer LoRA run's block length")
     p.add_argument("--part", default="all", choices=["all", *SUITE_PARTS, "cold", "warm", "resubmit"],
                    help="suite: which files (kernels, ray); startup: which run (cold, warm: two invocations with "
                         "one --workdir; resubmit: after cold, two `ray job submit`s on a Ray head it starts)")
@@ -757,4 +758,6 @@ def main(opts) -> int:
             ratio = {"bench": "fp8", "label": "ratio", "fp8_over_bf16": round(tps["fp8"] / tps["bf16"], 3)}
             print("RESULT " + json.dumps(ratio), flush=True)
             records.append(opts.results, {**ratio, "gpus": opts.gpus, "figures": tps})
+    if opts.bench == "lora" and not opts.dry_run:
+        gpu_lora.compare(recs, opts)
     return 0 if all(r["exit"] == 0 for r in recs) else 1

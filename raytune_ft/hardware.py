@@ -189,11 +189,17 @@ def gated_delta_flops_per_token(config, chunk_size: int = 64) -> float:
     return 3.0 * fwd
 
 
-def flops_per_block(config, seq_lens: Iterable[int], *, include_linear_attention: bool = False) -> float:
-    """Training FLOPs (forward + backward) of one packed block whose conversations have `seq_lens` tokens."""
+def flops_per_block(config, seq_lens: Iterable[int], *, include_linear_attention: bool = False,
+                    adapter_params: int | None = None) -> float:
+    """Training FLOPs (forward + backward) of one packed block whose conversations have `seq_lens` tokens.
+
+    `adapter_params` (LoRA): the frozen base's forward and backward FLOPs, which has no weight gradients (2 of
+    the 6 FLOPs per parameter and token dropped), plus the adapters' full training FLOPs."""
     cfg = _config_of(config)
     lens = [int(n) for n in seq_lens]
     flops = training_flops(matmul_params(cfg), attention_width(cfg), lens)
+    if adapter_params is not None:
+        flops += (6.0 * adapter_params - 2.0 * matmul_params(cfg)) * sum(lens)
     if include_linear_attention:
         flops += _layer_types(cfg).count("linear_attention") * gated_delta_flops_per_token(cfg) * sum(lens)
     return flops

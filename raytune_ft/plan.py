@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass, field
 
 from raytune_ft.hardware import GPUS, GiB, GpuSpec, gpu_spec
+from raytune_ft.plan_lora import lora_layer_params, lora_state_lines
 from raytune_ft.recipe import Recipe
 from raytune_ft.shapes import ModelShape, model_shape
 
@@ -48,7 +49,8 @@ from raytune_ft.shapes import ModelShape, model_shape
 # ------------------------------------------------------------------ GPUs
 
 # The GPU each shipped job is written for, when scaling.accelerator_type leaves it open.
-DEFAULT_GPU_BY_JOB = {"qwen27b_b300": "B300", "qwen3_4b_full": "H100", "qwen2_05b_lora": "H100"}
+DEFAULT_GPU_BY_JOB = {"qwen27b_b300": "B300", "qwen3_4b_full": "H100", "qwen2_05b_lora": "H100",
+                      "qwen27b_lora": "H200"}
 
 
 def gpu_for(recipe: Recipe, gpu: str | None = None) -> GpuSpec | None:
@@ -274,7 +276,7 @@ def memory_plan(recipe: Recipe, *, gpu: str | None = None, tokens_per_s_per_gpu:
     on_gpu = g is not None
     compute_b = 2 if (on_gpu and recipe.model.dtype == "bfloat16") else 4
     workers = s_cfg.num_workers
-    lora = t.loop == "trl" and t.lora_r > 0
+    lora = t.lora_r > 0
     shard = workers if t.loop == "fsdp2" else 1
     lines: list[MemoryLine] = []
     notes: list[str] = []
@@ -284,13 +286,10 @@ def memory_plan(recipe: Recipe, *, gpu: str | None = None, tokens_per_s_per_gpu:
         lines.append(MemoryLine(name, float(n_bytes), how))
 
     # ---- states
-    if lora:
-        trainable = shape.lora_params(t.lora_r, t.lora_target_modules)
-        add("params", P * compute_b, f"{_fmt_count(P)} frozen base x {compute_b} B")
-        # PEFT keeps adapter weights in fp32 (autocast_adapter_dtype) so their grads and AdamW states are fp32
-        add("lora params", trainable * 4, f"{_fmt_count(trainable)} adapter params (r={t.lora_r}) x 4 B")
-        add("grads", trainable * 4, "adapter grads, fp32")
-        add("optimizer", trainable * 8, "AdamW 2 states x fp32, adapters only")
+    if lora:   # the frozen base, fp32 adapters with their grads and AdamW states (plan_lora.py)
+        trainable, state_lines = lora_state_lines(shape, t, compute_b, shard, _fmt_count)
+        for line in state_lines:
+            add(*line)
     else:
         trainable = P
         param_b = 4 if (t.master_weights == "fp32" or compute_b == 4) else 2
@@ -307,7 +306,8 @@ def memory_plan(recipe: Recipe, *, gpu: str | None = None, tokens_per_s_per_gpu:
             add("autocast copies", P * 2, "bf16 casts of the fp32 weights, cached by autocast during forward")
 
     if t.loop == "fsdp2":
-        gathered = (shape.root_params + 2 * shape.max_layer_params) * compute_b + shape.max_layer_params * 4
+        grads = lora_layer_params(shape, t) if lora else shape.max_layer_params    # LoRA: the adapters' only
+        gathered = (shape.root_params + 2 * shape.max_layer_params) * compute_b + grads * 4
         add("fsdp gathered", gathered,
             f"root unit {_fmt_count(shape.root_params)} + 2 layers x {_fmt_count(shape.max_layer_params)} "
             f"unsharded in {compute_b} B, + 1 layer of fp32 grads before reduce-scatter")
@@ -356,9 +356,10 @@ def memory_plan(recipe: Recipe, *, gpu: str | None = None, tokens_per_s_per_gpu:
     V, D = shape.vocab, shape.hidden
     if t.loop == "fsdp2":
         chunk = min(4096, tokens_mb)
-        loss_b = chunk * V * (4 + compute_b) + V * D * 4 + 2 * tokens_mb * D * compute_b
-        add("loss", loss_b, f"chunked CE: {chunk:,} x {V:,} fp32 logits + grad, fp32 lm_head grad accumulator, "
-                            "final hidden + its grad")
+        head_grad = 0 if lora else V * D * 4       # a frozen lm_head gets no gradient accumulator
+        loss_b = chunk * V * (4 + compute_b) + head_grad + 2 * tokens_mb * D * compute_b
+        add("loss", loss_b, f"chunked CE: {chunk:,} x {V:,} fp32 logits + grad, "
+                            f"{'no' if lora else 'fp32'} lm_head grad accumulator, final hidden + its grad")
     elif t.use_liger and on_gpu:
         chunk = min(tokens_mb, 2048)
         add("loss", chunk * V * (4 + compute_b) + 2 * tokens_mb * D * compute_b,

@@ -98,6 +98,12 @@ class DataConfig:
             check_range("data.tokenize_workers", self.tokenize_workers, 1, 4096)
 
 
+# every linear of both Qwen3.5 layer kinds (full attention, gated-delta-net) and of the MLP: what the FSDP2
+# loop's LoRA adapts unless train.lora_target_modules narrows it
+FSDP2_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                      "out_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @dataclass
 class TrainConfig:
     loop: Literal["fsdp2", "trl"] = "fsdp2"
@@ -150,12 +156,14 @@ class TrainConfig:
     # set, or a read-only site-packages, and no bytecode shipped), "on" wherever Python writes none beside
     # the sources, "off"; a PYTHONPYCACHEPREFIX you set wins
     bytecode_cache: Literal["auto", "on", "off"] = "auto"
-    # TRL loop only
-    lora_r: int = 0                          # 0: full fine-tune
+    # LoRA (both loops): rank (0: full fine-tune), scale alpha / r, dropout, the linears to adapt (empty: all;
+    # the FSDP2 loop's names are FSDP2_LORA_TARGETS); lora_lr_multiplier: the TRL loop only
+    lora_r: int = 0
     lora_alpha: int = 32
     lora_dropout: float = 0.0
     lora_target_modules: list[str] = field(default_factory=list)
     lora_lr_multiplier: float = 1.0
+    # TRL loop only
     use_liger: bool = False                  # honoured only where a GPU is present
     gradient_checkpointing: bool = True
     max_length: int | None = None            # TRL: per-example truncation length
@@ -196,8 +204,8 @@ class TrainConfig:
         check_range("train.lora_r", self.lora_r, 0, 4096)
         check_range("train.lora_dropout", self.lora_dropout, 0.0, 1.0)
         check_range("train.lora_lr_multiplier", self.lora_lr_multiplier, 0.0, 1e4, lo_open=True)
-        if self.lora_r and self.loop != "trl":
-            raise RecipeError("train.lora_r: LoRA is offered by the TRL loop only (train.loop='trl')")
+        if self.lora_r and self.loop == "fsdp2":
+            self._validate_fsdp2_lora()
         if self.precision == "fp8" and self.loop != "fsdp2":
             raise RecipeError("train.precision: fp8 is offered by the FSDP2 loop only (train.loop='fsdp2')")
         if self.load_best_at_end and not self.eval_every:
@@ -207,6 +215,15 @@ class TrainConfig:
                               "data.validation_split)")
         if self.max_length is not None:
             check_range("train.max_length", self.max_length, 16, 1 << 20)
+
+    def _validate_fsdp2_lora(self) -> None:
+        check_range("train.lora_alpha", self.lora_alpha, 0, lo_open=True)
+        unknown = [m for m in self.lora_target_modules if m not in FSDP2_LORA_TARGETS]
+        if unknown:
+            raise RecipeError(f"train.lora_target_modules: {unknown} (allowed: {', '.join(FSDP2_LORA_TARGETS)})")
+        if self.lora_lr_multiplier != 1.0:
+            raise RecipeError("train.lora_lr_multiplier: the TRL loop's; the FSDP2 loop trains only the adapters, "
+                              "so set train.lr itself")
 
     def reads_held_out(self) -> bool:
         """Evaluation, or sample prompts cut from held-out conversations, read the held-out rows; nothing else."""

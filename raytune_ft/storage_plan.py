@@ -68,7 +68,7 @@ def storage_plan(recipe: "Recipe", shape: Any | None = None) -> StoragePlan:
     per_node = min(world, max(1, s.gpus_per_node))
     parts: list[tuple[str, int, str]] = []
     state_b = 64 * 1024 * world               # train_state/rank*.json, meta, DCP metadata: small
-    if t.loop == "fsdp2":
+    if t.loop == "fsdp2" and not t.lora_r:
         trainable = P
         parts.append(("model", P * param_b, f"{_count(P)} params x {param_b} B"))
         parts.append(("optimizer", 2 * P * param_b, f"AdamW 2 states x {param_b} B"))
@@ -80,8 +80,9 @@ def storage_plan(recipe: "Recipe", shape: Any | None = None) -> StoragePlan:
         trainable = int(shape.lora_params(t.lora_r, t.lora_target_modules))
         parts.append(("adapter", trainable * 4, f"{_count(trainable)} LoRA params x 4 B"))
         parts.append(("optimizer", 2 * trainable * 4, "AdamW 2 states x 4 B"))
-        parts.append(("trainer state", state_b, "scheduler, RNG, JSON"))
-        final_extra = P * export_b if t.merge_adapter else 0
+        parts.append(("trainer state" if t.loop == "trl" else "train state", state_b,
+                      "scheduler, RNG, JSON" if t.loop == "trl" else "per-rank JSON"))
+        final_extra = P * export_b if t.merge_adapter else 0   # the merged hf/ (the FSDP2 loop: adapters only)
         ckpt = sum(b for _, b, _ in parts)
         staging = ckpt + final_extra
     else:

@@ -238,10 +238,10 @@ def spawned_gloo_rank(rank: int, world: int, port: int):
 
 @contextlib.contextmanager
 def local_job_process(cwd, overrides: list[str], *, extra_env: dict | None = None, drop_env: tuple = (),
-                      prefix: str = "rtjob", timeout: int = 900, root: Path | None = None):
+                      prefix: str = "rtjob", timeout: int = 900, root: Path | None = None, job: str = "qwen27b_b300"):
     """`python jobs/qwen27b_b300.py --local --set=...` run in `cwd` as a user runs it (a subprocess with its
     own local Ray: RAY_ADDRESS dropped) with Ray's files in a short RAY_TMPDIR of its own (AF_UNIX paths are
-    <= 107 bytes), removed afterwards; the script of `root`'s jobs/ (default: this repository's). Yields
+    <= 107 bytes), removed afterwards; `job`'s script in `root`'s jobs/ (default: this repository's). Yields
     (the finished process, the RAY_TMPDIR)."""
     import shutil
     import subprocess
@@ -252,7 +252,7 @@ def local_job_process(cwd, overrides: list[str], *, extra_env: dict | None = Non
     env = {**os.environ, **(extra_env or {}), "RAY_TMPDIR": str(ray_tmp), "PYTHONUNBUFFERED": "1"}
     for k in ("RAY_ADDRESS", *drop_env):
         env.pop(k, None)
-    cmd = [sys.executable, str((root or REPO) / "jobs" / "qwen27b_b300.py"), "--local",
+    cmd = [sys.executable, str((root or REPO) / "jobs" / f"{job}.py"), "--local",
            *[f"--set={o}" for o in overrides]]
     try:
         yield subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, timeout=timeout), ray_tmp

@@ -224,3 +224,53 @@ def test_local_job_from_any_folder_logs_every_step_to_the_run_it_names(local_job
     stray = [p for root in (work, ray_tmp) for p in root.rglob("mlflow.db") if p != db]
     assert not stray, stray
     assert "MLflow logging off" not in out and "MLflow metric logging failed" not in out, out[-3000:]
+
+
+# ---------------------------------------------------------------- the LoRA recipe's --local job
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """jobs/qwen27b_lora.py --local as a user runs it, with rank 1 dying once the final checkpoint's files are
+    written (after step 10's was registered): Ray's restart resumes from step 10 and trains steps 11-20 again."""
+    from tests.conftest import local_job_process
+    from tests.faults import fault_env
+
+    work = tmp_path_factory.mktemp("lorajob")
+    overrides = [f"tracking.storage_path={work / 'runs'}"]
+    with local_job_process(work, overrides, extra_env=fault_env(exit_after_write="20:1:after=10"),
+                           job="qwen27b_lora", prefix="rtlora") as (proc, _):
+        out = (proc.stdout + proc.stderr).decode(errors="replace")
+        assert proc.returncode == 0, out[-4000:]
+        summary = json.loads((work / "runs" / "qwen27b-lora-local" / "summary.json").read_text())
+        yield summary, out
+
+
+@pytest.mark.timeout(900)
+def test_lora_job_trains_the_adapters_resumes_exactly_and_registers_the_merged_model(lora_run):
+    """Adapters only in the checkpoints; every step the restarted attempt trained again has the loss the
+    first attempt logged for it; the final checkpoint holds the PEFT adapter, the tiny base it adapts and the
+    merged model, which is registered with the base it was trained from."""
+    import mlflow
+    from torch.distributed.checkpoint import FileSystemReader
+
+    summary, out = lora_run
+    assert summary["status"] == "registered" and summary["steps"] == 20, out[-3000:]
+    assert "test fault: rank 1 exiting" in out
+    ckpt = summary["checkpoint"]
+    state = train_state(ckpt)
+    assert state["resumed_from"] == [10]
+    hist = state["history"]
+    assert [h["step"] for h in hist] == list(range(1, 21)) and hist[-1]["loss"] < hist[0]["loss"]
+    client = mlflow.MlflowClient(summary["tracking_uri"])
+    logged: dict[int, list[float]] = {}
+    for m in client.get_metric_history(summary["mlflow_run_id"], "train/loss"):
+        logged.setdefault(m.step, []).append(m.value)
+    twice = {s: v for s, v in logged.items() if len(v) == 2}
+    assert set(twice) == set(range(11, 21)), logged                 # steps 11-20 trained by both attempts
+    assert all(a == b for a, b in twice.values()), twice
+    saved = FileSystemReader(os.path.join(ckpt, "dcp")).read_metadata().state_dict_metadata
+    weights = [k for k in saved if k.startswith("app.model.")]
+    assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights)
+    assert {"adapter", "base", "hf"} <= set(os.listdir(ckpt))
+    v = client.get_model_version(summary["registered_name"], summary["registered_version"])
+    assert v.tags["raytune.lora"] == "merged" and v.tags["raytune.base_model"].startswith("base/ of the checkpoint")

@@ -100,6 +100,48 @@ def test_27b_on_one_gpu_does_not_fit():
     assert not plan.fits and "DOES NOT FIT" in plan.render()
 
 
+def test_fsdp2_lora_plan_freezes_the_base_and_keeps_the_activations():
+    """The LoRA job on one H200: the base frozen in bf16 (no grads, no optimizer states), fp32 adapters with
+    their grads and AdamW states, the full fine-tune's activations, no lm_head gradient accumulator; it fits
+    where the full fine-tune on one GPU does not. Two workers shard base and adapters alike."""
+    full = memory_plan(apply_overrides(job("qwen27b_b300").recipe(), ["scaling.num_workers=1"]), gpu="H200")
+    plan = memory_plan(job("qwen27b_lora").recipe(), gpu="H200")
+    shape, P = plan.shape, plan.shape.total_params
+    trainable = shape.lora_params(16, [])
+    assert plan.trainable_params == trainable and 0 < trainable < P / 100
+    assert plan.component("params") == P * 2
+    assert plan.component("lora params") == plan.component("grads") == trainable * 4
+    assert plan.component("optimizer") == trainable * 8
+    assert plan.component("activations") == full.component("activations")
+    assert full.component("loss") - plan.component("loss") == shape.vocab * shape.hidden * 4
+    assert plan.fits and not full.fits
+    two = memory_plan(apply_overrides(job("qwen27b_lora").recipe(), ["scaling.num_workers=2"]), gpu="H200")
+    assert two.component("params") == P * 2 / 2 and two.component("optimizer") == trainable * 8 / 2
+    # its checkpoints hold the adapters and their AdamW states, its final export the merged model
+    from raytune_ft.storage_plan import storage_plan
+
+    store = storage_plan(job("qwen27b_lora").recipe())
+    assert [name for name, _, _ in store.parts] == ["adapter", "optimizer", "train state"]
+    assert store.checkpoint_bytes < trainable * 12 + 2**20 and store.final_extra_bytes == P * 2
+
+
+def test_lora_plan_counts_the_adapters_the_loop_adds():
+    """The plan's adapter count is what train/lora.py wraps on the real 27B shape (cut to 4 layers, meta)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from raytune_ft.models.tiny import real_config
+    from raytune_ft.train.lora import add_adapters, count_trainable
+
+    cfg = real_config("qwen3.8-27b", num_hidden_layers=4)
+    for targets in ([], ["q_proj", "in_proj_b", "in_proj_a", "down_proj"]):
+        with torch.device("meta"):
+            lm = AutoModelForCausalLM.from_config(cfg)
+        add_adapters(lm, SimpleNamespace(lora_r=16, lora_alpha=32, lora_dropout=0.0, lora_target_modules=targets))
+        assert count_trainable(lm) == ModelShape.from_config(cfg).lora_params(16, targets)
+
+
 def test_activation_checkpointing_modes_order():
     r = job("qwen27b_b300").recipe()
     acts = {}

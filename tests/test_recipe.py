@@ -26,7 +26,6 @@ BAD = [
     ("train.loop=deepspeed", "train.loop: 'deepspeed' is not one of"),
     ("train.activation_checkpointing=some", "train.activation_checkpointing"),
     ("train.master_weights=fp8", "train.master_weights"),
-    ("train.lora_r=8", "train.lora_r: LoRA is offered by the TRL loop only"),
     ("train.load_best_at_end=true", "train.load_best_at_end"),
     ("train.eval_every=10", "train.eval_every: no validation data"),
     ("train.nonsense=1", "train.nonsense: unknown field 'nonsense' of train"),
@@ -77,6 +76,19 @@ def base() -> Recipe:
 def test_bad_recipe_names_the_field(override, expected):
     with pytest.raises(RecipeError) as err:
         validate(apply_overrides(base(), [override]))
+    assert expected in str(err.value)
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("train.lora_target_modules=q_proj,qkv", "train.lora_target_modules: ['qkv'] (allowed: q_proj"),
+    ("train.lora_alpha=0", "train.lora_alpha: 0 is out of range"),
+    ("train.lora_lr_multiplier=10", "train.lora_lr_multiplier: the TRL loop's")])
+def test_fsdp2_lora_settings_are_checked(override, expected):
+    """LoRA in the FSDP2 loop takes the TRL recipe's fields; a target that no Qwen3.5 linear has fails early."""
+    ok = validate(apply_overrides(base(), ["train.lora_r=16"]))
+    assert ok.train.loop == "fsdp2" and ok.train.lora_r == 16
+    with pytest.raises(RecipeError) as err:
+        validate(apply_overrides(base(), ["train.lora_r=16", override]))
     assert expected in str(err.value)
 
 

@@ -215,8 +215,8 @@ def test_lora_checkpoint_is_merged_beside_it_and_registered(tmp_path, fixtures):
     peft_model.save_pretrained(str(ckpt / "adapter"))
     AutoTokenizer.from_pretrained(str(base_dir)).save_pretrained(str(ckpt / "adapter"))
     (ckpt / "raytune_meta.json").write_text(json.dumps(
-        {"job": "qwen2_05b_lora", "model_name": "Qwen/Qwen2-0.5B", "family": "qwen2", "step": 1,
-         "final_loss": 3.0, "run_name": "lora-run", "lora": True}))
+        {"job": "qwen2_05b_lora", "model_name": "Qwen/Qwen2-0.5B", "revision": "91d2e1b", "family": "qwen2",
+         "step": 1, "final_loss": 3.0, "run_name": "lora-run", "lora": True}))
     assert json.loads((ckpt / "adapter" / "adapter_config.json").read_text())[
         "base_model_name_or_path"] == str(base_dir)
     before = tree_hashes(ckpt)
@@ -245,6 +245,62 @@ def test_lora_checkpoint_is_merged_beside_it_and_registered(tmp_path, fixtures):
         base_only = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)(input_ids=ids).logits
     assert not torch.allclose(got, base_only, atol=1e-3)  # the adapter really was merged
     assert info.metadata["raytune_lora"] is True
+    _assert_records_base_and_adapter(tracking, "main.default.tiny_lora", "1", tmp_path)
+
+
+def _assert_records_base_and_adapter(tracking: str, name: str, version: str, tmp_path: Path) -> None:
+    """The version names the base model and revision it was trained from (tags and the model's metadata),
+    is the merged model, and its run holds the PEFT adapter itself."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking, registry_uri=tracking)
+    v = client.get_model_version(name, version)
+    assert v.tags["raytune.base_model"] == "Qwen/Qwen2-0.5B" and v.tags["raytune.base_model_revision"] == "91d2e1b"
+    assert v.tags["raytune.lora"] == "merged"
+    mlflow.set_tracking_uri(tracking)
+    try:
+        info = mlflow.models.get_model_info(f"models:/{name}/{version}")
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert info.metadata["base_model"] == "Qwen/Qwen2-0.5B" and info.metadata["base_model_revision"] == "91d2e1b"
+    got = client.download_artifacts(v.run_id, v.tags["raytune.lora_adapter_artifact"], str(tmp_path / "dl"))
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(got))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_lora_checkpoint_merged_in_training_registers_as_a_full_model(tmp_path, fixtures):
+    """hf/ (merged by the loop) beside adapter/: hf/ is registered as it is, as a full model, nothing merged
+    again; the version records the base and its revision and the run keeps the adapter."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base_dir = make_tiny_qwen2_checkpoint(tmp_path / "base", fixtures / "tokenizers" / "qwen2-0.5b",
+                                          hf_subdir=None, seed=3)
+    torch.manual_seed(1)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32),
+                                LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj"]))
+    ckpt = tmp_path / "run" / "checkpoint_000002"
+    peft_model.save_pretrained(str(ckpt / "adapter"))
+    peft_model.merge_and_unload().save_pretrained(str(ckpt / "hf"))
+    AutoTokenizer.from_pretrained(str(base_dir)).save_pretrained(str(ckpt / "hf"))
+    (ckpt / "raytune_meta.json").write_text(json.dumps(
+        {"job": "qwen27b_lora", "model_name": "Qwen/Qwen2-0.5B", "revision": "91d2e1b", "family": "qwen2",
+         "step": 1, "final_loss": 3.0, "run_name": "lora-merged", "lora": True}))
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    result = registry.register_checkpoint(str(ckpt), "main.default.tiny_merged", tracking_uri=tracking)
+    assert result.version == "1" and not registry.merged_folder_for(ckpt).exists()
+    _assert_records_base_and_adapter(tracking, "main.default.tiny_merged", "1", tmp_path)
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking)
+    try:
+        info = mlflow.models.get_model_info("models:/main.default.tiny_merged/1")
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert info.metadata["architecture"] == "Qwen2ForCausalLM"
+    assert info.metadata["parameter_count"] == registry.count_parameters(ckpt / "hf")
 
 
 # ---------------------------------------------------------------- failures

@@ -28,7 +28,7 @@ LAYERS = {
     1: {"typed_values", "env", "console", "hardware", "storage", "storage_errors", "compat", "channel"},
     2: {"recipe", "recipe_sections", "tracking", "run_opening", "lease", "shapes", "data", "models"},
     3: {"train", "registry"},
-    4: {"plan", "storage_plan", "storage_check", "endings", "preflight", "plots", "train.launch"},
+    4: {"plan", "plan_lora", "storage_plan", "storage_check", "endings", "preflight", "plots", "train.launch"},
     5: {"start_ahead", "lifecycle", "run"},
     6: {"cli"},
 }

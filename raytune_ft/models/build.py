@@ -31,7 +31,9 @@ from raytune_ft.models.tokenizer import tokenizer_for  # noqa: F401 - its home b
 
 log = logging.getLogger(__name__)
 
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+# module wrappers whose parameters are the wrapped module's (base_layer.: a LoRA-wrapped linear's base weight)
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "base_layer.")
+_ADAPTER_PARTS = (".lora_A.", ".lora_B.")   # LoRA's own weights: drawn by train/lora.py, never in a checkpoint
 
 
 # ----------------------------------------------------------------- configs and checkpoints
@@ -203,7 +205,7 @@ def _fill(model: torch.nn.Module, get_slice: Callable[[str, tuple[slice, ...]], 
     tensors += [(n, b) for n, b in model.named_buffers(remove_duplicate=False) if n not in non_persistent]
     with torch.no_grad():
         for name, tensor in tensors:
-            if id(tensor) in seen:           # tied weights: one tensor, filled once
+            if id(tensor) in seen or any(p in name for p in _ADAPTER_PARTS):   # tied: one tensor, filled once
                 continue
             key = checkpoint_name(name, available)
             if key is None:

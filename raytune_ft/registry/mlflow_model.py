@@ -25,7 +25,8 @@ from raytune_ft.recipe import RecipeError, validate_registry_name
 from raytune_ft.registry.base import (CHAT_TASK, CHECKPOINT_TAG, STATUS_TAG, RegistrationError, RegistrationResult,
                                       checkpoint_id, logger)
 from raytune_ft.registry.outcome import clear_failure_record, read_failure_record
-from raytune_ft.registry.resolve import build_metadata, hf_config, local_checkpoint, resolve_hf_folder
+from raytune_ft.registry.resolve import (ADAPTER_ARTIFACT, build_metadata, hf_config, local_checkpoint,
+                                        resolve_hf_folder, version_tags)
 from raytune_ft.train.checkpoint_meta import read_meta
 
 
@@ -279,12 +280,14 @@ def _unfinished_before(ckpt_id: str, name: str, run_id: str | None) -> bool:
             and tags.get("raytune.registered_model_name", name) == name)
 
 
-def _tag_version(name: str, version: str, ckpt_id: str) -> None:
-    """Which checkpoint this version is: a retry or a re-submit finds it by this tag."""
+def _tag_version(name: str, version: str, ckpt_id: str, tags: dict | None = None) -> None:
+    """Which checkpoint this version is (a retry or a re-submit finds it by this tag), and `tags`
+    (resolve.version_tags: the base model and revision it was trained from, LoRA's facts)."""
     from mlflow import MlflowClient
 
     try:
-        MlflowClient().set_model_version_tag(name, version, CHECKPOINT_TAG, ckpt_id)
+        for key, value in {**(tags or {}), CHECKPOINT_TAG: ckpt_id}.items():
+            MlflowClient().set_model_version_tag(name, version, key, value)
     except Exception as e:  # a registry without version tags: its run's tags still identify it
         logger.warning("could not tag %s version %s with its checkpoint (a retry finds it by its run's "
                        "tags): %s", name, version, redact_exception(e))
@@ -400,7 +403,9 @@ def _log_and_register(ckpt: Path, ckpt_id: str, hf_dir: Path, name: str, meta: d
         if deadline.fired:  # the alarm's TimeoutError was swallowed by a broad except in a library
             raise TimeoutError(f"registration did not finish within {timeout_s:g}s")
         version = str(info.registered_model_version)
-        _tag_version(name, version, ckpt_id)
+        if (ckpt / "adapter" / "adapter_config.json").is_file():   # LoRA: the adapter itself beside the model
+            mlflow.log_artifacts(str(ckpt / "adapter"), artifact_path=ADAPTER_ARTIFACT)
+        _tag_version(name, version, ckpt_id, version_tags(meta, ckpt))
         mlflow.set_tags({STATUS_TAG: "registered", "raytune.registered_model_version": version})
         return version
     finally:

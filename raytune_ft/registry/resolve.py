@@ -39,7 +39,7 @@ def _files_to_fetch(rel_paths: list[str]) -> set[str]:
     """Of a checkpoint's files, those registration reads: the meta file and the model folder only."""
     present = set(rel_paths)
     if "hf/config.json" in present:
-        wanted = ("hf/",)
+        wanted = ("hf/", "adapter/")           # adapter/: a LoRA run's, merged in training and logged too
     elif "adapter/adapter_config.json" in present:
         wanted = ("adapter/", "base/")         # base/: the random base of a --local LoRA run
     else:
@@ -104,20 +104,24 @@ def merge_lora(adapter_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                base_model: str | None = None) -> Path:
     """Merge a PEFT LoRA adapter into its base model and save a safetensors HF folder at `out_dir`.
 
-    The base is `base_model`, else the adapter's `base_model_name_or_path` (a local folder or a hub
-    id). The folder is written under a temporary name and renamed, so a crash leaves no half folder
+    The base is `base_model`, else the checkpoint's base/ (the random base of a --local run), else the
+    adapter's `base_model_name_or_path` at its `revision` (a local folder or a hub id), loaded as the
+    base's own class (a Qwen3_5ForConditionalGeneration stays one: the merged folder is in the base's
+    layout). The folder is written under a temporary name and renamed, so a crash leaves no half folder
     that a later attempt would take for a finished one. The adapter's files are only read.
     """
     from peft import PeftConfig, PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     peft_cfg = PeftConfig.from_pretrained(str(adapter_dir))
-    base_ref = base_model or peft_cfg.base_model_name_or_path
+    beside = adapter_dir.parent / "base"
+    base_ref = base_model or (str(beside) if _is_hf_folder(beside) else peft_cfg.base_model_name_or_path)
     if not base_ref:
         raise RegistrationError(f"{adapter_dir}/adapter_config.json names no base_model_name_or_path")
+    revision = None if base_model or Path(base_ref).is_dir() else peft_cfg.revision
     logger.info("merging LoRA adapter %s into base %s", adapter_dir, base_ref)
-    model = AutoModelForCausalLM.from_pretrained(base_ref, dtype="auto")
+    model = _base_class(base_ref, revision).from_pretrained(base_ref, dtype="auto", revision=revision)
     model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     # the adapter folder carries the tokenizer the run trained with (chat template included)
     tok_src = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_ref
@@ -136,6 +140,15 @@ def merge_lora(adapter_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         raise
     del model
     return out_dir
+
+
+def _base_class(base_ref: str, revision: str | None):
+    """The class the base checkpoint names (its config's architectures), else AutoModelForCausalLM."""
+    import transformers
+    from transformers import AutoConfig
+
+    archs = getattr(AutoConfig.from_pretrained(base_ref, revision=revision), "architectures", None) or []
+    return (getattr(transformers, archs[0], None) if archs else None) or transformers.AutoModelForCausalLM
 
 
 def count_parameters(hf_dir: str | os.PathLike) -> int:
@@ -161,6 +174,23 @@ def hf_config(hf_dir: Path) -> dict[str, Any]:
         return json.load(f)
 
 
+ADAPTER_ARTIFACT = "lora_adapter"    # a LoRA run's PEFT adapter, logged in the model's run beside the model
+
+
+def version_tags(meta: dict[str, Any], ckpt: Path) -> dict[str, str]:
+    """The registered version's tags: the base model and its revision it was trained from; for a LoRA run,
+    that the version is the merged model and where its PEFT adapter is (an artifact of the same run)."""
+    tags = {}
+    if (ckpt / "base" / "config.json").is_file():     # a --local tiny or random base, kept in the checkpoint
+        tags = {"raytune.base_model": "base/ of the checkpoint (random weights)", "raytune.base_model_revision": "none"}
+    elif meta.get("model_name"):
+        tags = {"raytune.base_model": str(meta["model_name"]),
+                "raytune.base_model_revision": str(meta.get("revision") or "unpinned")}
+    if (ckpt / "adapter" / "adapter_config.json").is_file():
+        tags |= {"raytune.lora": "merged", "raytune.lora_adapter_artifact": ADAPTER_ARTIFACT}
+    return tags
+
+
 def build_metadata(hf_dir: Path, meta: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
     """The MLmodel metadata: task, pretrained name, family, parameter count, the run's facts."""
     cfg = hf_config(hf_dir)
@@ -174,6 +204,9 @@ def build_metadata(hf_dir: Path, meta: dict[str, Any], extra: dict[str, Any] | N
     for key in ("job", "run_name", "step", "final_loss", "lora"):
         if key in meta:
             md[f"raytune_{key}"] = meta[key]
+    tags = version_tags(meta, hf_dir.parent)      # what it was trained from, as the version's tags say
+    if "raytune.base_model" in tags:
+        md["base_model"], md["base_model_revision"] = tags["raytune.base_model"], tags["raytune.base_model_revision"]
     md.update(scrub(extra or {}))
     md["task"] = CHAT_TASK  # MLflow checks it against the flavor's task: the caller cannot change it
     return scrub(md)

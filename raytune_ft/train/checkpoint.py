@@ -5,7 +5,10 @@ Layout of one Ray Train checkpoint directory (every rank's files merged by Ray i
                          rank's copy of the replicated state is in its own file (train/dcp_io.py)
     train_state/rank{R}.json   this rank's schedule, data position, progress and evaluation parts
                          (train/state.py), one flat JSON object
-    hf/                  (final checkpoint only) config.json, sharded *.safetensors + index, tokenizer
+    hf/                  (final checkpoint only) config.json, sharded *.safetensors + index, tokenizer, in the
+                         base checkpoint's layout (models/layout.py)
+    adapter/, base/      (LoRA, final checkpoint only) the PEFT adapter, a random base (train/lora_export.py);
+                         a LoRA run's dcp/ holds the adapters and their optimizer state only
     raytune_meta.json    job, model name, family, step, final loss (read by the registry)
 
 The JSON files' readers and writers are in train/checkpoint_meta.py (no torch at import, for the driver
@@ -18,12 +21,14 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Iterable, Iterator
 
 import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+from raytune_ft.models.layout import BaseLayout
 from raytune_ft.train import dcp_io
 # the JSON files, torch-free for the driver and the registry: re-exported here for the loops
 from raytune_ft.train.checkpoint_meta import (META_FILE, read_meta, read_meta_at, read_train_state,  # noqa: F401
@@ -66,16 +71,28 @@ def _located(directory: str, fs: pafs.FileSystem | None) -> tuple[pafs.FileSyste
     return fs, directory if not isinstance(fs, pafs.LocalFileSystem) else os.path.abspath(directory)
 
 
+def gathered_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of each entry of the model's state dict, one gathered at a time (a collective:
+    every rank iterates; ranks other than 0 may drop what they get)."""
+    for key, value in model.state_dict().items():
+        yield key, value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
 def export_hf_folder(out_dir: str, model: torch.nn.Module, hf_config, tokenizer, rank: int,
-                     dtype: torch.dtype = torch.bfloat16, prefix_strip: str = "", arch: str | None = None) -> None:
+                     dtype: torch.dtype = torch.bfloat16, prefix_strip: str = "", arch: str | None = None, *,
+                     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+                     layout: BaseLayout | None = None) -> None:
     """Write a Hugging Face folder from an FSDP2-sharded model, one parameter gathered at a time.
 
     All ranks take part in each gather (a collective); only rank 0 keeps the gathered tensor, on
     the CPU, and flushes a safetensors shard every ~4 GiB, so neither a GPU nor host RAM ever holds
-    the whole model.
+    the whole model. `tensors`: the (name, full tensor) stream to write instead of `gathered_state(model)`
+    (a LoRA model's merged weights). `layout`: the base checkpoint's names and untouched tensors
+    (models/layout.py); default: the trained model's own names.
     """
     from safetensors.torch import save_file
 
+    layout = layout or BaseLayout()
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
     shard: dict[str, torch.Tensor] = {}
@@ -91,20 +108,28 @@ def export_hf_folder(out_dir: str, model: torch.nn.Module, hf_config, tokenizer,
                 weight_map[k] = name
         shard, shard_bytes = {}, 0
 
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    for key, value in model.state_dict().items():
-        full = value.full_tensor() if hasattr(value, "full_tensor") else value
-        if rank != 0:
-            continue
-        name = key[len(prefix_strip):] if prefix_strip and key.startswith(prefix_strip) else key
-        if tied and name == "lm_head.weight":
-            continue
-        t = full.detach().to("cpu", dtype=dtype if full.is_floating_point() else full.dtype).contiguous()
+    def add(name: str, t: torch.Tensor) -> None:
+        nonlocal shard_bytes, total
         shard[name] = t
         shard_bytes += t.numel() * t.element_size()
         total += t.numel() * t.element_size()
         if shard_bytes >= SHARD_BYTES:
             flush()
+
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    written: set[str] = set()
+    for key, full in (gathered_state(model) if tensors is None else tensors):
+        if rank != 0:
+            continue
+        name = key[len(prefix_strip):] if prefix_strip and key.startswith(prefix_strip) else key
+        if tied and name == "lm_head.weight":
+            continue
+        name = layout.name(name)
+        written.add(name)
+        add(name, full.detach().to("cpu", dtype=dtype if full.is_floating_point() else full.dtype).contiguous())
+    if rank == 0 and layout.conditional:
+        for name, t in layout.untouched(written):     # the base's own tensors, as they were
+            add(name, t)
     flush()
     if rank == 0:
         # rename to the HF convention model-0000i-of-0000n.safetensors
@@ -119,16 +144,13 @@ def export_hf_folder(out_dir: str, model: torch.nn.Module, hf_config, tokenizer,
                      "weight_map": {k: renamed[v] for k, v in weight_map.items()}}
             with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
-        cfg = hf_config.__class__.from_dict(hf_config.to_dict())
-        cfg.dtype = dtype
-        cfg.use_cache = True
-        cfg.architectures = [arch or type(model).__name__]
-        cfg.save_pretrained(out_dir)
+        layout.write_config(out_dir, hf_config, dtype, layout.architecture or arch or type(model).__name__)
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)
     if dist.is_initialized():
         dist.barrier()
 
 
-__all__ = ["save_train_checkpoint", "load_train_checkpoint", "write_train_state", "export_hf_folder", "write_meta",
-           "read_meta", "read_meta_at", "read_train_state", "train_state_path", "META_FILE", "StateDictOptions"]
+__all__ = ["save_train_checkpoint", "load_train_checkpoint", "write_train_state", "export_hf_folder",
+           "gathered_state", "write_meta", "read_meta", "read_meta_at", "read_train_state", "train_state_path",
+           "META_FILE", "StateDictOptions"]

@@ -31,6 +31,8 @@ from raytune_ft.train.common import WorkerLog, lr_at, recipe_from_config, report
 from raytune_ft.train.evaluate import EvalAndSamples, start_reading_held_out
 from raytune_ft.train.fp8 import precompute_fp8_scales
 from raytune_ft.train.fsdp_model import PackedCausalLM, build_fsdp_model, compile_pointwise, shard_packed_model
+from raytune_ft.train.lora import count_trainable
+from raytune_ft.train.lora_export import export_bytes, final_export
 from raytune_ft.train.state import Progress, TrainState
 
 # the model's parts are importable from here too (benchmarks build exactly what the loop trains)
@@ -98,9 +100,10 @@ def train_fsdp(config: dict) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=t_cfg.lr, betas=tuple(t_cfg.betas), weight_decay=t_cfg.weight_decay,
                             fused=device.type == "cuda")
-    export_bytes = sum(p.numel() for p in params) * (2 if recipe.model.dtype == "bfloat16" else 4)
-    guard = ckpt_storage.SaveGuard(rank, device, ckpt_storage.model_checkpoint_bytes(params), export_bytes)
-    state = _resume_state(TrainState(model, opt), rank, log)
+    guard = ckpt_storage.SaveGuard(rank, device, ckpt_storage.model_checkpoint_bytes(params),
+                                   export_bytes(recipe, model, params))
+    # LoRA: the checkpoints hold the adapters only; the frozen base is rebuilt from its source
+    state = _resume_state(TrainState(model, opt, trainable_only=t_cfg.lora_r > 0), rank, log)
     # a storage that cannot take the next checkpoint stops the attempt here, before training to it
     guard.check_first(state.step, t_cfg)
     saver = Checkpointer(state, rank, device, guard, log, background=async_enabled(t_cfg.async_checkpoint, device),
@@ -111,13 +114,12 @@ def train_fsdp(config: dict) -> None:
     probes = EvalAndSamples.open(recipe, tok, rank=rank, world=world, device=device, log=log, held_out=held_out)
     log.log_metrics(probes.at_start(model, state.evaluation, state.step), 0)   # the base model's samples
     log.startup.mark("eval_setup", since=probing)
-    window = _Window(device, lm.config, world, state.progress)
+    window = _Window(device, lm.config, world, state.progress,
+                     adapter_params=count_trainable(model) if t_cfg.lora_r else None)   # LoRA: frozen-base FLOPs
     log.mfu_basis(window.mfu_basis)
     dtype = torch.bfloat16 if recipe.model.dtype == "bfloat16" else torch.float32
 
-    def export(folder: str) -> None:     # the final checkpoint's hf/ folder
-        ckpt_io.export_hf_folder(folder, model, lm.config, tok, rank, dtype=dtype, prefix_strip="lm.",
-                                 arch=type(lm).__name__)
+    export = final_export(recipe, model, lm, tok, rank, dtype, log)     # the final checkpoint's hf/ (adapter/)
 
     attempt = _Attempt(recipe=recipe, rank=rank, world=world, device=device, log=log, model=model, opt=opt,
                        params=params, state=state, feed=feed, total_steps=total_steps, window=window,
@@ -248,7 +250,7 @@ def _meta(recipe: Recipe) -> dict:
     """raytune_meta.json's fields every checkpoint of the run shares (the registry reads them)."""
     m = recipe.model
     return {"job": recipe.job, "model_name": m.name, "revision": m.revision, "family": m.family,
-            "run_name": recipe.tracking.run_name, "loop": "fsdp2"}
+            "run_name": recipe.tracking.run_name, "loop": "fsdp2", "lora": recipe.train.lora_r > 0}
 
 
 def clip_gradients(params: list, max_norm: float | None) -> torch.Tensor:
@@ -306,15 +308,19 @@ class _Window:
     tokens and model FLOPs, and a non-finite flag checked at each sync. Also this attempt's tokens and
     seconds, apart from the run's (a resumed run's earlier attempts are in `state`)."""
 
-    def __init__(self, device: torch.device, model_config, world: int, progress: Progress):
+    def __init__(self, device: torch.device, model_config, world: int, progress: Progress,
+                 adapter_params: int | None = None):
         from raytune_ft.hardware import mfu_basis
 
         self.device, self.model_config, self.world = device, model_config, world
+        self.adapter_params = adapter_params
         self.tokens_before = int(progress.tokens_total or 0)
         self.seconds_before = float(progress.run_train_seconds or 0.0)
         self.t_start = time.perf_counter()
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         self.mfu_basis = mfu_basis(self.device_name)
+        if adapter_params is not None:
+            self.mfu_basis += "; LoRA: FLOPs of the frozen base's forward and backward (no weight gradients) + adapters"
         self.bad = torch.zeros((), dtype=torch.bool, device=device)
         self.restart()
 
@@ -330,7 +336,7 @@ class _Window:
         self.pending.append((step, loss_sum, denom, grad_norm, lr))
         for mb in micro_batches:
             self.tokens += mb.n_real
-            self.flops += flops_per_block(self.model_config, mb.seq_lens)
+            self.flops += flops_per_block(self.model_config, mb.seq_lens, adapter_params=self.adapter_params)
 
     def close(self, progress: Progress, rank: int) -> dict:
         """Host sync: all-reduce the window's losses and tokens (a collective), stop on a non-finite

@@ -59,6 +59,9 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
     on_gpu = device.type == "cuda"
     compute_dtype = torch.bfloat16 if (on_gpu and recipe.model.dtype == "bfloat16") else torch.float32
     param_dtype = torch.float32 if recipe.train.master_weights == "fp32" else compute_dtype
+    lora = recipe.train.lora_r > 0
+    if lora:   # the frozen base in the compute dtype; the adapters are fp32 (train/lora.py)
+        param_dtype = compute_dtype
     # Built on the meta device, sharded, then filled: each rank allocates and reads only its own
     # shard of the weights, so no rank ever holds the whole model in host or GPU memory.
     lm = load_causal_lm(recipe.model, tokenizer_vocab_size=len(tok), device="meta", dtype=param_dtype)
@@ -82,6 +85,12 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
     else:
         log.info(f"precision: bf16 matmuls (compute {compute_dtype})")
     log.log_param("precision_ran", ran)
+    if lora:   # after fp8: the adapters wrap the (converted) base linears and stay in high precision
+        from raytune_ft.train.lora import add_adapters
+
+        n = len(add_adapters(lm, recipe.train))
+        log.info(f"LoRA r={recipe.train.lora_r} alpha={recipe.train.lora_alpha} on {n} linears; base frozen "
+                 f"in {param_dtype}")
     if recipe.train.compile:
         compile_pointwise(lm)
         log.info("torch.compile: each decoder layer's MLP and RMSNorms")
@@ -89,6 +98,10 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
                                activation_checkpointing=recipe.train.activation_checkpointing)
     log.startup.mark("model_build.wrapping")
     materialize_model(lm, recipe.model, device, seed=recipe.train.seed)
+    if lora:
+        from raytune_ft.train.lora import init_adapters
+
+        init_adapters(lm, recipe.train.seed)
     log.startup.mark("model_build.weights")
     return model, lm, tok
 

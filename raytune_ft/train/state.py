@@ -107,20 +107,25 @@ class EvaluationState(JsonPart):
 
 
 class ModelPart:
-    """The model's weights as DCP sees them (sharded DTensors where FSDP2 sharded them)."""
+    """The model's weights as DCP sees them (sharded DTensors where FSDP2 sharded them). `trainable_only`
+    (LoRA): the parameters that train, nothing of the frozen base, which the run rebuilds from its source."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, trainable_only: bool = False):
+        self.model, self.trainable_only = model, trainable_only
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model)
+        return get_model_state_dict(self.model, options=StateDictOptions(ignore_frozen_params=self.trainable_only))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(self.model, state)
+        if self.trainable_only:
+            missing = sorted(set(self.state_dict()) - set(state))
+            if missing:
+                raise KeyError(f"checkpoint lacks {len(missing)} trained tensors, e.g. {missing[:3]}")
+        set_model_state_dict(self.model, state, options=StateDictOptions(strict=not self.trainable_only))
 
 
 class OptimizerPart:
@@ -143,12 +148,13 @@ class OptimizerPart:
 class TrainState:
     """Every part of the FSDP2 loop's checkpoint. `sharded`: the DCP parts by their key in the shards
     (loaded in this order: the optimizer's names come from the model); `json_parts`: the train-state
-    file's parts by name."""
+    file's parts by name. `trainable_only`: the model part holds only what trains (LoRA's adapters)."""
 
-    def __init__(self, model=None, optimizer=None):
+    def __init__(self, model=None, optimizer=None, *, trainable_only: bool = False):
         self.schedule, self.data = Schedule(), DataPosition()
         self.progress, self.evaluation = Progress(), EvaluationState()
-        self.sharded = {} if model is None else {"model": ModelPart(model), "optim": OptimizerPart(model, optimizer)}
+        self.sharded = {} if model is None else {"model": ModelPart(model, trainable_only),
+                                                 "optim": OptimizerPart(model, optimizer)}
 
     @property
     def json_parts(self) -> dict[str, JsonPart]:
