@@ -67,7 +67,7 @@ class RunSummary:
             skipped = self.data.get("rows_skipped_by_reason") or {}
             out.append(f"  data             {self.data.get('rows_read', 0)} rows read, "
                        f"{sum(skipped.values())} skipped{f' {dict(skipped)}' if skipped else ''}, "
-                       f"{self.data.get('blocks', 0)} blocks")
+                       f"{self.data.get('blocks', 0)} blocks{_padding_share(self.data)}")
         out.append(f"  mlflow           {self.tracking_uri} run {self.mlflow_run_id}")
         if self.tracking_uri and self.tracking_uri.startswith(("sqlite:", "file:", "/")):
             import shlex
@@ -131,6 +131,16 @@ def _write_plots(recipe: Recipe, st, run_path: str, ckpt, run_id: str, last_step
     except Exception as e:
         print(f"[raytune_ft] plots skipped: {redact_exception(e)}")
         return []
+
+
+def _padding_share(data: dict) -> str:
+    """", padding P% of the trained tokens (N all-padding blocks evened the ranks out)" for the data row."""
+    total = data.get("real_tokens", 0) + data.get("padding_tokens", 0)
+    if not total:
+        return ""
+    even = data.get("equalisation_padding_blocks", 0)
+    return (f", padding {data.get('padding_tokens', 0) / total:.1%} of the trained tokens"
+            + (f" ({even} all-padding blocks evened the ranks out)" if even else ""))
 
 
 def _data_record(data: dict) -> dict:
@@ -335,10 +345,13 @@ def _register_and_close(recipe: Recipe, summary: RunSummary, meta: dict, ckpt_ur
             summary.retry_command = outcome.retry_command
             status_tags.update({"raytune.status": "trained_not_registered"})
     summary.seconds = time.time() - job_start
+    record = _data_record(data)
+    # the padding share also as a run metric, beside the final loss: a column to compare runs by
+    ends = {"final_loss": summary.final_loss or float("nan"), "total_tokens": summary.tokens,
+            **({"padding_fraction": record["padding_fraction"]} if record else {})}
     try:
-        summary.mlflow_experiment_id = tracking.end_run(recipe, run_id, tags=status_tags,
-                         metrics={"final_loss": summary.final_loss or float("nan"), "total_tokens": summary.tokens},
-                         json_artifacts={"data.json": _data_record(data)} if data else None)
+        summary.mlflow_experiment_id = tracking.end_run(recipe, run_id, tags=status_tags, metrics=ends,
+                                                        json_artifacts={"data.json": record} if record else None)
     except Exception as e:  # the run is trained and (maybe) registered: tracking must not lose it
         print(f"[raytune_ft] could not close the MLflow run: {type(e).__name__}")
     storage.write_json(st.fs, f"{run_path}/summary.json", asdict(summary))
