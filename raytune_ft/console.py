@@ -137,9 +137,15 @@ _OWN_HANDLERS = ("torch", "transformers", "mlflow", "datasets", "huggingface_hub
 NO_BARS_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 
 
-def library_log(command: str) -> str:
-    """Where a command run outside Ray keeps the libraries' lines: ~/.cache/raytune_ft/logs/<command>.log."""
-    return os.path.join(os.path.expanduser("~"), ".cache", "raytune_ft", "logs", f"{command}.log")
+def library_log(command: str, per_call: bool = False) -> str:
+    """Where a command run outside Ray keeps the libraries' lines: ~/.cache/raytune_ft/logs/<command>.log, or
+    with `per_call` a file of this call's own, <command>-<UTC time to the microsecond>-<pid>.log (commands that may run at once,
+    by several users' jobs or a retry beside a run, each keep their lines apart)."""
+    import datetime
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    name = f"{command}-{now:%Y%m%d-%H%M%S-%f}-{os.getpid()}" if per_call else command
+    return os.path.join(os.path.expanduser("~"), ".cache", "raytune_ft", "logs", f"{name}.log")
 
 
 def own_lines_only(log_file: str, preload: tuple[str, ...] = ()) -> str:
