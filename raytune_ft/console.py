@@ -15,21 +15,26 @@ import logging
 import os
 import warnings
 
-# Read by Ray and the libraries when their processes start: kept quiet, errors still shown.
+# Read by Ray and the libraries when their processes start: kept quiet, errors still shown, in a terminal
+# as in a pipe.
 QUIET_ENV = {
     "RAY_DATA_LOG_LEVEL": "WARNING",        # "Starting execution of Dataset ...", execution plans, timings
     "MLFLOW_LOGGING_LEVEL": "WARNING",      # "Creating initial MLflow database tables...", "Created version"
     "TORCH_CPP_LOG_LEVEL": "ERROR",         # c10d's C++ warnings ("ProcessGroupNCCL ... destroy_process_group")
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",    # transformers' "Writing model shards" bars, the hub's downloads
+    # Ray Data's bars, forwarded from the workers and redrawn around every line the run prints, leave
+    # their own blank prefixed lines behind in a terminal
+    "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
+    # Ray's log deduplication prints a line, then again with "[repeated Nx across cluster]" when more
+    # workers print it (numbers do not count: "rank 0 ..." and "rank 1 ..." are one line to it), at
+    # times after the run's summary
+    "RAY_DEDUP_LOGS": "0",
 }
 
-# Off a terminal (a pipe, a file, `ray job submit`'s log): no colour codes, no redrawn progress bars.
-# Ray's log deduplication is off there too: its "[repeated Nx across cluster]" note is always coloured.
+# Off a terminal (a pipe, a file, `ray job submit`'s log): no colour codes.
 PLAIN_ENV = {
     "NO_COLOR": "1",
     "RAY_COLOR_PREFIX": "0",
-    "RAY_DEDUP_LOGS": "0",
-    "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
 }
 
 # Loggers of the libraries whose warnings a user cannot act on, at the level they are shown from.
