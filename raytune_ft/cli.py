@@ -32,17 +32,13 @@ EPILOG = """examples:
 """
 
 
-LOCAL_HELP = ("run on local Ray on CPU with a tiny model of the same family and generated chat data: no GPU, "
-              "no model hub, no dataset hub")
-
-
 def add_job_flags(p: argparse.ArgumentParser, local_doc: str | None = None) -> argparse.ArgumentParser:
     """The flags every job takes: --local, --set (repeatable), --dry-run, --no-register. `local_doc`: the
     docstring of the job's `local(recipe)`, whose first line says what this job's --local uses."""
-    first = (local_doc or "").strip().splitlines()[0].rstrip(".") if (local_doc or "").strip() else ""
-    uses = first.split(": ", 1)[1] if ": " in first else first
-    p.add_argument("--local", action="store_true",
-                   help=LOCAL_HELP + (f" (this job: {uses})" if uses else "").replace("%", "%%"))
+    uses = ((local_doc or "").strip().splitlines() or [""])[0].rstrip(".").split(": ", 1)[-1].replace("%", "%%")
+    p.add_argument("--local", action="store_true", help="run on local Ray on CPU with a tiny model of the same "
+                   "family and generated chat data: no GPU, no model hub, no dataset hub"
+                   + (f" (this job: {uses})" * bool(uses)))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a recipe field (repeatable), e.g. --set scaling.num_workers=16")
     p.add_argument("--dry-run", action="store_true",
@@ -147,8 +143,9 @@ def list_jobs() -> list[str]:
     return sorted(f[:-3] for f in os.listdir(d) if f.endswith(".py") and not f.startswith("_"))
 
 
-class NoSuchJob(ValueError):
-    """A job name or path that names no job file (an input error: exit 2)."""
+def _no_job(message: str) -> SystemExit:
+    print(f"error: {message}", file=sys.stderr)      # an input error like the others: exit code 2
+    return SystemExit(2)
 
 
 def _load_job(job: str):
@@ -158,7 +155,7 @@ def _load_job(job: str):
         cand = os.path.join(jobs_dir(), job if job.endswith(".py") else f"{job}.py")
         if not os.path.isfile(cand):
             known = ", ".join(list_jobs()) or "none found"
-            raise NoSuchJob(f"no job {job!r} (looked for {path} and {cand}; jobs: {known})")
+            raise _no_job(f"no job {job!r} (looked for {path} and {cand}; jobs: {known})")
         path = cand
     spec = importlib.util.spec_from_file_location(f"raytune_job_{os.path.basename(path)[:-3]}", path)
     mod = importlib.util.module_from_spec(spec)
@@ -169,7 +166,7 @@ def _load_job(job: str):
 def _job_recipe(job: str, local: bool, overrides: list[str]) -> Recipe:
     mod = _load_job(job)
     if not (callable(getattr(mod, "recipe", None)) and callable(getattr(mod, "local", None))):
-        raise NoSuchJob(f"job {job!r} does not define recipe() and local(recipe)")
+        raise _no_job(f"job {job!r} does not define recipe() and local(recipe)")
     return resolve(mod.recipe, mod.local, local=local, overrides=overrides)
 
 
@@ -406,14 +403,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    try:
-        return _command(parser, args)
-    except NoSuchJob as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "run":
         mod = _load_job(args.job)
         job_argv = [f"--set={o}" for o in args.overrides]

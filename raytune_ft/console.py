@@ -29,6 +29,9 @@ QUIET_ENV = {
     # workers print it (numbers do not count: "rank 0 ..." and "rank 1 ..." are one line to it), at
     # times after the run's summary
     "RAY_DEDUP_LOGS": "0",
+    # Ray Train's workers send every print() to the root logger (stderr) and, since a Ray worker's sys.stdout
+    # is a wrapper of Ray's, to stdout as well: each printed line reached the console twice
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
 }
 
 # Off a terminal (a pipe, a file, `ray job submit`'s log): no colour codes.

@@ -81,8 +81,8 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
         section, name = key.split(".", 1)
         # a near name is the answer; the whole list only when there is none
         if section not in classes:
-            raise RecipeError(f"{key}: unknown section {section!r}"
-                              + (did_you_mean(section, classes, suffix="." + name) or f" (sections: {', '.join(classes)})"))
+            near = did_you_mean(section, classes, suffix="." + name)
+            raise RecipeError(f"{key}: unknown section {section!r}" + (near or f" (sections: {', '.join(classes)})"))
         cls = classes[section]
         hints = typing.get_type_hints(cls)
         if name not in hints:

@@ -84,7 +84,9 @@ def test_run_bad_recipe_exits_2_naming_the_field(capsys):
 def test_run_unknown_job_exits_2_listing_the_jobs(capsys):
     """An input error like the others (exit 2, not Python's 1 for an exit message), for run and plan."""
     for cmd in ("run", "plan"):
-        assert cli.main([cmd, "no_such_job"]) == 2
+        with pytest.raises(SystemExit) as e:
+            cli.main([cmd, "no_such_job"])
+        assert e.value.code == 2
         err = capsys.readouterr().err
         assert err.startswith("error: no job 'no_such_job'") and "qwen27b_b300" in err
 

@@ -144,7 +144,7 @@ def test_a_local_run_in_a_terminal_prints_the_projects_lines_once_and_ends_with_
     # each process's project lines once (the restarted attempt's workers are other processes)
     own = [x for x in shown if "raytune_ft" in x]
     twice = {x for x in own if own.count(x) > 1}
-    assert not twice, twice
+    assert not twice, "\n".join(shown)
     resumed = [x for x in own if "resumed reading" in x]
     assert sorted(PREFIX.sub("", x).split(" resumed")[0] for x in resumed) == ["[raytune_ft] rank 0",
                                                                             "[raytune_ft] rank 1"], resumed

@@ -184,8 +184,10 @@ class StepFeed:
         self._dry = False
         self.blocks_consumed = 0
         self.fingerprint = 0
-        # `defer_replay`: replayed at the first `next_blocks` or `replayed()` (a loop that opens its data
-        # early checks its storage first)
+        # `defer_replay`: replayed at the first `next_blocks` or `replayed()`, which every rank reaches at
+        # the same point: a loop that opens its data early checks its storage first, and Ray Data's split
+        # starts a pass only once every rank reads its shard, so a rank replaying blocks at once waits for a
+        # rank with none to replay, which may meanwhile wait in a collective for it
         self._pending: tuple[int, int | None] | None = (skip_blocks, fingerprint)
         if not defer_replay:
             self.replayed()
@@ -390,7 +392,7 @@ class EpochFeeds:
             blocks = self.open_blocks(epoch, self.counters)
         return StepFeed(blocks, per_step=self.per_step, seq_len=self.seq_len,
                         counters=self.counters, rank=self.rank, skip_blocks=skip, fingerprint=fingerprint,
-                        group=self.group, defer_replay=bool(self.read_ahead))
+                        group=self.group, defer_replay=True)
 
     def next_blocks(self) -> list[dict] | None:
         """The next step's blocks, moving on to the next epoch when one ends; None after the last."""
