@@ -58,20 +58,9 @@ def _rank_main(rank, world, port, q):
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_dry_rank_is_lent_blocks_and_a_resume_inside_the_lending_is_exact():
-    import torch.multiprocessing as mp
+    from tests.conftest import run_gloo_ranks
 
-    from tests.mlflow_server import free_port
-
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=150) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-    assert [p.exitcode for p in procs] == [0, 0]
+    got = run_gloo_ranks(_rank_main)
 
     def trained(name):
         return sorted(x for r in (0, 1) for step in got[r][name]["steps"] for x in step if x)
