@@ -32,10 +32,13 @@ EPILOG = """examples:
 """
 
 
-def add_job_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The flags every job takes: --local, --set (repeatable), --dry-run, --no-register."""
-    p.add_argument("--local", action="store_true",
-                   help="run on local Ray on CPU with a tiny model of the same family and bundled data")
+def add_job_flags(p: argparse.ArgumentParser, local_doc: str | None = None) -> argparse.ArgumentParser:
+    """The flags every job takes: --local, --set (repeatable), --dry-run, --no-register. `local_doc`: the
+    docstring of the job's `local(recipe)`, whose first line says what this job's --local uses."""
+    uses = ((local_doc or "").strip().splitlines() or [""])[0].rstrip(".").split(": ", 1)[-1].replace("%", "%%")
+    p.add_argument("--local", action="store_true", help="run on local Ray on CPU with a tiny model of the same "
+                   "family and generated chat data: no GPU, no model hub, no dataset hub"
+                   + (f" (this job: {uses})" * bool(uses)))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a recipe field (repeatable), e.g. --set scaling.num_workers=16")
     p.add_argument("--dry-run", action="store_true",
@@ -44,9 +47,9 @@ def add_job_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def job_parser(prog: str, description: str | None = None) -> argparse.ArgumentParser:
+def job_parser(prog: str, description: str | None = None, local_doc: str | None = None) -> argparse.ArgumentParser:
     """The argument parser of a jobs/*.py script."""
-    return add_job_flags(argparse.ArgumentParser(prog=prog, description=description))
+    return add_job_flags(argparse.ArgumentParser(prog=prog, description=description), local_doc)
 
 
 def resolve(recipe_fn: RecipeFn, local_fn: LocalFn, *, local: bool, overrides: list[str]) -> Recipe:
@@ -85,7 +88,7 @@ def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = No
     check before Ray starts or a run folder another job holds (nothing started), 3 trained but not
     registered, 130 interrupted (Ctrl-C), 143 stopped (SIGTERM, `ray job stop`).
     """
-    args = job_parser(prog, (recipe_fn.__doc__ or "").strip() or None).parse_args(argv)
+    args = job_parser(prog, (recipe_fn.__doc__ or "").strip() or None, local_fn.__doc__).parse_args(argv)
     try:
         recipe = resolve(recipe_fn, local_fn, local=args.local, overrides=args.overrides)
     except RecipeError as e:
@@ -140,6 +143,11 @@ def list_jobs() -> list[str]:
     return sorted(f[:-3] for f in os.listdir(d) if f.endswith(".py") and not f.startswith("_"))
 
 
+def _no_job(message: str) -> SystemExit:
+    print(f"error: {message}", file=sys.stderr)      # an input error like the others: exit code 2
+    return SystemExit(2)
+
+
 def _load_job(job: str):
     """A job by name (qwen27b_b300) or path (jobs/qwen27b_b300.py)."""
     path = job
@@ -147,7 +155,7 @@ def _load_job(job: str):
         cand = os.path.join(jobs_dir(), job if job.endswith(".py") else f"{job}.py")
         if not os.path.isfile(cand):
             known = ", ".join(list_jobs()) or "none found"
-            raise SystemExit(f"error: no job {job!r} (looked for {path} and {cand}; jobs: {known})")
+            raise _no_job(f"no job {job!r} (looked for {path} and {cand}; jobs: {known})")
         path = cand
     spec = importlib.util.spec_from_file_location(f"raytune_job_{os.path.basename(path)[:-3]}", path)
     mod = importlib.util.module_from_spec(spec)
@@ -158,7 +166,7 @@ def _load_job(job: str):
 def _job_recipe(job: str, local: bool, overrides: list[str]) -> Recipe:
     mod = _load_job(job)
     if not (callable(getattr(mod, "recipe", None)) and callable(getattr(mod, "local", None))):
-        raise SystemExit(f"error: job {job!r} does not define recipe() and local(recipe)")
+        raise _no_job(f"job {job!r} does not define recipe() and local(recipe)")
     return resolve(mod.recipe, mod.local, local=local, overrides=overrides)
 
 
@@ -321,7 +329,7 @@ def cli_register(argv: list[str]) -> int:
         return 2
     from raytune_ft.console import library_log, own_lines_only
 
-    log_file = own_lines_only(library_log("register"), preload=("torch", "mlflow", "transformers"))
+    log_file = own_lines_only(library_log("register", per_call=True), preload=("torch", "mlflow", "transformers"))
     from raytune_ft.registry import RegistrationError, record_failure, register_checkpoint
 
     try:

@@ -17,21 +17,29 @@ import warnings
 
 from raytune_ft import compat
 
-# Read by Ray and the libraries when their processes start: kept quiet, errors still shown.
+# Read by Ray and the libraries when their processes start: kept quiet, errors still shown, in a terminal
+# as in a pipe.
 QUIET_ENV = {
     "RAY_DATA_LOG_LEVEL": "WARNING",        # "Starting execution of Dataset ...", execution plans, timings
     "MLFLOW_LOGGING_LEVEL": "WARNING",      # "Creating initial MLflow database tables...", "Created version"
     "TORCH_CPP_LOG_LEVEL": "ERROR",         # c10d's C++ warnings ("ProcessGroupNCCL ... destroy_process_group")
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",    # transformers' "Writing model shards" bars, the hub's downloads
+    # Ray Data's bars, forwarded from the workers and redrawn around every line the run prints, leave
+    # their own blank prefixed lines behind in a terminal
+    "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
+    # Ray's log deduplication prints a line, then again with "[repeated Nx across cluster]" when more
+    # workers print it (numbers do not count: "rank 0 ..." and "rank 1 ..." are one line to it), at
+    # times after the run's summary
+    "RAY_DEDUP_LOGS": "0",
+    # Ray Train's workers send every print() to the root logger (stderr) and, since a Ray worker's sys.stdout
+    # is a wrapper of Ray's, to stdout as well: each printed line reached the console twice
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
 }
 
-# Off a terminal (a pipe, a file, `ray job submit`'s log): no colour codes, no redrawn progress bars.
-# Ray's log deduplication is off there too: its "[repeated Nx across cluster]" note is always coloured.
+# Off a terminal (a pipe, a file, `ray job submit`'s log): no colour codes.
 PLAIN_ENV = {
     "NO_COLOR": "1",
     "RAY_COLOR_PREFIX": "0",
-    "RAY_DEDUP_LOGS": "0",
-    "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
 }
 
 # Loggers of the libraries whose warnings a user cannot act on, at the level they are shown from.
@@ -139,9 +147,15 @@ _OWN_HANDLERS = ("torch", "transformers", "mlflow", "datasets", "huggingface_hub
 NO_BARS_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 
 
-def library_log(command: str) -> str:
-    """Where a command run outside Ray keeps the libraries' lines: ~/.cache/raytune_ft/logs/<command>.log."""
-    return os.path.join(os.path.expanduser("~"), ".cache", "raytune_ft", "logs", f"{command}.log")
+def library_log(command: str, per_call: bool = False) -> str:
+    """Where a command run outside Ray keeps the libraries' lines: ~/.cache/raytune_ft/logs/<command>.log, or
+    with `per_call` a file of this call's own, <command>-<UTC time to the microsecond>-<pid>.log (commands that may run at once,
+    by several users' jobs or a retry beside a run, each keep their lines apart)."""
+    import datetime
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    name = f"{command}-{now:%Y%m%d-%H%M%S-%f}-{os.getpid()}" if per_call else command
+    return os.path.join(os.path.expanduser("~"), ".cache", "raytune_ft", "logs", f"{name}.log")
 
 
 def own_lines_only(log_file: str, preload: tuple[str, ...] = ()) -> str:

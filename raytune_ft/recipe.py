@@ -79,14 +79,15 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
         if "." not in key:
             raise RecipeError(f"--set {key}: expected section.field (sections: {', '.join(classes)})")
         section, name = key.split(".", 1)
+        # a near name is the answer; the whole list only when there is none
         if section not in classes:
-            raise RecipeError(f"{key}: unknown section {section!r}{did_you_mean(section, classes, suffix='.' + name)} "
-                              f"(sections: {', '.join(classes)})")
+            near = did_you_mean(section, classes, suffix="." + name)
+            raise RecipeError(f"{key}: unknown section {section!r}" + (near or f" (sections: {', '.join(classes)})"))
         cls = classes[section]
         hints = typing.get_type_hints(cls)
         if name not in hints:
-            raise RecipeError(f"{key}: unknown field {name!r} of {section}{did_you_mean(name, hints, section + '.')} "
-                              f"(fields: {', '.join(hints)})")
+            raise RecipeError(f"{key}: unknown field {name!r} of {section}"
+                              + (did_you_mean(name, hints, section + ".") or f" (fields: {', '.join(hints)})"))
         setattr(getattr(recipe, section), name, coerce(key, raw.strip(), hints[name]))
     return recipe
 

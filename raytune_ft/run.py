@@ -67,7 +67,7 @@ class RunSummary:
             skipped = self.data.get("rows_skipped_by_reason") or {}
             out.append(f"  data             {self.data.get('rows_read', 0)} rows read, "
                        f"{sum(skipped.values())} skipped{f' {dict(skipped)}' if skipped else ''}, "
-                       f"{self.data.get('blocks', 0)} blocks")
+                       f"{self.data.get('blocks', 0)} blocks{_padding_share(self.data)}")
         out.append(f"  mlflow           {self.tracking_uri} run {self.mlflow_run_id}")
         if self.tracking_uri and self.tracking_uri.startswith(("sqlite:", "file:", "/")):
             import shlex
@@ -131,6 +131,16 @@ def _write_plots(recipe: Recipe, st, run_path: str, ckpt, run_id: str, last_step
     except Exception as e:
         print(f"[raytune_ft] plots skipped: {redact_exception(e)}")
         return []
+
+
+def _padding_share(data: dict) -> str:
+    """", padding P% of the trained tokens (N all-padding blocks evened the ranks out)" for the data row."""
+    total = data.get("real_tokens", 0) + data.get("padding_tokens", 0)
+    if not total:
+        return ""
+    even = data.get("equalisation_padding_blocks", 0)
+    return (f", padding {data.get('padding_tokens', 0) / total:.1%} of the trained tokens"
+            + (f" ({even} all-padding blocks evened the ranks out)" if even else ""))
 
 
 def _data_record(data: dict) -> dict:
@@ -325,10 +335,12 @@ def _register_and_close(recipe: Recipe, summary: RunSummary, meta: dict, ckpt_ur
             summary.retry_command = outcome.retry_command
             status_tags.update({"raytune.status": "trained_not_registered"})
     summary.seconds = time.time() - life.job_start
+    record = _data_record(data)
+    # the padding share also as a run metric, beside the final loss: a column to compare runs by
+    ends = {"final_loss": summary.final_loss or float("nan"), "total_tokens": summary.tokens,
+            **({"padding_fraction": record["padding_fraction"]} if record else {})}
     # the run is trained and (maybe) registered: a store that does not answer loses none of it (said)
-    summary.mlflow_experiment_id = life.finish(
-        status_tags, {"final_loss": summary.final_loss or float("nan"), "total_tokens": summary.tokens},
-        {"data.json": _data_record(data)} if data else None)
+    summary.mlflow_experiment_id = life.finish(status_tags, ends, {"data.json": record} if record else None)
     storage.write_json(st.fs, f"{run_path}/summary.json", asdict(summary))
     tracking.keep_tracking_db(recipe, st, run_path)
     return summary

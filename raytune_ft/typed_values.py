@@ -21,7 +21,13 @@ def coerce(path: str, raw: str, tp: Any) -> Any:
         if raw.lower() in ("none", "null", ""):
             if type(None) in args:
                 return None
-        return coerce(path, raw, non_none[0])
+        # a number where the union allows one (`str | int`: "0" is 0, "prompts.jsonl" stays text)
+        for number in (a for a in non_none if a in (int, float) and len(non_none) > 1):
+            try:
+                return coerce(path, raw, number)
+            except RecipeError:
+                continue
+        return coerce(path, raw, next((a for a in non_none if a not in (int, float)), non_none[0]))
     if origin is Literal:
         if raw not in args:
             raise RecipeError(f"{path}: {raw!r} is not one of {', '.join(map(repr, args))}")

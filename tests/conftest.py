@@ -213,6 +213,26 @@ def fresh_copy(dest: Path) -> Path:
     return dest
 
 
+def run_gloo_ranks(target, world: int = 2, timeout: float = 150) -> dict:
+    """{rank: what it put on the queue} of `world` spawned processes running `target(rank, world, port, q)`, each
+    inside `spawned_gloo_rank` and putting one (rank, result) pair on `q`; every process must exit 0."""
+    import torch.multiprocessing as mp
+
+    from tests.mlflow_server import free_port
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=timeout) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert [p.exitcode for p in procs] == [0] * world
+    return got
+
+
 @contextlib.contextmanager
 def spawned_gloo_rank(rank: int, world: int, port: int):
     """The gloo process group of one rank a test spawned (torch.multiprocessing), on 127.0.0.1:`port`.

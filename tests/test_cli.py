@@ -81,10 +81,61 @@ def test_run_bad_recipe_exits_2_naming_the_field(capsys):
     assert "train.lr" in capsys.readouterr().err
 
 
-def test_run_unknown_job_lists_the_jobs():
+def test_run_unknown_job_exits_2_listing_the_jobs(capsys):
+    """An input error like the others (exit 2, not Python's 1 for an exit message), for run and plan."""
+    for cmd in ("run", "plan"):
+        with pytest.raises(SystemExit) as e:
+            cli.main([cmd, "no_such_job"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: no job 'no_such_job'") and "qwen27b_b300" in err
+
+
+def test_a_mistyped_field_gets_the_near_name_without_the_list_of_fields(capsys):
+    assert cli.main(["run", "qwen27b_b300", "--dry-run", "--set", "train.sample_prompt=1"]) == 2
+    err = capsys.readouterr().err
+    assert "(did you mean train.sample_prompts?)" in err and "fields:" not in err and "lora_alpha" not in err
+    assert cli.main(["run", "qwen27b_b300", "--dry-run", "--set", "trian.lr=1"]) == 2
+    err = capsys.readouterr().err
+    assert "(did you mean train.lr?)" in err and "sections:" not in err
+    # nothing near: the names there are
+    assert cli.main(["run", "qwen27b_b300", "--dry-run", "--set", "train.zzzz=1"]) == 2
+    assert "(fields: loop, lr, " in capsys.readouterr().err
+
+
+def test_the_jobs_help_says_what_its_local_variant_uses(capsys):
+    mod = cli._load_job("qwen27b_b300")
     with pytest.raises(SystemExit) as e:
-        cli.main(["run", "no_such_job"])
-    assert "no_such_job" in str(e.value.code) and "qwen27b_b300" in str(e.value.code)
+        mod.main(["--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())       # argparse wraps the help
+    assert "tiny model of the same family and generated chat data: no GPU, no model hub, no dataset hub" in out
+    assert "(this job: tiny qwen3_5 model, generated chat data, 2 gloo workers)" in out
+    assert "bundled data" not in out
+
+
+@pytest.mark.parametrize("value, shown", [("0", 0), ("3", 3), ("prompts.jsonl", "prompts.jsonl")])
+def test_sample_prompts_set_to_a_number_is_a_number_in_the_dry_run(capsys, value, shown):
+    assert cli.main(["run", "qwen27b_b300", "--local", "--dry-run", f"--set=train.sample_prompts={value}"]) in (0, 2)
+    out = capsys.readouterr().out
+    if isinstance(shown, int):
+        recipe = json.loads(out[: out.index("\nmemory plan:")])
+        assert recipe["train"]["sample_prompts"] == shown and f'"sample_prompts": {shown},' in out
+    else:       # a file name stays text (and is checked as a file: this one does not exist)
+        from raytune_ft.recipe import Recipe, apply_overrides
+
+        assert apply_overrides(Recipe(), [f"train.sample_prompts={value}"]).train.sample_prompts == shown
+
+
+def test_each_register_call_keeps_the_libraries_lines_in_a_log_of_its_own(tmp_path, monkeypatch):
+    """Not one register.log shared by every process of the machine: each call names its own file."""
+    from raytune_ft.console import library_log
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    first, second = library_log("register", per_call=True), library_log("register", per_call=True)
+    assert first != second and os.path.dirname(first) == str(tmp_path / ".cache" / "raytune_ft" / "logs")
+    assert os.path.basename(first).startswith("register-") and f"-{os.getpid()}.log" in first
+    assert first != library_log("register")
 
 
 def test_plan_27b_fits_on_b300(capsys):

@@ -303,30 +303,16 @@ def _rank_main(rank, world, port, q):
         path = fp.attention_path(CFG, [K("torch_varlen", first), K("attn_ok", good_attention)])
         lines: list[str] = []
         report = kc.check_kernels(CFG, "cpu", dtype=F32, paths=[path], log_line=lines.append)
-        q.put((rank, report.in_use, sorted(DISABLED_KERNELS), lines))
+        q.put((rank, (report.in_use, sorted(DISABLED_KERNELS), lines)))
         q.close()
         q.join_thread()          # the queue's feeder thread has sent it before the rank leaves
 
 
 @pytest.mark.timeout(180)
 def test_a_kernel_failing_on_one_rank_is_off_on_every_rank():
-    import torch.multiprocessing as mp
+    from tests.conftest import run_gloo_ranks
 
-    from tests.mlflow_server import free_port
-
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = {}
-    for _ in procs:
-        rank, in_use, disabled, lines = q.get(timeout=150)
-        got[rank] = (in_use, disabled, lines)
-    for p in procs:
-        p.join(timeout=30)
-    assert [p.exitcode for p in procs] == [0, 0]
+    got = run_gloo_ranks(_rank_main)
     for rank in (0, 1):
         assert got[rank][0] == {"attention": "attn_ok"} and got[rank][1] == ["torch_varlen"]
     # the failure is written once, by the rank that saw it; rank 0 writes the summary

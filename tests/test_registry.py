@@ -479,7 +479,11 @@ def test_cli_register_retried_without_a_run_id_keeps_one_version(checkpoint, tmp
     argv = [str(checkpoint), "--name", name, "--tracking-uri", tracking, "--timeout", "300"]
     assert cli_register(argv) == 0
     assert cli_register(argv) == 0
-    assert capsys.readouterr().out.count(f"registered {name} version 1:") == 2
+    out = capsys.readouterr().out
+    assert out.count(f"registered {name} version 1:") == 2
+    # each call's libraries' lines in a file of its own, not one register.log for every process of the machine
+    logs = [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("the libraries' warnings: ")]
+    assert len(set(logs)) == 2 and all(os.path.basename(f).startswith("register-") for f in logs), logs
     versions = MlflowClient(tracking).search_model_versions(f"name = '{name}'")
     assert [str(v.version) for v in versions] == ["1"]
     assert versions[0].tags["raytune.checkpoint"] == str(checkpoint)

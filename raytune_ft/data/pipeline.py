@@ -17,11 +17,13 @@ Worker side (inside the train loop):
 
 Sharding. `train_data_config()` splits the train dataset with `streaming_split(equal=False)`:
 Ray Train's default (`equal=True`) makes the shares equal by dropping rows, silently. Unequal shares
-are instead evened out at the block level by the loops' `StepFeed`: a rank that runs dry runs
-all-padding blocks (labels all -100, no gradient signal) until every rank is dry, and counts them in
-`equalisation_padding_blocks`. With `preserve_order=True` and no locality hints, Ray's splitter hands
-each bundle to the consumer with the fewest rows so far, so the shares are deterministic for a given
-source and block layout; that is what makes "skip the first N blocks" an exact resume.
+are instead evened out at the block level by the loops' `StepFeed`: the splitter hands out whole bundles
+(a small file is one bundle, so one rank may get every row), and a rank that runs dry is lent blocks by
+the others (train/lending.py); only the pass's last step pads with all-padding blocks (labels all -100,
+no gradient signal), counted in `equalisation_padding_blocks`. With `preserve_order=True` and no
+locality hints, Ray's splitter hands each bundle to the consumer with the fewest rows so far, so the
+shares are deterministic for a given source and block layout; that is what makes "skip the first N
+blocks" an exact resume.
 
 Rows that cannot be trained on are not dropped in the Ray Data stage: they travel as rows with an
 empty `input_ids` and a `skip_reason`, so the worker that receives them counts them; the counts are

@@ -142,7 +142,7 @@ def _torch_varlen():
 def select_attention_backend(device: str | torch.device) -> str:
     """The kernel full attention uses on `device`: "flash_attn", "torch_varlen" or "sdpa_blockdiag".
 
-    Logged once per device type. (fp32 inputs on CUDA still go to SDPA: the varlen kernels are
+    Logged once per device type and choice. (fp32 inputs on CUDA still go to SDPA: the varlen kernels are
     half-precision only.)"""
     dev = torch.device(device)
     if dev.type == "cuda" and "flash_attn" not in DISABLED_KERNELS and _flash_attn_varlen() is not None:
@@ -151,8 +151,15 @@ def select_attention_backend(device: str | torch.device) -> str:
         choice = "torch_varlen"
     else:
         choice = "sdpa_blockdiag"
-    log.info("raytune_ft: packed full attention on %s uses %s", dev.type, choice)
+    _say_backend(dev.type, choice)
     return choice
+
+
+@functools.lru_cache(maxsize=None)
+def _say_backend(device_type: str, choice: str) -> None:
+    """Log a device type's backend once: `select_attention_backend` is cached per argument, and "cpu" and
+    torch.device("cpu") are two arguments (a line printed twice)."""
+    log.info("raytune_ft: packed full attention on %s uses %s", device_type, choice)
 
 
 def _sdpa_blockdiag(q, k, v, cu, scaling):

@@ -2,10 +2,10 @@
 
 Each rank streams its own disjoint share of the data (see `raytune_ft.data.pipeline`), packs it into
 blocks, and `StepFeed` groups the blocks into optimizer steps. All ranks must run the same number of
-steps or a collective hangs: when one rank's share runs dry before the others, it feeds all-padding
-blocks (no supervised token, so no gradient) until every rank is dry, and every step is whole;
-those blocks are counted. One tiny all-reduce per step decides (on a CPU gloo group when the loop
-passes one, so the GPU never waits for it).
+steps or a collective hangs: when one rank's share runs dry before the others, the others lend it
+blocks (`raytune_ft.train.lending`); only the pass's last step, once every rank is dry, is filled with
+all-padding blocks (no supervised token, so no gradient), and those are counted. One tiny all-reduce
+per step decides (on a CPU gloo group when the loop passes one, so the GPU never waits for it).
 
 Resume: the order of a rank's blocks is deterministic, so a resumed run replays the blocks it had
 consumed at the checkpoint (re-read and re-packed, not trained on) and continues with the next unseen
@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from raytune_ft.data.packing import DataCounters, padding_block
 from raytune_ft.recipe import Recipe
+from raytune_ft.train.lending import lend, step_extent, steps_for
 
 _STACKED = ("input_ids", "labels", "position_ids", "seq_idx")
 
@@ -169,7 +170,8 @@ class StepFeed:
     `blocks` is the pass from its start; `skip_blocks` of them were trained before a resume and are
     replayed (checked against `fingerprint`, the CRC the checkpoint holds). `counters` receives the
     equalisation padding this feed adds. Attributes the loops read and checkpoint: `blocks_consumed`
-    (real blocks of this pass, replayed ones included) and `fingerprint`.
+    (the blocks of this pass drawn from this rank's share, replayed and lent ones included) and
+    `fingerprint` (of those blocks).
     """
 
     def __init__(self, blocks: Iterable[dict], *, per_step: int, seq_len: int, counters: DataCounters,
@@ -182,8 +184,10 @@ class StepFeed:
         self._dry = False
         self.blocks_consumed = 0
         self.fingerprint = 0
-        # `defer_replay`: replayed at the first `next_blocks` or `replayed()` (a loop that opens its data
-        # early checks its storage first)
+        # `defer_replay`: replayed at the first `next_blocks` or `replayed()`, which every rank reaches at
+        # the same point: a loop that opens its data early checks its storage first, and Ray Data's split
+        # starts a pass only once every rank reads its shard, so a rank replaying blocks at once waits for a
+        # rank with none to replay, which may meanwhile wait in a collective for it
         self._pending: tuple[int, int | None] | None = (skip_blocks, fingerprint)
         if not defer_replay:
             self.replayed()
@@ -213,9 +217,9 @@ class StepFeed:
                 "scaling.num_workers changed. Resuming would train some conversations twice and skip "
                 "others; start a new run name instead, or restore the original settings.")
 
-    def _take(self) -> list[dict]:
+    def _take(self, n: int) -> list[dict]:
         out = []
-        while not self._dry and len(out) < self.per_step:
+        while not self._dry and len(out) < n:
             block = next(self._it, None)
             if block is None:
                 self._dry = True
@@ -224,12 +228,17 @@ class StepFeed:
         return out
 
     def next_blocks(self) -> list[dict] | None:
-        """The next step's `per_step` blocks (padded once this rank is dry), or None once every rank is."""
-        got = self.replayed()._take()
-        if not any_rank_has(len(got), self.flag_device, self.group):
+        """The next step's `per_step` blocks, or None once every rank is dry. A step in which some rank
+        is dry takes blocks lent by the others (`lending.lend`); only the pass's last one pads."""
+        drawn = got = self.replayed()._take(self.per_step)
+        fewest, most = step_extent(len(got), self.flag_device, self.group)
+        if most == 0:
             return None
-        self.blocks_consumed += len(got)
-        for b in got:
+        if fewest < self.per_step and dist.is_initialized():
+            drawn, got = lend(got, self._take, lambda: self._dry, per_step=self.per_step,
+                              device=self.flag_device, group=self.group)
+        self.blocks_consumed += len(drawn)
+        for b in drawn:
             self.fingerprint = block_crc(b, self.fingerprint)
         n_fill = self.per_step - len(got)
         if n_fill:
@@ -243,23 +252,6 @@ class StepFeed:
         """The pass block by block (the TRL loop's dataset), whole steps on every rank."""
         while (step := self.next_blocks()) is not None:
             yield from step
-
-
-def any_rank_has(n: int, device: torch.device, group: Any = None) -> bool:
-    """True when `n` > 0 on any rank (a collective when torch.distributed is initialised)."""
-    if not dist.is_initialized():
-        return n > 0
-    flag = torch.tensor([n], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return int(flag.item()) > 0
-
-
-def max_over_ranks(n: int, device: torch.device, group: Any = None) -> int:
-    if not dist.is_initialized():
-        return n
-    t = torch.tensor([n], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
 
 
 def feed_owned_counts(saved: DataCounters, seq_len: int) -> DataCounters:
@@ -290,11 +282,10 @@ def worker_blocks(recipe: Recipe, *, counters: DataCounters, split: str = "train
 
 def count_steps(blocks: Iterable[dict], per_step: int, *, flag_device: torch.device | None = None,
                 group: Any = None) -> int:
-    """Optimizer steps a `StepFeed` will run over `blocks` (one pass of this rank's share): the largest
-    block count of any rank over `per_step`. A collective; reading `blocks` costs a full pass
-    (tokenize + pack, no training)."""
-    n = sum(1 for _ in blocks)
-    return -(-max_over_ranks(n, flag_device or torch.device("cpu"), group) // per_step)
+    """Optimizer steps a `StepFeed` will run over `blocks` (one pass of this rank's share): every rank's
+    blocks over `world x per_step` (ranks lend blocks: `lending`). A collective; reading `blocks` costs a
+    full pass (tokenize + pack, no training)."""
+    return steps_for(sum(1 for _ in blocks), per_step, flag_device, group)
 
 
 def count_run_steps(open_blocks: Callable[[int, DataCounters], Iterable[dict]], per_step: int, epochs: int, *,
@@ -401,7 +392,7 @@ class EpochFeeds:
             blocks = self.open_blocks(epoch, self.counters)
         return StepFeed(blocks, per_step=self.per_step, seq_len=self.seq_len,
                         counters=self.counters, rank=self.rank, skip_blocks=skip, fingerprint=fingerprint,
-                        group=self.group, defer_replay=bool(self.read_ahead))
+                        group=self.group, defer_replay=True)
 
     def next_blocks(self) -> list[dict] | None:
         """The next step's blocks, moving on to the next epoch when one ends; None after the last."""
