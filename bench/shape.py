@@ -306,9 +306,8 @@ def run_setting(a, setting: dict, model_dir: str | None, device, rec: dict) -> N
     params = [p for p in model.parameters() if p.requires_grad]
     t = recipe.train
     opt = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, fused=cuda)
-    rec["local_params_b"] = round(sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-                                      for p in params) / 1e9, 3)
-    rec["params_b"] = round(sum(p.numel() for p in params) / 1e9, 3)
+    rec["local_params"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+    rec["params"] = sum(p.numel() for p in params)
     fp8 = t.fp8_recipe if t.precision == "fp8" else None
     data = blocks(lm.config, setting["seq"], a.steps)
     step_s, flops, flops_gdn, tokens, losses = [], [], [], [], []
