@@ -424,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(plan.render())
         _print_storage_plan(recipe, plan.shape)
+        from raytune_ft.projection import plan_extras
+
+        print("\n".join(plan_extras(recipe, plan)))
         return 0 if plan.fits else 1
     if args.command == "runs":
         storages = args.storage or [*DEFAULT_STORAGE, *filter(None, [os.environ.get("RAYTUNE_LOCAL_STORAGE")])]

@@ -22,8 +22,8 @@ The memory model (bytes per GPU; every line is a stated estimate, not a measurem
                       plus its compute-dtype gradient, an fp32 (V x D) lm_head-gradient accumulator and
                       the hidden-state gradient; never the full fp32 logits. The TRL loop without Liger
                       materialises full logits (bf16) and their fp32 upcast and gradient.
-The components are summed: phases that do not overlap in time (the loss chunk and the recompute of a
-layer, say) are counted together, so the total is an upper estimate; tests/test_plan.py holds it against
+The components are summed (the loss's logits chunk, freed before the first recompute, shares its memory with the
+recomputed layer); other phases that do not overlap are counted together, so the total is an upper estimate; tests/test_plan.py holds it against
 peaks measured on an H200 (TRL on the Qwen3-4B shape, the seed loop on the 4B shape and on the 27B shape
 cut to 16 layers). A plan "fits" when the total is within the GPU's memory
 less a margin (default 10%) for the CUDA context, NCCL buffers and allocator fragmentation.
@@ -217,7 +217,7 @@ class Plan:
 
 
 def _fmt_bytes(n: float) -> str:
-    return f"{n / GiB:8.2f} GiB" if n >= 0.1 * GiB else f"{n / 1024**2:8.2f} MiB"
+    return f"{n / GiB:8.2f} GiB" if abs(n) >= 0.1 * GiB else f"{n / 1024**2:8.2f} MiB"
 
 
 def _fmt_count(n: float) -> str:
@@ -357,9 +357,12 @@ def memory_plan(recipe: Recipe, *, gpu: str | None = None, tokens_per_s_per_gpu:
     if t.loop == "fsdp2":
         chunk = min(4096, tokens_mb)
         head_grad = 0 if lora else V * D * 4       # a frozen lm_head gets no gradient accumulator
-        loss_b = chunk * V * (4 + compute_b) + head_grad + 2 * tokens_mb * D * compute_b
-        add("loss", loss_b, f"chunked CE: {chunk:,} x {V:,} fp32 logits + grad, "
-                            f"{'no' if lora else 'fp32'} lm_head grad accumulator, final hidden + its grad")
+        logits = chunk * V * (4 + compute_b)
+        # the loss's logits are freed before the backward recomputes its first layer: the two never coexist
+        shared = min(logits, recompute * tokens_mb * compute_b)
+        add("loss", logits - shared + head_grad + 2 * tokens_mb * D * compute_b,
+            f"chunked CE: {chunk:,} x {V:,} fp32 logits + grad (less {_fmt_bytes(shared).strip()} freed before the "
+            f"first recompute), {'no' if lora else 'fp32'} lm_head grad accumulator, final hidden + its grad")
     elif t.use_liger and on_gpu:
         chunk = min(tokens_mb, 2048)
         add("loss", chunk * V * (4 + compute_b) + 2 * tokens_mb * D * compute_b,

@@ -454,3 +454,35 @@ def test_a_bf16_workers_model_build_does_not_import_torchao():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"torchao": False, "check_restored": True, "built": True}
     assert "Failed to load" not in out.stderr      # torchao's .so warnings on a CPU machine
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_probes_run_the_float8_linears_as_plain_matmuls(process_group, monkeypatch):
+    """The held-out loss and the samples run eagerly; eager float8 linears cast through torchao's tensor
+    subclass op by op, which made fp8's time outside the steps twice bf16's. Inside the probes no float8
+    forward runs, the loss is the one of the same (float8-all-gathered, dequantised) weights in bf16 within
+    float8's rounding, and training runs its float8 linears again afterwards."""
+    from transformers import AutoModelForCausalLM
+
+    from raytune_ft.train.batch import StepBatch
+    from raytune_ft.train.evaluate import held_out_loss
+
+    torch.manual_seed(0)
+    init = AutoModelForCausalLM.from_config(_small_config(), dtype=torch.float32).state_dict()
+    blocks = _blocks(2)
+    _, model8, _, _ = _train(init, "tensorwise", blocks[:1], "none")
+    _, ref, _, _ = _train(init, None, [], "none")
+    ref.load_state_dict({k: v for k, v in model8.state_dict().items()})
+    from torchao.float8.float8_linear import Float8Linear
+
+    calls = []
+    original = Float8Linear.forward
+    monkeypatch.setattr(Float8Linear, "forward", lambda self, x: calls.append(1) or original(self, x))
+    loss8, n8 = held_out_loss(model8, blocks, micro_batch_size=1, device=torch.device("cpu"))
+    assert calls == []
+    loss_ref, n_ref = held_out_loss(ref, blocks, micro_batch_size=1, device=torch.device("cpu"))
+    assert n8 == n_ref and loss8 == pytest.approx(loss_ref, rel=2e-2)
+    mb = StepBatch.from_blocks([blocks[0]], torch.device("cpu"))
+    model8(mb.labels, **mb.kwargs)[0].backward()
+    assert len(calls) == len(fp8.fp8_module_names(model8))

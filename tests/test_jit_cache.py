@@ -51,6 +51,18 @@ def test_a_cache_variable_the_user_set_is_kept(tmp_path, clean_env):
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path / "jit"))
 
 
+def test_inductor_s_own_default_inherited_from_a_driver_is_replaced(tmp_path, clean_env):
+    """Inductor writes its default folder into TORCHINDUCTOR_CACHE_DIR once a process asks for its cache; a
+    command-line run's driver that did so handed it to its local Ray workers, and their graphs missed the
+    job's cache folder (the first re-submit then found none of them)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    inherited = cache_dir()           # what a driver that touched Inductor leaves in its environment
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == inherited
+    cache = jit_cache.open_cache(str(tmp_path / "jit"), None, remote=None, log=print)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(cache.folder, "inductor")
+
+
 def _fill(folder: str) -> dict[str, bytes]:
     files = {"triton/ab12/kernel.cubin": b"\x7fELF cubin", "triton/ab12/kernel.json": b'{"num_warps": 4}',
              "tilelang/kern/lib.so": b"\x7fELF so", "inductor/fxgraph/xy/graph": b"graph"}
@@ -145,3 +157,65 @@ def test_compile_keys_are_written_for_comparison_when_asked(tmp_path):
     text = open(os.path.join(folder, "keys", log)).read()
     assert "FX graph cache hash details for key" in text and "Autograd graph cache hash details" in text
     assert "hash details" not in out.stderr      # the file only
+
+
+_COMPILE_IN_A_COPY = """
+import os, sys, torch
+from torch._dynamo.utils import counters
+import raytune_ft
+from raytune_ft.models.build import decoder_layers
+from raytune_ft.models.tiny import tiny_config
+from raytune_ft.train import jit_cache
+from raytune_ft.train.fsdp_model import compile_pointwise
+from transformers import AutoModelForCausalLM
+assert raytune_ft.__file__.startswith(os.getcwd()), raytune_ft.__file__
+jit_cache.open_cache(sys.argv[1], None, remote=None, log=print)
+torch.manual_seed(0)
+lm = AutoModelForCausalLM.from_config(tiny_config("qwen3", 512), dtype=torch.float32)
+compile_pointwise(lm)
+layer = decoder_layers(lm)[0]
+x = torch.randn(1, 16, lm.config.hidden_size, requires_grad=True)
+layer.mlp(layer.post_attention_layernorm(x)).sum().backward()
+print("COUNTS", counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"],
+      counters["aot_autograd"]["autograd_cache_hit"], counters["aot_autograd"]["autograd_cache_miss"])
+"""
+
+_DRIVER = """
+import subprocess, sys
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+cache_dir()     # as a command-line run's driver that touched Inductor before starting its local workers
+sys.exit(subprocess.run([sys.executable, *sys.argv[1:]]).returncode)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_submit_from_another_folder_finds_the_command_line_runs_graphs(tmp_path):
+    """Two copies of the repository in different folders (a command-line run's, and Ray's copy of the working
+    folder for a `ray job submit`) compile the loop's compiled modules (`compile_pointwise`) of the same model
+    with the same cache root: the second finds every graph the first compiled. The first runs as a worker of
+    a driver that touched Inductor's cache before (its default folder in the environment); the second starts
+    clean, as the cluster's workers do."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    root = tmp_path / "jit"
+    counts = []
+    for name, argv in (("cli", ["-c", _DRIVER, "-c", _COMPILE_IN_A_COPY, str(root)]),
+                       ("_ray_pkg_0123abcd", ["-c", _COMPILE_IN_A_COPY, str(root)])):
+        copy = tmp_path / name
+        shutil.copytree(os.path.join(REPO, "raytune_ft"), copy / "raytune_ft",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        env = {k: v for k, v in os.environ.items() if k not in CACHE_VARS}
+        env |= {"PYTHONPATH": str(copy), "TMPDIR": str(tmp_path / f"tmp-{name}")}
+        os.makedirs(env["TMPDIR"])
+        out = subprocess.run([sys.executable, *argv], cwd=copy, env=env, capture_output=True, text=True,
+                             timeout=500)
+        assert out.returncode == 0, out.stderr[-3000:]
+        counts.append([int(x) for x in out.stdout.split("COUNTS")[-1].split()])
+    (hit1, miss1, aot_hit1, aot_miss1), (hit2, miss2, aot_hit2, aot_miss2) = counts
+    assert miss1 > 0 and hit1 == 0 and aot_miss1 > 0
+    assert (hit2, miss2) == (miss1, 0) and (aot_hit2, aot_miss2) == (aot_miss1, 0)

@@ -45,7 +45,7 @@ def held_out_loss(model, blocks: Sequence[dict], *, micro_batch_size: int, devic
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     try:
-        with probe_uncompiled():
+        with probe_uncompiled(model):
             for i in range(0, len(blocks), micro_batch_size):
                 mb = StepBatch.from_blocks(list(blocks[i:i + micro_batch_size]), device)
                 loss_sum, n = model(mb.labels, **mb.kwargs)

@@ -18,6 +18,8 @@ dtypes: the converted modules' state dicts hold plain tensors (see `_plain_state
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Callable
 
 import torch
@@ -168,6 +170,29 @@ def precompute_fp8_scales(model: nn.Module, recipe: str) -> None:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+@contextlib.contextmanager
+def linears_in_high_precision(model: nn.Module | None):
+    """Inside it, every float8 linear of `model` computes a plain matmul in its input's dtype, on its weight
+    as the forward sees it (FSDP2's float8 all-gather hands it in float8 with its scale: dequantised).
+    For the forward-only probes (held-out loss, samples), which run eagerly; training is untouched."""
+    swapped = [m for m in (model.modules() if model is not None else ()) if _is_fp8_linear(m)]
+    for m in swapped:
+        m.forward = functools.partial(_high_precision_forward, m)   # the instance's own, over the class's
+    try:
+        yield
+    finally:
+        for m in swapped:
+            del m.forward
+
+
+def _high_precision_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    w = module.weight
+    if hasattr(w, "to_original_precision"):        # torchao's float8 tensor: the all-gathered weight
+        w = w.to_original_precision()
+    w = _unwrap(w)
+    return torch.nn.functional.linear(x, w.to(x.dtype), None if module.bias is None else module.bias.to(x.dtype))
 
 
 def _plain_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:

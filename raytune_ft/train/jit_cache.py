@@ -181,7 +181,8 @@ def open_cache(root: str, device_name: str | None, *, remote: tuple | None,
         folder = os.path.join(os.path.abspath(os.path.expanduser(root)), fp)
         for var, sub in CACHE_DIRS.items():
             os.makedirs(os.path.join(folder, sub), exist_ok=True)
-            os.environ.setdefault(var, os.path.join(folder, sub))
+            if os.environ.get(var) is None or _inherited_default(var, os.environ[var]):
+                os.environ[var] = os.path.join(folder, sub)
         os.environ.setdefault(FLA_CACHE_ENV, "1")
     except Exception as e:  # noqa: BLE001
         _skipped(log, "off", e)
@@ -194,6 +195,21 @@ def open_cache(root: str, device_name: str | None, *, remote: tuple | None,
     except Exception as e:  # noqa: BLE001 - a torn or unreadable tar: start cold
         _skipped(log, "not restored", e)
     return cache
+
+
+def _inherited_default(var: str, value: str) -> bool:
+    """Whether `value` is Inductor's own default folder rather than a user's choice. Inductor writes its
+    default into TORCHINDUCTOR_CACHE_DIR the first time a process asks for its cache folder, and the processes
+    it starts inherit it: a command-line run's driver that touched Inductor before `ray.init` handed it to its
+    local workers, whose compiled graphs then went there instead of this folder, and the next `ray job submit`
+    (workers started by the cluster, without it) found none of them."""
+    if var != "TORCHINDUCTOR_CACHE_DIR":
+        return False
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        return False
+    return os.path.abspath(value) == os.path.abspath(default_cache_dir())
 
 
 # a diagnosis: "1" writes the details of each torch.compile cache key this process computes (Inductor's FX graph

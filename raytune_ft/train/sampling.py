@@ -119,10 +119,16 @@ def stop_token_ids(tokenizer, template_kwargs: dict) -> list[int]:
     return sorted(stops)
 
 
-def probe_uncompiled() -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def probe_uncompiled(model=None):
     """Inside it, torch.compile'd modules run their eager code and compile nothing: what sampling and
-    evaluation run keeps the training step's compiled graphs (shapes, grad mode) as they are."""
-    return torch.compiler.set_stance("force_eager")
+    evaluation run keeps the training step's compiled graphs (shapes, grad mode) as they are. `model`'s
+    float8 linears run as plain matmuls meanwhile (`fp8.linears_in_high_precision`): eager, their float8
+    casts go through torchao's tensor subclass op by op, which cost the probes more than the matmuls."""
+    from raytune_ft.train.fp8 import linears_in_high_precision
+
+    with torch.compiler.set_stance("force_eager"), linears_in_high_precision(model):
+        yield
 
 
 @torch.no_grad()
@@ -141,7 +147,7 @@ def generate_greedy(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     seconds = [0.0] * len(seqs)
     active = [i for i in range(len(seqs)) if max_new_tokens > 0]
     t0 = time.perf_counter()
-    with probe_uncompiled():
+    with probe_uncompiled(model):
         while active:
             lens = [len(seqs[i]) for i in active]
             cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)

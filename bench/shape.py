@@ -1,0 +1,370 @@
+"""The 27B recipe at its real depth on one GPU: rank 0 of an N-rank FSDP2 group on torch's fake process group.
+
+    python -m bench gpu shape                       # 64 layers, rank 0 of 8, the recipe's 32,768-token blocks
+    python -m bench gpu shape --ranks 8 --master bf16 --seq 32768 --steps 10
+    python -m bench gpu shape --cpu-smoke           # the same path: the recipe's tiny model, on CPU
+
+One process, no Ray: the recipe (jobs/qwen27b_b300.py, `--set` overrides on top) goes through the FSDP2 loop's
+own building blocks, in the loop's order: `build_fsdp_model` (tokenizer, the model on the meta device, the
+start-up kernel check at the model's real widths, float8 conversion with `--precision fp8`, `train.compile`,
+activation checkpointing, the chunked loss, FSDP2 sharding, random init of this rank's shard), fused AdamW,
+then `forward_backward` and `clip_gradients` on packed blocks in the pipeline's format
+(`data.packing.block_from_segments`, the seed's conversation lengths). The process group is torch's fake one
+(backend "fake"): this rank holds 1/N of the parameters, gradients and optimizer state, and every collective
+returns at once without moving data. So memory and compute per rank are the real ones; the weights other
+ranks would send are whatever the all-gather buffer held (the loss is not meaningful) and no communication
+time is in the step.
+
+`--master auto` (the default) runs the shipped setting when the memory plan says it fits this GPU, else the
+closest one that does, tried in order: bf16 master weights, twice the ranks, half the block. The record says
+which, and why.
+
+After the steps, with `--ckpt` (default on a GPU), this rank's DCP shard of model and optimizer is written in
+the background as the loop's checkpointer does it (`dcp.async_save` through a pinned-memory stager): the
+seconds the loop was held, the write's seconds, the shard's bytes; then read back into the model and
+optimizer (`dcp_io.load`) and timed.
+
+Prints `RESULT {json}` and appends a dated record (bench/results/<date>.jsonl).
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m bench gpu shape", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=8, help="the FSDP2 group this process is rank 0 of (default 8)")
+    p.add_argument("--layers", type=int, default=64, help="decoder layers (default 64: the whole 27B)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per packed block (default: the recipe's)")
+    p.add_argument("--master", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="master weights; auto: the recipe's when the plan fits this GPU, else the closest fit")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8"])
+    p.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "mxfp8"])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warm", type=int, default=2, help="steps left out of the timed figures (compiles, JIT)")
+    p.add_argument("--ckpt", default="auto", choices=["auto", "on", "off"],
+                   help="a background DCP save of this rank's shard and its read-back (auto: on a GPU)")
+    p.add_argument("--ckpt-dir", default=None, help="where the shard is written (default: a temporary folder)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: tests/fixtures/tokenizers/qwen3)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe setting, last")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--cpu-smoke", action="store_true", help="the recipe's tiny local model on CPU, 3 steps")
+    p.add_argument("--results", default=None, help="folder of the dated records")
+    return p.parse_args(argv)
+
+
+def candidates(ranks: int, seq: int, master: str) -> list[dict]:
+    """The shipped setting first, then the closest ones that take less memory per rank."""
+    if master != "auto":
+        return [{"ranks": ranks, "seq": seq, "master": master}]
+    return [{"ranks": ranks, "seq": seq, "master": "fp32"}, {"ranks": ranks, "seq": seq, "master": "bf16"},
+            {"ranks": 2 * ranks, "seq": seq, "master": "fp32"}, {"ranks": ranks, "seq": seq // 2, "master": "bf16"}]
+
+
+def make_recipe(a, setting: dict, model_dir: str | None):
+    """jobs/qwen27b_b300.py's recipe for `setting`: its real widths at `--layers`, random weights."""
+    from jobs import qwen27b_b300 as job
+    from raytune_ft.recipe import apply_overrides
+
+    r = job.recipe()
+    sets = [f"scaling.num_workers={setting['ranks']}", f"train.master_weights={setting['master']}",
+            f"data.seq_len={setting['seq']}", "registry.enabled=false"]
+    if a.cpu_smoke:
+        r = job.local(r)
+        sets += [f"scaling.num_workers={setting['ranks']}", "train.compile=true"]
+    else:
+        tok = a.tokenizer or os.path.join(REPO, "tests", "fixtures", "tokenizers", "qwen3")
+        sets += [f"model.name={model_dir}", "model.init=random", "model.revision=none", f"model.tokenizer={tok}"]
+    if a.precision == "fp8":
+        sets += ["train.precision=fp8", f"train.fp8_recipe={a.fp8_recipe}"]
+    return apply_overrides(r, sets + a.set)
+
+
+def plausible(a, device_name: str | None, model_dir: str | None) -> tuple[list[dict], list[dict]]:
+    """The candidates worth a try on this GPU, shipped first: those whose plan (an upper estimate) is within
+    the GPU's whole memory; each plan's verdict beside it. A try that runs out of memory moves to the next."""
+    from raytune_ft.hardware import gpu_spec
+    from raytune_ft.plan import memory_plan
+
+    seq = a.seq or (512 if a.cpu_smoke else 32768)
+    cands = candidates(a.ranks, seq, a.master)
+    spec = gpu_spec(device_name)
+    if spec is None:
+        return cands[:1], []
+    tried = []
+    for c in cands:
+        plan = memory_plan(make_recipe(a, c, model_dir), gpu=device_name)
+        tried.append({**c, "plan_gib": round(plan.total_bytes / 2**30, 1), "plan_fits_with_margin": plan.fits,
+                      "tried": plan.total_bytes <= spec.memory_bytes})
+    keep = [c for c, t in zip(cands, tried) if t["tried"]]
+    return keep or cands[-1:], tried
+
+
+def init_fake_group(ranks: int, device) -> None:
+    """Rank 0 of `ranks` on torch's fake process group: collectives return at once, moving nothing."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+
+
+def blocks(cfg, seq: int, n: int, seed: int = 0) -> list[dict]:
+    import numpy as np
+
+    from bench import gpu_common as gc
+
+    rng = np.random.default_rng(seed)
+    return [gc.packed_block(gc.seed_lengths(seq, rng), cfg.vocab_size, rng) for _ in range(n)]
+
+
+def compile_counts() -> dict:
+    from torch._dynamo.utils import counters
+
+    return {k: int(v) for k, v in {**{f"inductor.{k}": v for k, v in counters["inductor"].items()},
+                                  **{f"aot.{k}": v for k, v in counters["aot_autograd"].items()}}.items()
+            if "cache" in k}
+
+
+def checkpoint_round(state, rank: int, device, folder: str) -> dict:
+    """This rank's DCP shard written in the background as the loop's checkpointer stages it (pinned host
+    copy, the loop held only for the staging), then read back into the model and optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from raytune_ft.train import dcp_io
+
+    from torch.distributed.checkpoint import default_planner
+
+    # Rank 0's plan alone fails DCP's global check (every tensor's chunks fill the tensor): the other ranks'
+    # chunks are missing. The check still runs and its verdict is recorded; the save goes on with rank 0's own
+    # chunks, which are what this rank writes in a real run
+    check, verdicts = default_planner._validate_global_plan, []
+
+    def lenient(plan, metadata):
+        found = check(plan, metadata)
+        verdicts.append(len(found) if isinstance(found, list) else (0 if found else 1))
+        return [] if isinstance(found, list) else True
+
+    default_planner._validate_global_plan = lenient
+    cuda = device.type == "cuda"
+    stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=cuda))
+    out: dict = {"folder": folder}
+    try:
+        t0 = time.perf_counter()
+        # no_dist: on the fake group rank 0's plan would come back N times and DCP's de-duplication hand some
+        # of its chunks to "other ranks", which write nothing: this rank plans and writes its own shard alone
+        parts, where = {"app": dcp_io.ShardedTrainState(state.sharded, rank)}, os.path.join(folder, dcp_io.DCP_DIR)
+        if "no_dist" in inspect.signature(dcp.async_save).parameters:
+            fut = dcp.async_save(parts, checkpoint_id=where, async_stager=stager, no_dist=True)
+            out["held_s"] = round(time.perf_counter() - t0, 2)
+            getattr(fut, "upload_completion", fut).result()
+        else:
+            out["mode"] = "synchronous: this torch's async_save has no no_dist"
+            dcp.save(parts, checkpoint_id=where, no_dist=True)
+        out["write_s"] = round(time.perf_counter() - t0, 2)
+    finally:
+        stager.close()
+        default_planner._validate_global_plan = check
+    out["global_plan_check"] = (f"{verdicts[0]} tensors not covered by rank 0's chunks alone (expected on the fake "
+                                "group; not enforced here)" if verdicts and verdicts[0] else "passed")
+    out |= read_back(state, rank, device, folder)
+    if "read_error" in out:     # what the folder held, then the same shard written synchronously and read
+        out["files"] = {f: os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs}
+        shutil.rmtree(folder, ignore_errors=True)
+        for p in state.sharded["model"].model.parameters():    # the failed read left them zero
+            getattr(p, "_local_tensor", p).data.uniform_(-0.01, 0.01)
+        t0 = time.perf_counter()
+        dcp.save({"app": dcp_io.ShardedTrainState(state.sharded, rank)},
+                 checkpoint_id=os.path.join(folder, dcp_io.DCP_DIR), no_dist=True)
+        out["sync_write_s"] = round(time.perf_counter() - t0, 2)
+        out["sync"] = read_back(state, rank, device, folder)
+    return out
+
+
+def read_back(state, rank: int, device, folder: str) -> dict:
+    """The folder's size, then its shard read into the model and optimizer (weights zeroed first, so the
+    read must bring them back)."""
+    import pyarrow.fs as pafs
+    import torch
+
+    from raytune_ft.train import dcp_io
+
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
+    out: dict = {"bytes": size, "gib": round(size / 2**30, 2)}
+    weights = [p for p in state.sharded["model"].model.parameters()]
+    before = [float(getattr(p, "_local_tensor", p).float().sum()) for p in weights[:4]]
+    for p in weights:
+        getattr(p, "_local_tensor", p).data.zero_()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    try:
+        opened = dcp_io.load(pafs.LocalFileSystem(), folder, state.sharded, rank)
+    except Exception as e:  # noqa: BLE001 - recorded; the caller tries the synchronous write
+        return out | {"read_error": f"{type(e).__name__}: {str(e)[:300]}"}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    out["read_s"] = round(time.perf_counter() - t0, 2)
+    out["read_files"] = [os.path.basename(p) for p in opened]
+    out["restored"] = before == [float(getattr(p, "_local_tensor", p).float().sum()) for p in weights[:4]]
+    return out
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    import torch
+
+    cuda = torch.cuda.is_available() and not a.cpu_smoke
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    device_name = torch.cuda.get_device_name(device) if cuda else None
+    if a.cpu_smoke:
+        a.steps, a.warm = min(a.steps, 3), 1
+    work = a.workdir or tempfile.mkdtemp(prefix="raytune_shape_")
+    model_dir = None
+    if not a.cpu_smoke:
+        from raytune_ft.models.tiny import real_config
+
+        model_dir = os.path.join(work, f"qwen3.8-27b-{a.layers}layers")
+        real_config("qwen3.8-27b", num_hidden_layers=a.layers).save_pretrained(model_dir)
+    settings, tried = plausible(a, device_name, model_dir)
+    from bench import gpu_common as gc
+    from bench import records
+
+    out_of_memory = []
+    for setting in settings:
+        rec = {"bench": "shape", "setting": setting, "plans": tried, "out_of_memory": out_of_memory,
+               "layers": a.layers, "precision": a.precision, "steps": a.steps, "warm": a.warm,
+               "device": device_name or "cpu", "shipped": {"ranks": a.ranks, "seq": a.seq or 32768, "master": "fp32"}}
+        try:
+            run_setting(a, setting, model_dir, device, rec)
+        except torch.OutOfMemoryError as e:
+            out_of_memory.append({**setting, "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1),
+                                  "error": str(e).split("\n")[0][:200]})
+            print(f"[shape] out of memory at {setting}: trying the next setting", flush=True)
+        if out_of_memory and out_of_memory[-1].get("seq") == setting["seq"] and \
+                out_of_memory[-1].get("master") == setting["master"] and out_of_memory[-1]["ranks"] == setting["ranks"]:
+            import gc as pygc
+
+            pygc.collect()          # the failed try's model and optimizer, once the exception is gone
+            torch.cuda.empty_cache()
+            continue
+        rec["versions"] = gc.versions()
+        gc.emit(rec)
+        if a.results or not a.cpu_smoke:
+            records.append(a.results or records.DEFAULT_RESULTS_DIR, rec)
+        return 0
+    gc.emit({"bench": "shape", "plans": tried, "out_of_memory": out_of_memory})
+    return 1
+
+
+def run_setting(a, setting: dict, model_dir: str | None, device, rec: dict) -> None:
+    """Build, step, time and (optionally) checkpoint one setting on the fake group; figures into `rec`."""
+    import torch
+    import torch.distributed as dist
+
+    from raytune_ft.hardware import flops_per_block, gpu_spec
+
+    cuda = device.type == "cuda"
+    device_name = torch.cuda.get_device_name(device) if cuda else None
+    recipe = make_recipe(a, setting, model_dir)
+    if device_name:
+        from raytune_ft.plan import memory_plan
+
+        rec["plan_gib"] = round(memory_plan(recipe, gpu=device_name).total_bytes / 2**30, 2)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    init_fake_group(setting["ranks"], device)
+    from raytune_ft.train.common import WorkerLog
+    from raytune_ft.train.fsdp_loop import StepBatch, clip_gradients, forward_backward
+    from raytune_ft.train.fsdp_model import build_fsdp_model
+    from raytune_ft.train.fp8 import precompute_fp8_scales
+    from raytune_ft.train.state import TrainState
+
+    log = WorkerLog(0, recipe)
+    t0 = time.perf_counter()
+    model, lm, _ = build_fsdp_model(recipe, device, log)
+    if cuda:
+        torch.cuda.synchronize(device)
+    rec["build_s"] = round(time.perf_counter() - t0, 1)
+    rec["build_parts_s"] = {k: round(v, 2) for k, v in {**log.startup.seconds, **log.startup.parts}.items() if v}
+    params = [p for p in model.parameters() if p.requires_grad]
+    t = recipe.train
+    opt = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, fused=cuda)
+    rec["local_params"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+    rec["params"] = sum(p.numel() for p in params)
+    fp8 = t.fp8_recipe if t.precision == "fp8" else None
+    data = blocks(lm.config, setting["seq"], a.steps)
+    step_s, flops, flops_gdn, tokens, losses = [], [], [], [], []
+    model.train()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)   # a failed larger setting's peak is not this one's
+    for i, block in enumerate(data):
+        ts = time.perf_counter()
+        mbs = [StepBatch.from_blocks([block], device)]
+        loss_sum, denom = forward_backward(model, mbs, setting["ranks"], device)
+        clip_gradients(params, t.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if fp8:
+            precompute_fp8_scales(model, fp8)
+        if cuda:
+            torch.cuda.synchronize(device)
+        step_s.append(time.perf_counter() - ts)
+        lens = mbs[0].seq_lens
+        tokens.append(mbs[0].n_real)
+        flops.append(flops_per_block(lm.config, lens))
+        flops_gdn.append(flops_per_block(lm.config, lens, include_linear_attention=True))
+        losses.append(round(float(loss_sum / denom), 4))
+        print(f"[shape] step {i + 1}/{a.steps}: {step_s[-1]:.2f} s, {tokens[-1]} tokens, "
+              f"peak {torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0:.1f} GiB", flush=True)
+        if i == 0:
+            rec["compile_counts"] = compile_counts()
+    timed = slice(a.warm, None)
+    dt = sum(step_s[timed])
+    peak = gpu_spec(device_name).peak_bf16_tflops * 1e12 if device_name and gpu_spec(device_name) else 0.0
+    rec.update(step_s=[round(s, 2) for s in step_s], s_per_step=round(statistics.median(step_s[timed]), 3),
+               first_step_s=round(step_s[0], 1),
+               compile_s=round(step_s[0] - statistics.median(step_s[timed]), 1),
+               tok_s_per_rank=round(sum(tokens[timed]) / dt), losses=losses)
+    if peak:
+        rec["mfu"] = round(sum(flops[timed]) / dt / peak, 4)
+        rec["mfu_with_gdn"] = round(sum(flops_gdn[timed]) / dt / peak, 4)
+        rec["peak_tflops"] = peak / 1e12
+    if cuda:
+        rec["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        rec["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
+    if a.ckpt == "on" or (a.ckpt == "auto" and cuda):
+        folder = a.ckpt_dir or tempfile.mkdtemp(prefix="raytune_shape_ckpt_")
+        os.makedirs(folder, exist_ok=True)
+        free = shutil.disk_usage(folder).free
+        need = 3 * sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else
+                       p.numel() * p.element_size() for p in params)
+        if free < need * 1.1:
+            rec["checkpoint"] = {"skipped": f"{need / 1e9:.1f} GB needed, {free / 1e9:.1f} GB free"}
+        else:
+            try:
+                rec["checkpoint"] = checkpoint_round(TrainState(model, opt), 0, device, folder)
+            except Exception as e:  # noqa: BLE001 - what stopped it is the finding
+                rec["checkpoint"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

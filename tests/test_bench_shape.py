@@ -1,0 +1,29 @@
+"""`python -m bench gpu shape --cpu-smoke` (bench/shape.py): the recipe's FSDP2 path as rank 0 of 8 on torch's
+fake process group, on the recipe's tiny local model, with its DCP shard written in the background and read back.
+The GPU figures are in bench/RESULTS.md; this holds the path."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, env_with_path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)   # a fresh process, the model build and three steps on a loaded 2-core machine
+def test_shape_bench_runs_rank_0_of_8_and_reads_its_shard_back(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "bench", "gpu", "shape", "--cpu-smoke", "--ranks", "8", "--ckpt", "on",
+                          "--ckpt-dir", str(tmp_path / "ckpt"), "--set", "train.compile=false"],
+                         cwd=REPO, env=env_with_path(REPO), capture_output=True, text=True, timeout=880)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    rec = json.loads(out.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert rec["setting"] == {"ranks": 8, "seq": 512, "master": "fp32"}
+    # this rank holds an eighth of the parameters (FSDP2 pads uneven shards on the last ranks)
+    assert rec["local_params"] * 8 == pytest.approx(rec["params"], rel=0.05) and rec["params"] > 100_000
+    assert len(rec["step_s"]) == 3 and rec["tok_s_per_rank"] > 0 and "compile_s" in rec
+    ck = rec["checkpoint"]
+    assert ck["restored"] is True and ck["read_files"] == [".metadata", "__0_0.distcp"], ck
+    assert ck["held_s"] <= ck["write_s"] and ck["bytes"] > 0
