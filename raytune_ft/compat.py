@@ -122,6 +122,11 @@ TORCH_DYNAMO_COUNTERS = Internal(
     why="for the start-up breakdown's compile seconds and cache hits (train/common.py): torch.compile "
         "reports neither publicly")
 
+TORCH_INDUCTOR_CACHE_DIR = Internal(
+    "torch", "torch._inductor.runtime.cache_dir_utils", ("default_cache_dir",), TORCH,
+    why="to tell Inductor's own default cache folder, inherited through TORCHINDUCTOR_CACHE_DIR, from a "
+        "user's choice (train/jit_cache.py)")
+
 
 def _torch_minor() -> tuple[int, int]:
     import torch
