@@ -24,6 +24,14 @@ def _echo(**kwargs) -> tuple[Channel, list[dict]]:
     return Channel("tests.test_channel", "echo", on_message=got.append, **kwargs), got
 
 
+def _answering() -> tuple[Channel, list[dict], list[int]]:
+    """An echo child that has answered once; its answers, and its exit codes as on_exit hears them."""
+    exits: list[int] = []
+    channel, got = _echo(on_exit=exits.append)
+    assert channel.send({"n": 0}) and channel.wait(lambda: got, timeout=60)
+    return channel, got, exits
+
+
 @pytest.mark.slow          # child processes
 @pytest.mark.timeout(120)
 def test_a_child_answers_in_order_ignores_the_groups_signals_and_exits_when_closed():
@@ -43,9 +51,7 @@ def test_a_child_answers_in_order_ignores_the_groups_signals_and_exits_when_clos
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_child_that_stops_answering_is_killed_within_the_close_bound_and_its_death_said_once():
-    exits: list[int] = []
-    channel, got = _echo(on_exit=exits.append)
-    assert channel.send({"n": 0}) and channel.wait(lambda: got, timeout=60)
+    channel, got, exits = _answering()
     os.kill(channel.pid, signal.SIGSTOP)          # stops answering, as a child stuck on a hung store
     waiter = threading.Thread(target=channel.wait, args=(lambda: len(got) > 1, 600), daemon=True)
     waiter.start()
@@ -62,9 +68,7 @@ def test_a_child_that_stops_answering_is_killed_within_the_close_bound_and_its_d
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_child_that_dies_ends_the_waits_and_refuses_the_next_sends():
-    exits: list[int] = []
-    channel, got = _echo(on_exit=exits.append)
-    assert channel.send({"n": 0}) and channel.wait(lambda: got, timeout=60)
+    channel, got, exits = _answering()
     os.kill(channel.pid, signal.SIGKILL)          # killed for memory
     assert channel.wait(lambda: False, timeout=60) is False
     assert exits == [-signal.SIGKILL] and not channel.alive and not channel.send({"n": 1})
