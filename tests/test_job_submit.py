@@ -173,7 +173,7 @@ def test_ray_job_stop_says_one_line_ends_the_run_killed_and_the_same_submit_resu
     assert storage_mod.reported_checkpoints(fs, folder), _ray_job(env, "logs", "--address", address, job[0])[-4000:]
     _ray_job(env, "stop", "--address", address, job[0])
     log = _ray_job(env, "logs", "--address", address, job[0])
-    assert "STOPPED" in _ray_job(env, "status", "--address", address, job[0])
+    assert "stopped" in _ray_job(env, "status", "--address", address, job[0]).lower()
     said = [ln for ln in log.splitlines() if ln.startswith("[raytune_ft] interrupted")]
     assert len(said) == 1 and re.fullmatch(r"\[raytune_ft\] interrupted at step \d+; the checkpoint at step \d+ is "
                                            r"kept; run the same command to resume", said[0]), log[-4000:]

@@ -133,6 +133,7 @@ def test_a_tracking_store_that_does_not_answer_ends_within_the_bound(tmp_path, m
     assert _lease_gone(recipe) and not [p for p in children if p.is_running()]
 
 
+@pytest.mark.slow          # two opener processes
 @pytest.mark.timeout(120)
 def test_a_return_finishes_the_run_and_an_error_fails_it(tmp_path):
     from raytune_ft import storage

@@ -113,6 +113,7 @@ def test_an_ending_says_how_the_run_ended_and_how_to_resume(exc, status, ended_b
     assert ending_text(exc, 7, 5) == line
 
 
+@pytest.mark.slow          # an opener process
 @pytest.mark.timeout(120)
 def test_an_ending_closes_the_run_with_its_reason_through_the_opener(tmp_path):
     """The lifecycle's ending on a real opener process and run folder: the MLflow run KILLED with its reason,

@@ -1,7 +1,6 @@
 """What both training loops share inside a Ray Train worker: the recipe, the LR schedule, logging."""
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 import sys

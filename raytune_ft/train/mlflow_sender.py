@@ -111,7 +111,8 @@ class MlflowSender:
         self._restarts = 0
         self._stuck_at: int | None = None     # calls done when a flush last ran out of time
         self._closing = False
-        self._channel = self._start()
+        with self._cond:        # a process that dies at once is seen (_exited) only once this is set
+            self._channel = self._start()
 
     def _start(self):
         from raytune_ft.channel import Channel
