@@ -7,6 +7,7 @@ import base64
 import json
 import pickle
 
+from raytune_ft import compat
 from raytune_ft.env import redact
 from raytune_ft.recipe import Recipe, RecipeError
 from raytune_ft.tracking import end_run, start_run
@@ -107,7 +108,7 @@ RUN_KEY_NAMESPACE = "raytune_ft"
 def put_run_id(key: str, value: dict) -> None:
     """`value` ({"run_id": ...}, {"error": ...} or {"pending": True}) under `key` in Ray's key-value store, where
     rank 0 waits for it (`await_run_id`); RunIdHandoffError, in one line, when the store cannot be written."""
-    from ray.experimental.internal_kv import _internal_kv_put
+    _internal_kv_put = compat.RAY_INTERNAL_KV.load()[1]
 
     try:
         _internal_kv_put(key, json.dumps(value), overwrite=True, namespace=RUN_KEY_NAMESPACE)
@@ -163,7 +164,7 @@ class RunIdHandoff:
 
         def delete() -> None:
             with contextlib.suppress(Exception):  # the job's Ray may be gone already
-                from ray.experimental.internal_kv import _internal_kv_del
+                _internal_kv_del = compat.RAY_INTERNAL_KV.load()[2]
 
                 _internal_kv_del(self.key, namespace=RUN_KEY_NAMESPACE)
 
@@ -178,7 +179,7 @@ def await_run_id(key: str, timeout_s: float = 600.0, poll_s: float = 0.2) -> str
     RunNotOpened with the driver's words when the run did not open."""
     import time
 
-    from ray.experimental.internal_kv import _internal_kv_get
+    _internal_kv_get = compat.RAY_INTERNAL_KV.load()[0]
 
     deadline = time.time() + timeout_s
     while True:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+from raytune_ft import compat
 from raytune_ft.recipe import Recipe
 
 
@@ -50,11 +51,7 @@ def start_train_helpers() -> None:
     asked for the workers' resources (a detached actor, created on first use: a new Python process).
     Created as soon as Ray is up, it starts beside the MLflow run and the datasets. A Ray without it
     (another version) leaves the controller to create it."""
-    try:
-        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-            get_or_create_autoscaling_coordinator)
-    except ImportError:
-        return
+    get_or_create_autoscaling_coordinator = compat.RAY_AUTOSCALING_COORDINATOR.load()
     try:
         get_or_create_autoscaling_coordinator()
     except Exception as e:  # noqa: BLE001 - a head start only: the controller creates it otherwise
@@ -70,15 +67,14 @@ def submitted_at() -> float | None:
     submission = job_id()
     if not submission:
         return None
-    try:   # Ray's own job table in the cluster's key-value store: private names, so any failure is None
+    kv_get = compat.RAY_INTERNAL_KV.load()[0]
+    namespace = compat.RAY_JOB_TABLE.load()
+    try:   # Ray's own job table in the cluster's key-value store
         import json
 
         from ray.dashboard.modules.job.common import JobInfoStorageClient
-        from ray.experimental.internal_kv import _internal_kv_get
-        from ray._private import ray_constants
 
-        raw = _internal_kv_get(JobInfoStorageClient.JOB_DATA_KEY.format(job_id=submission),
-                               namespace=ray_constants.KV_NAMESPACE_JOB)
+        raw = kv_get(JobInfoStorageClient.JOB_DATA_KEY.format(job_id=submission), namespace=namespace)
         start_ms = (json.loads(raw) if raw else {}).get("start_time")
         return float(start_ms) / 1000.0 if start_ms else None
     except Exception:  # noqa: BLE001 - the breakdown then counts from the job's process, as without Ray

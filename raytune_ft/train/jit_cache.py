@@ -22,6 +22,8 @@ import tarfile
 import tempfile
 from typing import Callable
 
+from raytune_ft import compat
+
 # the recipe names no folder: a per-user cache on each node's local disk
 DEFAULT_ROOT = "~/.cache/raytune_ft/jit"
 # cache variable -> its sub-folder; FLA_CACHE_RESULTS=1 makes flash-linear-attention keep its autotune
@@ -205,10 +207,7 @@ def _inherited_default(var: str, value: str) -> bool:
     (workers started by the cluster, without it) found none of them."""
     if var != "TORCHINDUCTOR_CACHE_DIR":
         return False
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    except ImportError:
-        return False
+    default_cache_dir = compat.TORCH_INDUCTOR_CACHE_DIR.load()
     return os.path.abspath(value) == os.path.abspath(default_cache_dir())
 
 
