@@ -93,3 +93,35 @@ def test_a_two_source_mixture_is_interleaved_deterministically_and_counted_per_s
     assert sum(r["source"] == 1 for r in twice) == 32
     half = sum(r["source"] == 1 for r in build_dataset(_mixture(tmp_path, rows, 0.5).data, tok_path).take_all())
     assert 2 <= half <= 14
+
+
+@pytest.mark.timeout(300)
+def test_the_27b_jobs_ultrachat_capybara_mixture_reads_both_hub_datasets(ray_local, tmp_path, rows, tok_path,
+                                                                          monkeypatch):
+    """`--set data.mixture=ultrachat_capybara` on the 27B job, read from the hub's offline stand-in laid out as
+    both repos: each source's own split, weights as stated (Capybara's rows twice), each source's held-out split."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raytune_ft.cli import _job_recipe
+    from raytune_ft.data.pipeline import HF_ROOT_ENV
+
+    uc = [json.loads(r) for r in rows["ultrachat_200k_train_sft_first16"]]
+    cap = [{"messages": [m for t in json.loads(r)["conversation"] for m in
+                         ({"role": "user", "content": t["input"]}, {"role": "assistant", "content": t["output"]})]}
+           for r in rows["capybara_ldjnr_first16"]]
+    for repo, parts in (("HuggingFaceH4/ultrachat_200k", {"train_sft": uc[:12], "test_sft": uc[12:]}),
+                        ("trl-lib/Capybara", {"train": cap[:10], "test": cap[10:]})):
+        (tmp_path / repo / "data").mkdir(parents=True)
+        for split, part in parts.items():
+            pq.write_table(pa.Table.from_pylist(part), tmp_path / repo / "data" / f"{split}-00000-of-00001.parquet")
+    monkeypatch.setenv(HF_ROOT_ENV, str(tmp_path))
+    recipe = _job_recipe("qwen27b_b300", False, ["data.mixture=ultrachat_capybara", "data.seq_len=8192"])
+    assert [(s["name"], s["weight"]) for s in recipe.data.sources] == [("ultrachat", 1.0), ("capybara", 2.0)]
+    checks, held, _ = check_sources(recipe.data)
+    assert [c.format for c in checks] == ["messages", "messages"]
+    assert "split test_sft of ultrachat" in held and "split test of capybara" in held
+    train = build_dataset(recipe.data, tok_path).take_all()
+    assert sum(r["source"] == 0 for r in train) == 12 and sum(r["source"] == 1 for r in train) == 20
+    val = build_dataset(recipe.data, tok_path, split="validation").take_all()
+    assert sum(r["source"] == 0 for r in val) == 4 and sum(r["source"] == 1 for r in val) == 6

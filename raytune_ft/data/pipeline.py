@@ -224,6 +224,8 @@ def build_dataset(data, tokenizer, *, split: str = "train", chat_template: str |
         parts = []
         for i, spec, (source_split, keep, fraction) in plans:
             raw = _read(spec, data, source_split, split == "validation" and keep == "all")
+            if split == "validation" and data.validation_max_rows is not None:   # each source its share
+                raw = raw.limit(max(1, data.validation_max_rows // len(plans)))
             parts.append(raw.map_batches(_adapt_fn(adapter_of(spec), i, keep, fraction, data.seed,
                                                    spec.weight if split == "train" else 1.0),
                                          batch_format="pyarrow", batch_size=64, num_cpus=data.num_cpus_per_op))
