@@ -130,3 +130,63 @@ def test_a_small_file_holds_out_at_least_one_row_and_at_most_validation_max_rows
         train = tokenize_rows(lines, tok, keep="train", **kw)["input_ids"]
         assert len(val) == held and len(train) == 32 - held
         assert not {tuple(v) for v in val} & {tuple(t) for t in train}
+
+
+@pytest.mark.slow
+def test_a_job_on_a_file_in_no_known_format_exits_2_in_seconds_before_ray(tmp_path):
+    """The issue's walk: a JSONL without chat fields started two worker groups and failed 38 s later inside a Ray
+    traceback. Now the job reads its first rows before Ray starts: exit 2, one line naming the row, the fields
+    seen and the formats accepted. Timed in the job's own CPU seconds (this machine's load does not count)."""
+    import os
+    import resource
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    bad = tmp_path / "notes.jsonl"
+    bad.write_text("".join(json.dumps({"id": i, "body": "text"}) + "\n" for i in range(20)))
+    repo = Path(__file__).resolve().parents[1]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.time()
+    out = subprocess.run([sys.executable, str(repo / "jobs" / "qwen27b_b300.py"), "--local",
+                          f"--set=data.source={bad}", "--set=data.validation_split=none"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(repo), "RAYTUNE_LOCAL_STORAGE": str(tmp_path / "runs")})
+    wall = time.time() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "row 1 is in no known format" in out.stderr and "its fields: id, body" in out.stderr
+    assert "Traceback" not in out.stderr and "ray" not in out.stdout.lower()
+    assert cpu < 5.0, f"{cpu:.1f} CPU seconds ({wall:.1f} s wall)"
+
+
+def test_data_check_says_what_each_source_trains_on(tmp_path, ultrachat, capybara, capsys):
+    """`raytune-ft data check`: per source rows, format, skipped, token percentiles, assistant share, overlong,
+    blocks, packing and padding, the held-out set; a histogram PNG. Exit 1 when a run would stop for skipped
+    rows, 2 for a file in no known format."""
+    from raytune_ft.cli import main
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps(_sharegpt(r)) + "\n" for r in ultrachat))
+    b.write_text("".join(json.dumps(r) + "\n" for r in capybara) + '{"conversation": "not a list"}\n')
+    sources = json.dumps([{"source": str(a), "name": "mine"}, {"source": str(b), "name": "capy", "weight": 2}])
+    png = tmp_path / "h.png"
+    rc = main(["data", "check", "qwen27b_b300", "--local", f"--set=data.sources={sources}",
+               "--set=data.validation_split=none", "--set=data.seq_len=2048", "--set=data.max_skip_fraction=0.01",
+               f"--png={png}"])
+    out = capsys.readouterr().out
+    assert rc == 1 and png.stat().st_size > 1000
+    for text in ("source mine", "source capy (weight 2)", "format           sharegpt (sharegpt: ", "p50 ", "p99 ",
+                 "assistant share", "longer than 2048 tokens: split into 2048-token pieces", "packing efficiency",
+                 "skipped          1 {'bad_message': 1}", "held-out set", "a run would stop: 1 of"):
+        assert text in out, text
+    rc = main(["data", "check", "qwen27b_b300", "--local", f"--set=data.source={a}",
+               "--set=data.validation_split=none", f"--png={png}"])
+    assert rc == 0 and "skipped          0" in capsys.readouterr().out
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1}\n')
+    assert main(["data", "check", "qwen27b_b300", "--local", f"--set=data.source={bad}",
+                 "--set=data.validation_split=none"]) == 2
+    assert "row 1 is in no known format" in capsys.readouterr().err
