@@ -14,8 +14,7 @@ import numpy as np
 from raytune_ft.data.packing import DataCounters, pack_blocks
 from raytune_ft.data.precheck import check_sources
 from raytune_ft.data.reading import iter_raw_rows
-from raytune_ft.data.rows import _unwrap, held_out_row
-from raytune_ft.data.sft import SpanNotFound, render_sft
+from raytune_ft.data.rows import _unwrap, held_out_row, render_or_reason
 from raytune_ft.data.specs import SourceSpec, source_specs
 
 DEFAULT_ROWS = 5000
@@ -75,13 +74,7 @@ def _report(spec: SourceSpec, fmt: str, data, tokenizer, limit: int) -> SourceRe
         if held_out_row(messages, row, fraction, data.seed):
             rep.held_out += 1
             continue
-        if messages is not None:
-            try:
-                ids, mask = render_sft(tokenizer, messages, **kwargs)
-            except SpanNotFound:
-                reason = "span_not_found"
-            except Exception:                   # noqa: BLE001 - a template raising on a row's data
-                reason = "template_error"
+        ids, mask, reason = render_or_reason(tokenizer, messages, reason, kwargs)
         if reason:
             rep.skipped[reason] = rep.skipped.get(reason, 0) + 1
             continue

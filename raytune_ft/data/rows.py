@@ -59,20 +59,25 @@ def tokenize_rows(rows: Iterable[Any], tokenizer, *, schema: str = "auto",
             if keep != "all" and validation_fraction > 0 and \
                     held_out_row(messages, row, validation_fraction, seed) != (keep == "validation"):
                 continue
-        ids: list[int] = []
-        mask: list[bool] = []
-        if messages is not None:
-            try:
-                ids, mask = render_sft(tokenizer, messages, **kwargs)
-            except SpanNotFound:
-                reason = "span_not_found"
-            except Exception:                       # noqa: BLE001 - a template raising on a row's data
-                reason = "template_error"
+        ids, mask, reason = render_or_reason(tokenizer, messages, reason, kwargs)
         out["input_ids"].append(ids if reason is None else [])
         out["mask"].append(mask if reason is None else [])
         out["skip_reason"].append(reason or "")
         out["source"].append(src)
     return out
+
+
+def render_or_reason(tokenizer, messages, reason: str | None, template_kwargs: dict):
+    """(ids, mask, None) of a conversation rendered with its chat template, or ([], [], the reason to skip)."""
+    if messages is None:
+        return [], [], reason
+    try:
+        ids, mask = render_sft(tokenizer, messages, **template_kwargs)
+    except SpanNotFound:
+        return [], [], "span_not_found"
+    except Exception:                       # noqa: BLE001 - a template raising on a row's data
+        return [], [], "template_error"
+    return ids, mask, None
 
 
 def adapt_rows(rows: Iterable[Any], adapter: Adapter, *, source: int, keep: str, fraction: float, seed: int,
