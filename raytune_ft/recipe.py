@@ -182,6 +182,9 @@ def absolute_local_paths(recipe: Recipe) -> Recipe:
     recipe.model.tokenizer = fix(recipe.model.tokenizer)
     recipe.model.chat_template = fix(recipe.model.chat_template)
     recipe.data.source = fix(recipe.data.source)
+    for entry in [*recipe.data.sources, *(e for m in recipe.data.mixtures.values() for e in m)]:
+        if isinstance(entry, dict) and isinstance(entry.get("source"), str):
+            entry["source"] = fix(entry["source"])
     if recipe.train.sample_count() is None:
         recipe.train.sample_prompts = fix(recipe.train.sample_prompts)
     tr = recipe.tracking

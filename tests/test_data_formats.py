@@ -190,3 +190,14 @@ def test_data_check_says_what_each_source_trains_on(tmp_path, ultrachat, capybar
     assert main(["data", "check", "qwen27b_b300", "--local", f"--set=data.source={bad}",
                  "--set=data.validation_split=none"]) == 2
     assert "row 1 is in no known format" in capsys.readouterr().err
+
+
+def test_a_mixtures_local_paths_are_made_absolute_where_the_run_is_launched(fixtures, monkeypatch):
+    """Ray's workers read in folders of their own: a relative path in data.sources would name nothing there."""
+    from raytune_ft.recipe import absolute_local_paths
+
+    monkeypatch.chdir(fixtures / "data")
+    sources = json.dumps([{"source": "capybara_ldjnr_first16.jsonl"}, {"source": "hf://trl-lib/Capybara"}])
+    r = validate(absolute_local_paths(apply_overrides(Recipe(), [f"data.sources={sources}"])))
+    assert [s["source"] for s in r.data.sources] == [str(fixtures / "data" / "capybara_ldjnr_first16.jsonl"),
+                                                     "hf://trl-lib/Capybara"]
