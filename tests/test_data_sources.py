@@ -86,6 +86,9 @@ def test_a_two_source_mixture_is_interleaved_deterministically_and_counted_per_s
     assert (cap["rows_read"], cap["rows_skipped_by_reason"], cap["conversations"]) == (16, {}, 16)
     assert u["tokens"] + cap["tokens"] == c.real_tokens and min(u["tokens"], cap["tokens"]) > 0
     assert 0 < u["blocks"] <= len(blocks) and 0 < cap["blocks"] <= len(blocks)
+    # resume: skipping the first blocks of a fresh build gives exactly the rest (the fingerprint's premise)
+    again = list(iter_blocks(build_dataset(data, tok_path), data, skip_blocks=2))
+    assert len(blocks) > 2 and [b["input_ids"].tolist() for b in again] == [b["input_ids"].tolist() for b in blocks[2:]]
     merged = DataCounters().merge(c).merge(c)
     assert merged.by_source["capybara"]["rows_read"] == 32
     # weight 2: every capybara row twice; 0.5: a seeded half
