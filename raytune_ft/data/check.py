@@ -16,6 +16,7 @@ from raytune_ft.data.precheck import check_sources
 from raytune_ft.data.reading import iter_raw_rows
 from raytune_ft.data.rows import _unwrap, held_out_row, render_or_reason
 from raytune_ft.data.specs import SourceSpec, source_specs
+from raytune_ft.typed_values import RecipeError
 
 DEFAULT_ROWS = 5000
 
@@ -122,7 +123,12 @@ def data_check(recipe, *, limit: int = DEFAULT_ROWS, png: str | None = None) -> 
 
     data = recipe.data
     checks, held, _ = check_sources(data)
-    tokenizer = tokenizer_for(recipe.model)
+    try:
+        tokenizer = tokenizer_for(recipe.model)
+    except Exception as e:  # noqa: BLE001 - offline, a wrong name: said in one line
+        raise RecipeError(f"model.tokenizer: the tokenizer of {recipe.model.tokenizer or recipe.model.name} cannot "
+                          f"be loaded here ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                          "--set model.tokenizer=PATH names a local one, --local uses the tiny model's") from None
     reports = [_report(spec, c.format, data, tokenizer, limit) for spec, c in zip(source_specs(data), checks)]
     lines = [line for r in reports for line in r.lines(data, limit)]
     lines.append(f"held-out set       {held if data.validation_fraction or data.validation_split or data.sources else 'none'}")
@@ -162,7 +168,6 @@ def main(args, recipe_of) -> int:
     import sys
 
     from raytune_ft.env import redact
-    from raytune_ft.typed_values import RecipeError
 
     try:
         lines, ok = data_check(recipe_of(), limit=args.rows, png=args.png)
