@@ -4,7 +4,7 @@ next to the same rows in one local file, in the same run.
 Rows: the UltraChat and Capybara fixture rows, each made unique (a row number in its first user turn) and
 repeated to `--rows` per source. Local: one jsonl holding both. S3: the UltraChat rows as jsonl and the
 Capybara rows as jsonl.gz under two prefixes of a SeaweedFS server on loopback (tests/s3_server.py), mixed
-as `data.sources` (weights 1). Each configuration: `build_dataset` (read, adapt, for the mixture the seeded
+as `data.sources` (weights 1); and the same two files as a local mixture, to tell the mixture's cost from S3's. Each configuration: `build_dataset` (read, adapt, for the mixture the seeded
 sort, tokenize + mask with the real Qwen3 tokenizer and the Qwen3.8-27B template) consumed in this process by
 `iter_blocks` (packing at 32,768 tokens). The figure is real tokens over the CPU seconds of this process and
 every process of its local Ray (user + system, polled from /proc via psutil, so that processes that exit
@@ -49,7 +49,7 @@ class CpuMeter:
     """CPU seconds (user + system) of this process and all its descendants (the local Ray's processes),
     polled every `every` s so that a process that exits before the end still counts (up to its last poll)."""
 
-    def __init__(self, every: float = 0.1):
+    def __init__(self, every: float = 0.25):
         import threading
 
         self.every, self.seen, self.start = every, {}, {}
@@ -112,6 +112,10 @@ def main(argv=None) -> None:
     uc, cap = _rows(args.rows)
     local = work / "mine.jsonl"
     local.write_text("\n".join(uc + cap) + "\n")
+    parts = (work / "ultrachat.jsonl", work / "capybara.jsonl.gz")      # the mixture's two files, locally
+    parts[0].write_text("\n".join(uc) + "\n")
+    with gzip.open(parts[1], "wt") as f:
+        f.write("\n".join(cap) + "\n")
     server = S3Server(work / "s3").start()
     try:
         bucket = server.bucket()
@@ -125,6 +129,8 @@ def main(argv=None) -> None:
                  log_to_driver=False)
         configs = {
             "local_single_file": DataConfig(source=str(local), split="train"),
+            "local_two_source_mixture": DataConfig(sources=[{"source": str(parts[0]), "name": "ultrachat"},
+                                                            {"source": str(parts[1]), "name": "capybara"}]),
             "s3_two_source_mixture": DataConfig(sources=[{"source": f"s3://{bucket}/ultrachat", "name": "ultrachat"},
                                                          {"source": f"s3://{bucket}/capybara", "name": "capybara"}]),
         }
