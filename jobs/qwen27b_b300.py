@@ -5,6 +5,7 @@ conversations; AdamW lr 1e-5, betas 0.9/0.95, no weight decay; loss logged every
 
     ray job submit --working-dir . -- python jobs/qwen27b_b300.py
     python jobs/qwen27b_b300.py --local        # tiny qwen3_5 model on local Ray, CPU
+    python jobs/qwen27b_b300.py --set data.mixture=ultrachat_capybara    # UltraChat and Capybara mixed
 """
 import os
 import sys
@@ -27,6 +28,15 @@ CHECKPOINT_EVERY = 200
 # what both cost.
 EVAL_SPLIT, EVAL_ROWS = "test_sft", 1000
 SAMPLE_PROMPTS, SAMPLE_MAX_NEW_TOKENS = 4, 128
+# The UltraChat/Capybara mixture, off by default (--set data.mixture=ultrachat_capybara): every UltraChat
+# train_sft row once (weight 1) and every trl-lib/Capybara train row twice (weight 2: its multi-turn
+# conversations, about 13% of the mixed rows), interleaved by data.seed; held out: each one's own test split.
+MIXTURES = {"ultrachat_capybara": [
+    {"name": "ultrachat", "source": DATASET, "revision": DATASET_REVISION, "split": "train_sft",
+     "validation_split": EVAL_SPLIT, "weight": 1.0},
+    {"name": "capybara", "source": "hf://trl-lib/Capybara", "split": "train", "validation_split": "test",
+     "weight": 2.0},
+]}
 # The Qwen3.8 template's own defaults, as the notebook renders UltraChat: a system text on reasoning
 # effort in every row (not supervised) and an empty think block before each answer (supervised).
 # README "Chat template settings" shows a rendered row and how to change it.
@@ -41,7 +51,7 @@ def recipe() -> Recipe:
                           max_position_embeddings=262_144),
         data=DataConfig(source=DATASET, revision=DATASET_REVISION, split="train_sft", seq_len=SEQ_LEN,
                         template_kwargs=TEMPLATE_KWARGS, validation_split=EVAL_SPLIT,
-                        validation_max_rows=EVAL_ROWS),
+                        validation_max_rows=EVAL_ROWS, mixtures=MIXTURES),
         train=TrainConfig(loop="fsdp2", lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0, warmup_steps=0,
                           schedule="constant", epochs=1, micro_batch_size=1, grad_accum=1,
                           activation_checkpointing="full", master_weights="fp32", log_every=100,
@@ -66,6 +76,7 @@ def local(r: Recipe) -> Recipe:
     r.train.checkpoint_every = 10
     r.train.eval_every = 10
     r.data.validation_max_rows = 64    # of the generated chat's own held-out rows
+    r.data.mixtures = {}               # the hub's: a local file mixture is data.sources (README)
     r.train.sample_prompts = 2         # a newcomer sees two answers grow in MLflow's samples.json table
     r.train.sample_max_new_tokens = 24
     r.train.activation_checkpointing = "none"

@@ -26,6 +26,7 @@ EPILOG = """examples:
   raytune-ft run qwen27b_b300 --set scaling.num_workers=16
   raytune-ft plan qwen3_4b_full --set train.master_weights=bf16
   raytune-ft runs --storage ./runs
+  raytune-ft data check qwen27b_b300 --local --set data.source=my.jsonl
   raytune-ft register ./runs/qwen27b-local/checkpoint_<timestamp> --name main.default.qwen27b \\
       --tracking-uri sqlite:///runs/qwen27b-local/mlflow.db
   ray job submit --working-dir . -- raytune-ft run qwen27b_b300
@@ -378,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="assumed throughput (default: 40%% MFU of the GPU's bf16 peak)")
     plan.add_argument("--mfu", type=float, default=0.40, help="assumed MFU for the time estimate (default 0.40)")
 
+    from raytune_ft.data.check import add_parser as add_data_parser
+
+    add_data_parser(sub, job_help)
     sub.add_parser("register", add_help=False, help="register a checkpoint as catalog.schema.model "
                                                     "(raytune-ft register --help for its flags)")
 
@@ -428,6 +432,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print("\n".join(plan_extras(recipe, plan)))
         return 0 if plan.fits else 1
+    if args.command == "data":
+        from raytune_ft.data.check import main as data_main
+
+        return data_main(args, lambda: _job_recipe(args.job, args.local, args.overrides))
     if args.command == "runs":
         storages = args.storage or [*DEFAULT_STORAGE, *filter(None, [os.environ.get("RAYTUNE_LOCAL_STORAGE")])]
         rows = find_runs(list(dict.fromkeys(storages)))[: args.limit]

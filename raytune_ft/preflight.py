@@ -37,12 +37,68 @@ def check_durable_paths(recipe: Recipe) -> None:
                 f"(e.g. --set {name}=$HOME/raytune_runs, expanded by the submitting shell) or s3://...")
 
 
-def check_data_source(recipe: Recipe) -> None:
-    """An hf:// source must be reachable now: offline, or a hub that does not answer, fails in one line
-    instead of after the hub client's minute of retries inside Ray Data."""
-    src = recipe.data.source
-    if not src.startswith("hf://") or os.environ.get("RAYTUNE_HF_ROOT"):
-        return   # local paths are checked by validate(); RAYTUNE_HF_ROOT is the hub's offline stand-in
+def check_data_source(recipe: Recipe) -> list[str]:
+    """Every data source must be reachable and readable now (data/precheck.py): an hf:// source offline or on a
+    hub that does not answer, an object store that refuses the credentials, a file in no known format, a split
+    that does not exist fail in one line instead of inside Ray. Settles the held-out set; returns the lines
+    that say what each source is read as and where the held-out rows come from (also printed)."""
+    from raytune_ft.data.precheck import check_sources, format_note
+    from raytune_ft.data.specs import source_specs
+
+    for src, revision in dict.fromkeys((s.source, s.revision) for s in source_specs(recipe.data) if s.kind == "hf"):
+        _check_hub(src, revision)
+    for i, spec in enumerate(source_specs(recipe.data)):
+        if spec.kind == "remote":
+            probe_remote(spec, f"data.sources[{i}]" if recipe.data.sources else "data")
+    checks, held, _ = check_sources(recipe.data)
+    lines = [format_note(c, s) for c, s in zip(checks, source_specs(recipe.data))]
+    if recipe.train.reads_held_out():
+        lines.append(f"data: held-out set: {held}")
+    for line in lines:
+        print(f"[raytune_ft] {line}", flush=True)
+    return lines
+
+
+def probe_remote(spec, where: str) -> None:
+    """An object-store source answers, with this environment's credentials, within the storage check's
+    deadline and timeouts: listed once, a failure said as the checkpoint storage's is (storage_check)."""
+    import threading
+
+    import pyarrow.fs as pafs
+
+    from raytune_ft import storage, storage_check
+    from raytune_ft.env import public_uri
+
+    st = storage.resolve(spec.source)
+    fs, outcome = storage_check._quick(st.fs), {}
+
+    def attempt():
+        try:
+            info = fs.get_file_info(st.root)
+            if info.type == pafs.FileType.NotFound:
+                raise FileNotFoundError(f"{public_uri(spec.source)} does not exist")
+            if info.type == pafs.FileType.Directory:
+                fs.get_file_info(pafs.FileSelector(st.root, recursive=False))
+        except BaseException as e:  # noqa: BLE001 - reported below, in the caller's thread
+            outcome["error"] = e
+
+    worker = threading.Thread(target=attempt, name="raytune-data-probe", daemon=True)
+    worker.start()
+    worker.join(storage_check.DEADLINE_S)
+    if worker.is_alive():
+        outcome["error"] = TimeoutError(f"no answer within {storage_check.DEADLINE_S:g} s (timed out)")
+    if "error" in outcome:
+        raise RecipeError(
+            f"{where}.source: {public_uri(spec.source)} cannot be read: "
+            f"{storage_check._what_failed(f'listing {public_uri(spec.source)}', outcome['error'])}.\n"
+            f"  endpoint: {storage_check._endpoint(st.fs)}\n  {storage_check._variables()}\n"
+            "Nothing was started. Set the credentials (or the endpoint) in the environment of the machine that "
+            "submits the run and of every node, then submit again.")
+
+
+def _check_hub(src: str, revision: str | None) -> None:
+    if os.environ.get("RAYTUNE_HF_ROOT"):
+        return   # the hub's offline stand-in
     repo = src[len("hf://"):].removeprefix("datasets/").strip("/")
     if _truthy("HF_HUB_OFFLINE"):
         raise RecipeError(f"data.source: {src} needs the Hugging Face hub, and HF_HUB_OFFLINE is set: "
@@ -50,7 +106,7 @@ def check_data_source(recipe: Recipe) -> None:
     try:
         from huggingface_hub import HfApi
 
-        HfApi().dataset_info(repo, revision=recipe.data.revision, timeout=15)
+        HfApi().dataset_info(repo, revision=revision, timeout=15)
     except Exception as e:  # noqa: BLE001 - any failure to reach it is said in one line
         from raytune_ft.endings import one_line
 

@@ -85,6 +85,11 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
             raise RecipeError(f"{key}: unknown section {section!r}" + (near or f" (sections: {', '.join(classes)})"))
         cls = classes[section]
         hints = typing.get_type_hints(cls)
+        field_name, _, sub = name.partition(".")
+        if sub and typing.get_origin(hints.get(field_name)) is dict:   # one key of a mapping: data.fields.messages=dialog
+            value_type = typing.get_args(hints[field_name])[1]
+            getattr(getattr(recipe, section), field_name)[sub] = coerce(key, raw.strip(), value_type)
+            continue
         if name not in hints:
             raise RecipeError(f"{key}: unknown field {name!r} of {section}"
                               + (did_you_mean(name, hints, section + ".") or f" (fields: {', '.join(hints)})"))
@@ -129,6 +134,7 @@ def validate(recipe: Recipe) -> Recipe:
     _check_types(recipe)
     recipe.model.validate()
     recipe.data.validate(recipe.model)
+    recipe.data.settle_held_out(recipe.train.reads_held_out())
     recipe.train.validate(recipe.data, recipe.registry)
     recipe.scaling.validate()
     if recipe.train.precision == "fp8" and not recipe.scaling.use_gpu:
@@ -177,6 +183,9 @@ def absolute_local_paths(recipe: Recipe) -> Recipe:
     recipe.model.tokenizer = fix(recipe.model.tokenizer)
     recipe.model.chat_template = fix(recipe.model.chat_template)
     recipe.data.source = fix(recipe.data.source)
+    for entry in [*recipe.data.sources, *(e for m in recipe.data.mixtures.values() for e in m)]:
+        if isinstance(entry, dict) and isinstance(entry.get("source"), str):
+            entry["source"] = fix(entry["source"])
     if recipe.train.sample_count() is None:
         recipe.train.sample_prompts = fix(recipe.train.sample_prompts)
     tr = recipe.tracking

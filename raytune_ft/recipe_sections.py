@@ -51,13 +51,26 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "hf://HuggingFaceH4/ultrachat_200k"  # hf://repo, a local jsonl/json/parquet file or folder, or builtin:chat
+    # one source: hf://org/name, s3://bucket/prefix, a local jsonl/json/parquet file or folder (compressed
+    # forms too), or builtin:chat; `sources` (a list) mixes several instead
+    source: str = "hf://HuggingFaceH4/ultrachat_200k"
     revision: str | None = None
-    split: str = "train_sft"
-    schema: Literal["auto", "messages", "conversation", "prompt_completion"] = "auto"
-    validation_fraction: float = 0.0         # carved out of `split` when > 0 (seeded)
+    split: str = "train_sft"                 # a hub dataset's (or a folder's) split; a single file is its own
+    schema: Literal["auto", "messages", "sharegpt", "conversation", "alpaca", "prompt_completion"] = "auto"
+    fields: dict[str, str] = field(default_factory=dict)        # a format's field -> the rows' name for it
+    roles: dict[str, list[str]] = field(default_factory=dict)   # a chat role -> more names rows use for it
+    # a mixture: [{source, split?, revision?, schema?, fields?, roles?, weight? (how often each row is used:
+    # 0.5 a seeded half, 2 twice), max_rows?, validation_split?, name?}], interleaved by `seed`
+    sources: list[dict[str, Any]] = field(default_factory=list)
+    mixture: str | None = None               # the name of one of `mixtures` (a job offers them) to train on
+    mixtures: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    # held out of training by content hash (seeded); None: 0.05 when the run evaluates or samples held-out
+    # rows and names no validation_split, else 0. A small local source holds out at least one row and at
+    # most validation_max_rows
+    validation_fraction: float | None = None
     validation_split: str | None = None      # a separate split of the source for evaluation
     validation_max_rows: int | None = None   # evaluate on the first N held-out rows only (its cost: `raytune-ft plan`)
+    max_skip_fraction: float = 0.05          # a run whose skipped rows pass this share stops, naming the reasons
     seed: int = 42
     seq_len: int = 32768                     # tokens per packed block
     max_rows: int | None = None              # read at most this many rows (smoke runs)
@@ -70,24 +83,21 @@ class DataConfig:
     tokenize_workers: int | None = None
 
     def validate(self, model: ModelConfig) -> None:
-        if not self.source.strip():
-            raise RecipeError("data.source: must not be empty")
-        if self.source.startswith("builtin:"):
-            from raytune_ft.data.builtin import builtin_source
+        from raytune_ft.data.specs import check_specs
 
-            try:
-                builtin_source(self.source)
-            except ValueError as e:
-                raise RecipeError(f"data.source: {e}") from None
-        elif not self.source.startswith("hf://"):
-            if not os.path.exists(os.path.expanduser(self.source)):
-                raise RecipeError(f"data.source: {self.source!r} does not exist (a local file or folder, "
-                                  "hf://org/dataset or builtin:chat)")
+        if self.mixture is not None:
+            if self.mixture not in self.mixtures:
+                raise RecipeError(f"data.mixture: {self.mixture!r} is not one of this job's mixtures "
+                                  f"({', '.join(self.mixtures) or 'it offers none'})")
+            self.sources = [dict(s) for s in self.mixtures[self.mixture]]
+        check_specs(self)
         check_range("data.seq_len", self.seq_len, 16, 1 << 20)
         if model.max_position_embeddings is not None and self.seq_len > model.max_position_embeddings:
             raise RecipeError(f"data.seq_len: {self.seq_len} exceeds the model context "
                               f"model.max_position_embeddings={model.max_position_embeddings}")
-        check_range("data.validation_fraction", self.validation_fraction, 0.0, 0.5)
+        if self.validation_fraction is not None:
+            check_range("data.validation_fraction", self.validation_fraction, 0.0, 0.5)
+        check_range("data.max_skip_fraction", self.max_skip_fraction, 0.0, 1.0)
         if self.max_rows is not None:
             check_range("data.max_rows", self.max_rows, 1)
         if self.validation_max_rows is not None:
@@ -96,6 +106,15 @@ class DataConfig:
         check_range("data.num_cpus_per_op", self.num_cpus_per_op, 0.0, 64, lo_open=True)
         if self.tokenize_workers is not None:
             check_range("data.tokenize_workers", self.tokenize_workers, 1, 4096)
+
+    def settle_held_out(self, reads_held_out: bool) -> None:
+        """Resolve `validation_fraction=None`: 5% held out by content hash when the run reads held-out rows
+        and no split is named, else none."""
+        if self.validation_fraction is None:
+            self.validation_fraction = DEFAULT_HELD_OUT if reads_held_out and not self.validation_split else 0.0
+
+
+DEFAULT_HELD_OUT = 0.05
 
 
 # every linear of both Qwen3.5 layer kinds (full attention, gated-delta-net) and of the MLP: what the FSDP2
@@ -210,7 +229,7 @@ class TrainConfig:
             raise RecipeError("train.precision: fp8 is offered by the FSDP2 loop only (train.loop='fsdp2')")
         if self.load_best_at_end and not self.eval_every:
             raise RecipeError("train.load_best_at_end: needs train.eval_every and a validation set")
-        if self.eval_every and data.validation_fraction == 0.0 and data.validation_split is None:
+        if self.eval_every and not data.validation_fraction and data.validation_split is None:
             raise RecipeError("train.eval_every: no validation data (set data.validation_fraction or "
                               "data.validation_split)")
         if self.max_length is not None:
@@ -239,7 +258,7 @@ class TrainConfig:
         text = str(self.sample_prompts).strip()
         if n is not None:
             check_range("train.sample_prompts", n, 0, 1000)
-            if n and data.validation_fraction == 0.0 and data.validation_split is None:
+            if n and not data.validation_fraction and data.validation_split is None:
                 raise RecipeError(f"train.sample_prompts: {n} held-out conversations need held-out data (set "
                                   "data.validation_fraction or data.validation_split, or give a prompt file)")
         else:

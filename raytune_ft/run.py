@@ -68,6 +68,9 @@ class RunSummary:
             out.append(f"  data             {self.data.get('rows_read', 0)} rows read, "
                        f"{sum(skipped.values())} skipped{f' {dict(skipped)}' if skipped else ''}, "
                        f"{self.data.get('blocks', 0)} blocks{_padding_share(self.data)}")
+            from raytune_ft.data.report import source_lines
+
+            out.extend(source_lines(self.data))
         out.append(f"  mlflow           {self.tracking_uri} run {self.mlflow_run_id}")
         if self.tracking_uri and self.tracking_uri.startswith(("sqlite:", "file:", "/")):
             import shlex
@@ -214,15 +217,17 @@ def _validate(recipe: Recipe):
     return storage.run_storage(recipe)
 
 
-def _check_before_ray(recipe: Recipe, *, local: bool, joins: bool) -> None:
-    """The data source, and the resources of a Ray this job starts (a cluster joined: RunLifecycle.start_ray)."""
+def _check_before_ray(recipe: Recipe, *, local: bool, joins: bool) -> list[str]:
+    """The data sources (their notes returned), and the resources of a Ray this job starts (a cluster joined:
+    RunLifecycle.start_ray)."""
     from raytune_ft import preflight
 
-    preflight.check_data_source(recipe)
+    notes = preflight.check_data_source(recipe)
     if not joins:   # the Ray this job starts: what ensure_ray gives it
         preflight.check_resources(recipe, {"CPU": local_cpus(local) or os.cpu_count() or 1,
                                            "GPU": preflight.local_gpus() if recipe.scaling.use_gpu else 0},
                                   "this machine")
+    return notes
 
 
 def _fit(recipe: Recipe, life: RunLifecycle):
@@ -288,13 +293,16 @@ def _run(recipe: Recipe, life: RunLifecycle, *, register: bool | None) -> RunSum
     if finished is not None:   # nothing to train or register: Ray is not started, the MLflow run not touched
         known = {k: v for k, v in finished.items() if k in RunSummary.__dataclass_fields__}
         return RunSummary(**{**known, "seconds": time.time() - min(process_start() or t0, t0)})
-    _check_before_ray(recipe, local=life.local, joins=life.joins)
+    data_notes = _check_before_ray(recipe, local=life.local, joins=life.joins)
     # open the run, with Ray started beside it
     life.start(t0)
     life.start_ray()
     # fit
     result, run_id = _fit(recipe, life)
     summary, meta, ckpt_uri = _summarize(recipe, result, run_id, st, run_path)
+    from raytune_ft.data.report import data_params, log_data_params
+
+    log_data_params(recipe.tracking_uri, run_id, data_params(data_notes, summary.data))
     # register
     return _register_and_close(recipe, summary, meta, ckpt_uri, do_register, st, run_path, life)
 

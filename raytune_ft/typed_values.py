@@ -54,8 +54,8 @@ def coerce(path: str, raw: str, tp: Any) -> Any:
     try:
         value = json.loads(raw)
     except json.JSONDecodeError:
-        if origin in (list, tuple):
-            value = [v.strip() for v in raw.split(",") if v.strip()]
+        if origin in (list, tuple):            # a, b or [a, b]: names without quotes
+            value = [v.strip() for v in raw.strip().removeprefix("[").removesuffix("]").split(",") if v.strip()]
         else:
             raise RecipeError(f"{path}: {raw!r} is not valid JSON for {tp}") from None
     if origin in (list, tuple):

@@ -68,7 +68,7 @@ def test_every_junk_reason_is_counted(qwen3):
     cols = tokenize_rows(rows, qwen3)
     assert [r for r in cols["skip_reason"] if r] == [reason for _, reason in JUNK]
     c = DataCounters()
-    data = DataConfig(source="builtin:chat", seq_len=64, pack_window=4)
+    data = DataConfig(source="builtin:chat", seq_len=64, pack_window=4, max_skip_fraction=1.0)
     shard = [{"input_ids": i, "mask": m, "skip_reason": r}
              for i, m, r in zip(cols["input_ids"], cols["mask"], cols["skip_reason"])]
     blocks = list(iter_blocks(shard, data, counters=c))
@@ -85,5 +85,19 @@ def test_overlong_drop_is_counted(qwen3):
     shard = [{"input_ids": i, "mask": m, "skip_reason": r}
              for i, m, r in zip(cols["input_ids"], cols["mask"], cols["skip_reason"])]
     c = DataCounters()
-    list(iter_blocks(shard, DataConfig(source="builtin:chat", seq_len=64, overlong="drop"), counters=c))
+    list(iter_blocks(shard, DataConfig(source="builtin:chat", seq_len=64, overlong="drop", max_skip_fraction=1.0),
+                     counters=c))
     assert c.rows_skipped_by_reason == {"overlong": 1} and c.conversations_packed == 1
+
+
+def test_a_pass_with_too_many_skipped_rows_stops_and_names_the_reasons(qwen3):
+    """data.max_skip_fraction: 3 bad rows of 20 (15%) pass the default 5%; the error names each reason."""
+    from raytune_ft.data.pipeline import TooManySkipped
+
+    rows = [GOOD] * 17 + [{"foo": 1}, {"foo": 2}, {"messages": [{"role": "wizard", "content": "x"}]}]
+    cols = tokenize_rows(rows, qwen3)
+    shard = [{"input_ids": i, "mask": m, "skip_reason": r}
+             for i, m, r in zip(cols["input_ids"], cols["mask"], cols["skip_reason"])]
+    with pytest.raises(TooManySkipped, match=r"3 of 20 rows skipped \(15.0%.*unknown_schema: 2, unknown_role: 1"):
+        list(iter_blocks(shard, DataConfig(source="builtin:chat", seq_len=64)))
+    assert list(iter_blocks(shard, DataConfig(source="builtin:chat", seq_len=64, max_skip_fraction=0.2)))

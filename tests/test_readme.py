@@ -53,6 +53,9 @@ SKIPPED = {
     "--set tracking.storage_path=/mnt/shared/raytune_runs --set tracking.tracking_uri=http://HEAD_NODE:5000":
         "a Ray cluster of two GPU nodes",
 }
+SKIPPED["raytune-ft data check qwen27b_b300 --local --set data.validation_split=none "
+        "--set data.source=s3://my-bucket/chat/"] = "an S3 bucket: tests/test_data_s3.py reads a two-source mixture " \
+                                                  "from a SeaweedFS server"
 SERVERS = {"mlflow ui --backend-store-uri sqlite:///runs/qwen27b-local/mlflow.db": "http://127.0.0.1:5000"}
 
 
@@ -123,6 +126,10 @@ def test_readme_commands_run_as_written(local_job):
                 p = subprocess.run(_bash(command), cwd=clone, env=env, capture_output=True, timeout=900)
                 out = (p.stdout + p.stderr).decode(errors="replace")
                 assert p.returncode == 0, f"{command}\n{out[-4000:]}"
+                if command.startswith("raytune-ft data check"):
+                    assert "format " in out and "packing efficiency" in out and "held-out set" in out, out
+                if command.startswith("raytune-ft run qwen27b_b300 --local --no-register --set data.source="):
+                    assert "format sharegpt (picked by its fields" in out and "held-out set: 1 of 8 rows" in out, out
                 if command.startswith("raytune-ft runs"):
                     assert "qwen27b-local" in out and "registered" in out, out
             ran.append(command)

@@ -27,7 +27,11 @@ BAD = [
     ("train.activation_checkpointing=some", "train.activation_checkpointing"),
     ("train.master_weights=fp8", "train.master_weights"),
     ("train.load_best_at_end=true", "train.load_best_at_end"),
-    ("train.eval_every=10", "train.eval_every: no validation data"),
+    ("data.sources=[{\"source\": \"builtin:chat\", \"weight\": 0}]", "data.sources[0].weight"),
+    ("data.sources=[{\"source\": \"builtin:chat\", \"wieght\": 2}]", "data.sources[0].wieght: unknown key"),
+    ("data.roles.speaker=[bot]", "data.roles.speaker: not a chat role"),
+    ("data.fields.dialog=messages", "data.fields.dialog: not a field"),
+    ("data.mixture=nope", "data.mixture: 'nope' is not one of this job's mixtures"),
     ("train.nonsense=1", "train.nonsense: unknown field 'nonsense' of train"),
     ("trainer.lr=1", "trainer.lr: unknown section 'trainer'"),
     ("lr=1", "expected section.field"),
@@ -38,7 +42,7 @@ BAD = [
     ("data.source=/no/such/file.jsonl", "data.source: '/no/such/file.jsonl' does not exist"),
     ("data.source=", "data.source: must not be empty"),
     ("data.max_rows=0", "data.max_rows"),
-    ("data.schema=sharegpt", "data.schema: 'sharegpt' is not one of"),
+    ("data.schema=openai", "data.schema: 'openai' is not one of"),
     ("data.overlong=truncate", "data.overlong"),
     ("data.num_cpus_per_op=0", "data.num_cpus_per_op"),
     ("data.tokenize_workers=0", "data.tokenize_workers: 0 is out of range"),
@@ -116,3 +120,13 @@ def test_dry_run_prints_resolved_recipe_and_bad_recipe_exits_before_ray():
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert "registry.name" in bad.stderr and "ray" not in bad.stdout.lower()
+
+
+def test_evaluation_without_a_named_split_holds_out_five_percent():
+    """With no held-out split, evaluation holds out 5% by content hash (data.validation_fraction=None); set to
+    0, evaluation has no data and the recipe says so."""
+    r = validate(apply_overrides(base(), ["train.eval_every=10"]))
+    assert r.data.validation_fraction == 0.05
+    assert validate(apply_overrides(base(), [])).data.validation_fraction == 0.0
+    with pytest.raises(RecipeError, match="train.eval_every: no validation data"):
+        validate(apply_overrides(base(), ["train.eval_every=10", "data.validation_fraction=0"]))

@@ -1,6 +1,9 @@
 """The data path: sources and schema adapters, SFT masks, packing, and the Ray Data pipeline.
 
-    sources.to_messages     raw row -> chat messages, or the reason to skip it
+    specs.source_specs      the recipe's sources (one, or a mixture's), their files and splits
+    reading.read_source     a source's split as a Ray Dataset of raw rows (local, hf://, s3://, builtin)
+    sources.Adapter         raw row -> chat messages, or the reason to skip it (one adapter per format)
+    precheck.check_sources  the first rows of each source and the held-out set, checked before Ray
     sft.render_sft          messages -> (token ids, assistant mask) for any Qwen chat template
     packing.pack_blocks     (ids, mask) stream -> fixed seq_len blocks with block-diagonal signals
     pipeline.build_dataset  a Ray Dataset of tokenized rows; iter_blocks in workers (equal steps: train/batch.py)

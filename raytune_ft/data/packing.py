@@ -57,9 +57,19 @@ class DataCounters:
     real_tokens: int = 0
     supervised_tokens: int = 0            # labels != -100
     equalisation_padding_blocks: int = 0  # all-padding blocks a rank ran so every rank steps equally
+    # per source of a mixture (by its name): rows_read, rows_skipped_by_reason, conversations, tokens, blocks
+    # (the blocks holding any of its conversations)
+    by_source: dict[str, dict] = field(default_factory=dict)
 
     def skip(self, reason: str, n: int = 1) -> None:
         self.rows_skipped_by_reason[reason] = self.rows_skipped_by_reason.get(reason, 0) + n
+
+    def of_source(self, name: str) -> dict:
+        """The counts of one source, made on first use."""
+        if name not in self.by_source:
+            self.by_source[name] = {"rows_read": 0, "rows_skipped_by_reason": {}, "conversations": 0,
+                                    "tokens": 0, "blocks": 0}
+        return self.by_source[name]
 
     @property
     def rows_skipped(self) -> int:
@@ -71,6 +81,8 @@ class DataCounters:
             if f.name == "rows_skipped_by_reason":
                 for k, v in other.rows_skipped_by_reason.items():
                     self.skip(k, v)
+            elif f.name == "by_source":
+                _add_nested(self.by_source, other.by_source)
             else:
                 setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
         return self
@@ -83,6 +95,9 @@ class DataCounters:
                 for k, v in self.rows_skipped_by_reason.items():
                     if n := v - earlier.rows_skipped_by_reason.get(k, 0):
                         out.skip(k, n)
+            elif f.name == "by_source":
+                _add_nested(out.by_source, self.by_source)
+                _add_nested(out.by_source, earlier.by_source, sign=-1)
             else:
                 setattr(out, f.name, getattr(self, f.name) - getattr(earlier, f.name))
         return out
@@ -95,13 +110,15 @@ class DataCounters:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DataCounters":
-        return cls(**{k: (dict(v) if isinstance(v, dict) else v) for k, v in d.items()})
+        import copy
+
+        return cls(**{k: (copy.deepcopy(v) if isinstance(v, dict) else v) for k, v in d.items()})
 
     def as_metrics(self, prefix: str = "data/") -> dict[str, float]:
         """A flat dict of numbers (for MLflow / ray.train.report)."""
         out: dict[str, float] = {}
         for f in dataclasses.fields(self):
-            if f.name == "rows_skipped_by_reason":
+            if f.name in ("rows_skipped_by_reason", "by_source"):
                 continue
             out[prefix + f.name] = getattr(self, f.name)
         out[prefix + "rows_skipped"] = self.rows_skipped
@@ -110,6 +127,15 @@ class DataCounters:
         total = self.real_tokens + self.padding_tokens
         out[prefix + "packing_efficiency"] = self.real_tokens / total if total else 0.0
         return out
+
+
+def _add_nested(dst: dict, src: dict, sign: int = 1) -> None:
+    """Add the numbers of `src` into `dst` (times `sign`), key by key, through nested dicts."""
+    for k, v in src.items():
+        if isinstance(v, dict):
+            _add_nested(dst.setdefault(k, {}), v, sign)
+        else:
+            dst[k] = dst.get(k, 0) + sign * v
 
 
 def block_from_segments(segments: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int,
@@ -170,11 +196,12 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
 RAMP_FROM = 64      # the first packing window, in conversations (module docstring)
 
 
-def pack_blocks(examples: Iterable[tuple[Sequence[int], Sequence[bool]]], seq_len: int, *,
+def pack_blocks(examples: Iterable[tuple], seq_len: int, *,
                 window: int = 2048, pad_id: int = 0, overlong: str = "split",
                 counters: DataCounters | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Pack `(ids, mask)` conversations into `seq_len` blocks (fields and policies: module docstring).
 
+    `examples` are `(ids, mask)` or `(ids, mask, source)`: a source's name, counted in `counters.by_source`.
     Deterministic: the same examples in the same order give the same blocks. `counters`, when given,
     receives conversations_packed / conversations_split / blocks / token counts as blocks are taken
     from the iterator (rows_read, counted by the caller, includes the packing window read ahead).
@@ -184,15 +211,20 @@ def pack_blocks(examples: Iterable[tuple[Sequence[int], Sequence[bool]]], seq_le
     if seq_len < 2:
         raise ValueError("seq_len must be >= 2")
     c = counters if counters is not None else DataCounters()
-    pending: list[tuple[np.ndarray, np.ndarray]] = []
+    pending: list[tuple] = []         # (ids, mask, source or None)
     # Repack once a window of new conversations has joined the ones held back, so the held-back block
     # (at most one block's worth) never makes each arrival trigger a repack. The windows ramp up to `window`.
     span = min(window, RAMP_FROM)
     pack_at = span
 
     def emit(segs):
-        block = block_from_segments(segs, seq_len, pad_id)
+        block = block_from_segments([(s[0], s[1]) for s in segs], seq_len, pad_id)
         real = sum(len(s[0]) for s in segs)
+        for tag in {s[2] for s in segs if s[2] is not None}:   # a mixture's sources: their blocks and tokens
+            mine = c.of_source(tag)
+            mine["blocks"] += 1
+            mine["conversations"] += sum(1 for s in segs if s[2] == tag)
+            mine["tokens"] += sum(len(s[0]) for s in segs if s[2] == tag)
         c.blocks += 1
         c.conversations_packed += len(segs)
         c.real_tokens += real
@@ -213,7 +245,8 @@ def pack_blocks(examples: Iterable[tuple[Sequence[int], Sequence[bool]]], seq_le
         for segs in groups:       # built and counted one at a time, as they are taken: a run that stops
             yield emit(segs)      # early (train.max_steps) counts only the blocks it drew
 
-    for ids, mask in examples:
+    for ids, mask, *tagged in examples:
+        tag = tagged[0] if tagged else None
         ids = np.asarray(ids, dtype=np.int64)
         mask = np.asarray(mask, dtype=bool)
         if len(ids) != len(mask):
@@ -227,13 +260,13 @@ def pack_blocks(examples: Iterable[tuple[Sequence[int], Sequence[bool]]], seq_le
                 continue
             c.conversations_split += 1
             for start in range(0, len(ids), seq_len):
-                piece = (ids[start:start + seq_len], mask[start:start + seq_len])
+                piece = (ids[start:start + seq_len], mask[start:start + seq_len], tag)
                 if len(piece[0]) == seq_len:
                     yield emit([piece])       # a full piece is a block of its own
                 else:
                     pending.append(piece)
         else:
-            pending.append((ids, mask))
+            pending.append((ids, mask, tag))
         if len(pending) >= pack_at:
             yield from pack_pending(final=False)
             span = min(window, 2 * span)

@@ -32,23 +32,21 @@ summed across workers by `gather_counters`.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import os
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 
 from raytune_ft.data.packing import DataCounters, pack_blocks
-from raytune_ft.data.reading import BUILTIN_DEFAULT_ROWS, HF_ROOT_ENV, _read_source, resolve_hf_parquet  # noqa: F401
-from raytune_ft.data.sft import SpanNotFound, render_sft
-from raytune_ft.data.sources import to_messages
+from raytune_ft.data.reading import BUILTIN_DEFAULT_ROWS, HF_ROOT_ENV, read_source, resolve_hf_parquet  # noqa: F401
+from raytune_ft.data.rows import SkipCheck, TooManySkipped, _split_bucket, adapt_rows, tokenize_rows  # noqa: F401
+from raytune_ft.data.sources import Adapter
+from raytune_ft.data.specs import SourceSpec, source_specs
 
 __all__ = ["DataCounters", "build_dataset", "iter_blocks", "read_rows", "gather_counters",
            "train_data_config", "resolve_hf_parquet", "HF_ROOT_ENV"]
 
 SHUFFLE_WINDOWS = 4          # an epoch's shuffle buffer, in packing windows
-_SPLIT_BUCKETS = 1 << 32
 
 
 # ---------------------------------------------------------------- tokenizer in Ray tasks
@@ -101,58 +99,34 @@ class _TokenizerRef:
 
 # ---------------------------------------------------------------- tokenize + mask (a Ray Data map)
 
-def _split_bucket(messages: Any, seed: int) -> float:
-    """A number in [0, 1) fixed by the row's content and the seed: which split a row falls in."""
-    key = json.dumps(messages, sort_keys=True, ensure_ascii=False, default=str).encode()
-    h = hashlib.blake2b(key, digest_size=8, salt=(seed & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")).digest()
-    return int.from_bytes(h[:4], "little") / _SPLIT_BUCKETS
-
-
-def tokenize_rows(rows: Iterable[Any], tokenizer, *, schema: str = "auto",
-                  template_kwargs: dict | None = None, validation_fraction: float = 0.0,
-                  keep: str = "all", seed: int = 42) -> dict[str, list]:
-    """Columns `input_ids`, `mask`, `skip_reason` for raw rows (dicts, or json text lines).
-
-    `keep` is "train" / "validation" / "all": with `validation_fraction > 0`, rows whose seeded hash
-    falls under the fraction are validation rows and the rest train rows; the other split's rows are
-    left out (not counted: they are not this split's). A skipped row keeps a place with empty ids.
-    """
-    out: dict[str, list] = {"input_ids": [], "mask": [], "skip_reason": []}
-    kwargs = template_kwargs or {}
-    for row in rows:
-        if isinstance(row, dict) and set(row) == {"text"} and isinstance(row["text"], str):
-            row = row["text"]
-        messages, reason = to_messages(row, schema)
-        if validation_fraction > 0 and keep != "all":
-            in_val = _split_bucket(messages if messages is not None else repr(row), seed) < validation_fraction
-            if in_val != (keep == "validation"):
-                continue
-        ids: list[int] = []
-        mask: list[bool] = []
-        if messages is not None:
-            try:
-                ids, mask = render_sft(tokenizer, messages, **kwargs)
-            except SpanNotFound:
-                reason = "span_not_found"
-            except Exception:                       # noqa: BLE001 - a template raising on a row's data
-                reason = "template_error"
-        out["input_ids"].append(ids if reason is None else [])
-        out["mask"].append(mask if reason is None else [])
-        out["skip_reason"].append(reason or "")
-    return out
-
-
-def _map_fn(tok_ref: _TokenizerRef, schema: str, template_kwargs: dict, fraction: float, keep: str,
-            seed: int):
+def _columns(cols: dict[str, list]):
     import pyarrow as pa
 
-    def fn(batch: "pa.Table") -> "pa.Table":
-        cols = tokenize_rows(batch.to_pylist(), tok_ref.get(), schema=schema,
-                             template_kwargs=template_kwargs, validation_fraction=fraction,
-                             keep=keep, seed=seed)
-        return pa.table({"input_ids": pa.array(cols["input_ids"], type=pa.list_(pa.int32())),
-                         "mask": pa.array(cols["mask"], type=pa.list_(pa.bool_())),
-                         "skip_reason": pa.array(cols["skip_reason"], type=pa.string())})
+    return pa.table({"input_ids": pa.array(cols["input_ids"], type=pa.list_(pa.int32())),
+                     "mask": pa.array(cols["mask"], type=pa.list_(pa.bool_())),
+                     "skip_reason": pa.array(cols["skip_reason"], type=pa.string()),
+                     "source": pa.array(cols["source"], type=pa.int32())})
+
+
+def _map_fn(tok_ref: _TokenizerRef, adapter: Adapter, template_kwargs: dict, fraction: float, keep: str,
+            seed: int, source: int = 0):
+    def fn(batch):
+        return _columns(tokenize_rows(batch.to_pylist(), tok_ref.get(), adapter=adapter,
+                                      template_kwargs=template_kwargs, validation_fraction=fraction,
+                                      keep=keep, seed=seed, source=source))
+    return fn
+
+
+def _adapt_fn(adapter: Adapter, source: int, keep: str, fraction: float, seed: int, weight: float):
+    import pyarrow as pa
+
+    def fn(batch):
+        cols = adapt_rows(batch.to_pylist(), adapter, source=source, keep=keep, fraction=fraction, seed=seed,
+                          weight=weight)
+        return pa.table({"text": pa.array(cols["text"], type=pa.string()),
+                         "skip_reason": pa.array(cols["skip_reason"], type=pa.string()),
+                         "source": pa.array(cols["source"], type=pa.int32()),
+                         "mix_key": pa.array(cols["mix_key"], type=pa.int64())})
     return fn
 
 
@@ -190,52 +164,94 @@ def start_tokenizing_processes(tokenizer, processes: int, num_cpus: float) -> No
         task.remote(tokenizer)
 
 
+def _split_plan(spec: SourceSpec, data, split: str) -> tuple[str, str, float] | None:
+    """(the source's split to read, which rows to keep, the carve's fraction) for the `split` asked for;
+    None when the source gives no held-out rows."""
+    fraction = data.validation_fraction or 0.0
+    if split == "train":
+        return spec.split, "train", (0.0 if spec.validation_split else fraction)
+    if spec.validation_split:
+        return spec.validation_split, "all", 0.0
+    return (spec.split, "validation", fraction) if fraction > 0 else None
+
+
+def _read(spec: SourceSpec, data, source_split: str, held_out: bool):
+    ds = read_source(spec, source_split, held_out=held_out, seed=data.seed)
+    # Deterministic row order end to end: the splits, the validation carve-out and resume rely on it.
+    ds.context.execution_options.preserve_order = True
+    return ds.limit(spec.max_rows) if spec.max_rows is not None else ds
+
+
 def build_dataset(data, tokenizer, *, split: str = "train", chat_template: str | None = None,
                   processes: int | None = None):
     """A Ray Dataset of tokenized, masked conversations of `split` ("train" or "validation").
 
     Columns: `input_ids` list<int32>, `mask` list<bool>, `skip_reason` string ("" for a usable row;
-    otherwise the reason, with empty ids). `tokenizer` is a fast tokenizer, a path to one or a model's
-    `raytune_ft.models.tokenizer.TokenizerOf` (the last two loaded once per Ray worker process);
-    `chat_template` (text or a .jinja path) overrides its template.
+    otherwise the reason, with empty ids), `source` int32 (the source's index in a mixture). `tokenizer` is
+    a fast tokenizer, a path to one or a model's `raytune_ft.models.tokenizer.TokenizerOf` (the last two
+    loaded once per Ray worker process); `chat_template` (text or a .jinja path) overrides its template.
     `processes`: how many tokenizing tasks run at once (None: as many as Ray Data schedules).
-    Lazy: nothing is read until the dataset is consumed.
+
+    A mixture (`data.sources`): each source is read, turned into messages and carved apart, its rows used
+    `weight` times; the training rows of all sources are then ordered by a seeded key (a sort: the first
+    block waits for every source's rows to be read) and cut into blocks of a fixed row count, so the
+    order and the ranks' shares are the same on every run. Lazy: nothing is read until the dataset is consumed.
     """
     from ray.data import TaskPoolStrategy
 
     if split not in ("train", "validation"):
         raise ValueError(f"split={split!r}: expected 'train' or 'validation'")
-    if split == "validation" and data.validation_split:
-        source_split, keep, fraction = data.validation_split, "all", 0.0
-    elif split == "validation":
-        if data.validation_fraction <= 0:
-            raise ValueError("no validation data: set data.validation_fraction or data.validation_split")
-        source_split, keep, fraction = data.split, "validation", data.validation_fraction
+    specs = source_specs(data)
+    tok = _TokenizerRef(tokenizer, chat_template)
+    compute = dict(batch_format="pyarrow", batch_size=64, num_cpus=data.num_cpus_per_op, zero_copy_batch=True,
+                   compute=TaskPoolStrategy(size=processes) if processes else None)
+    plans = [(i, spec, _split_plan(spec, data, split)) for i, spec in enumerate(specs)]
+    plans = [(i, spec, plan) for i, spec, plan in plans if plan is not None]
+    if not plans:
+        raise ValueError("no validation data: set data.validation_fraction or data.validation_split")
+    if len(specs) == 1:
+        i, spec, (source_split, keep, fraction) = plans[0]
+        ds = _read(spec, data, source_split, split == "validation" and keep == "all")
+        # at most `processes` tokenizing tasks at a time (Ray reuses their worker processes): left to itself Ray
+        # Data runs one per `num_cpus_per_op` of free CPU, each a new process importing transformers and
+        # loading the tokenizer, and they take the node's cores from the model build while nothing waits for
+        # their rows but the first block (bench/NOTES.md, start-up)
+        ds = ds.map_batches(_map_fn(tok, adapter_of(spec), dict(data.template_kwargs), fraction, keep,
+                                    data.seed), **compute)
     else:
-        source_split, keep, fraction = data.split, "train", data.validation_fraction
-    ds = _read_source(data, source_split)
-    # Deterministic row order end to end: the splits, the validation carve-out and resume rely on it.
-    ds.context.execution_options.preserve_order = True
-    if data.max_rows is not None:
-        ds = ds.limit(data.max_rows)
-    fn = _map_fn(_TokenizerRef(tokenizer, chat_template), data.schema, dict(data.template_kwargs),
-                 fraction, keep, data.seed)
-    # at most `processes` tokenizing tasks at a time (Ray reuses their worker processes): left to itself Ray
-    # Data runs one per `num_cpus_per_op` of free CPU, each a new process importing transformers and loading
-    # the tokenizer, and they take the node's cores from the model build while nothing waits for their rows
-    # but the first block (bench/NOTES.md, start-up)
-    ds = ds.map_batches(fn, batch_format="pyarrow", batch_size=64, num_cpus=data.num_cpus_per_op,
-                        zero_copy_batch=True, compute=TaskPoolStrategy(size=processes) if processes else None)
+        parts = []
+        for i, spec, (source_split, keep, fraction) in plans:
+            raw = _read(spec, data, source_split, split == "validation" and keep == "all")
+            if split == "validation" and data.validation_max_rows is not None:   # each source its share
+                raw = raw.limit(max(1, data.validation_max_rows // len(plans)))
+            parts.append(raw.map_batches(_adapt_fn(adapter_of(spec), i, keep, fraction, data.seed,
+                                                   spec.weight if split == "train" else 1.0),
+                                         batch_format="pyarrow", batch_size=64, num_cpus=data.num_cpus_per_op))
+        ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+        ds.context.execution_options.preserve_order = True
+        if split == "train":
+            # Ray's sort samples its range boundaries at random, so its blocks differ from run to run: the
+            # fixed-size blocks after it make the ranks' shares (and a resume's skipped blocks) the same
+            ds = ds.sort("mix_key").repartition(target_num_rows_per_block=64, strict=True)
+            if data.max_rows is not None:
+                ds = ds.limit(data.max_rows)
+        ds = ds.map_batches(_map_fn(tok, Adapter("messages"), dict(data.template_kwargs), 0.0, "all",
+                                    data.seed), **compute)
     if split == "validation" and data.validation_max_rows is not None:
         # after the carve-out: the first N held-out rows, the same ones at every evaluation
         ds = ds.limit(data.validation_max_rows)
     return ds
 
 
+def adapter_of(spec: SourceSpec) -> Adapter:
+    """The row -> messages adapter of a source: its format, field and role names."""
+    return Adapter(spec.schema, spec.fields, spec.roles)
+
+
 # ---------------------------------------------------------------- worker side
 
-def _iter_rows(shard: Any) -> Iterator[tuple[Any, Any, str]]:
-    """(ids, mask, skip_reason) from a DataIterator / Dataset shard, or an iterable of row dicts.
+def _iter_rows(shard: Any) -> Iterator[tuple[Any, Any, str, int]]:
+    """(ids, mask, skip_reason, source) from a DataIterator / Dataset shard, or an iterable of row dicts.
 
     Blocks are passed on as they come (`batch_size=None`, `prefetch_batches=0`): the tokenizing map makes
     them 64 rows, the first packing window's size, so the first block packs from the first tokenizing batch.
@@ -246,21 +262,23 @@ def _iter_rows(shard: Any) -> Iterator[tuple[Any, Any, str]]:
         for batch in shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0):
             ids_col, mask_col = batch.column("input_ids"), batch.column("mask")
             reasons = batch.column("skip_reason").to_pylist()
+            sources = batch.column("source").to_pylist() if "source" in batch.column_names else [0] * len(reasons)
             for i, reason in enumerate(reasons):
                 if reason:
-                    yield None, None, reason
+                    yield None, None, reason, sources[i]
                 else:
                     yield (ids_col[i].values.to_numpy(zero_copy_only=False),
-                           mask_col[i].values.to_numpy(zero_copy_only=False), "")
+                           mask_col[i].values.to_numpy(zero_copy_only=False), "", sources[i])
     else:
         for row in shard:
-            yield row["input_ids"], row["mask"], row.get("skip_reason") or ""
+            yield row["input_ids"], row["mask"], row.get("skip_reason") or "", row.get("source") or 0
 
 
 def read_rows(shard: Any) -> list[dict]:
     """Every row of a small dataset shard (the held-out split) as {input_ids, mask, skip_reason} dicts,
     read once and kept: `iter_blocks` packs them, the sample prompts are cut from them."""
-    return [{"input_ids": ids, "mask": mask, "skip_reason": reason} for ids, mask, reason in _iter_rows(shard)]
+    return [{"input_ids": ids, "mask": mask, "skip_reason": reason, "source": source}
+            for ids, mask, reason, source in _iter_rows(shard)]
 
 
 def iter_blocks(shard: Any, data, *, counters: DataCounters | None = None, skip_blocks: int = 0,
@@ -280,14 +298,23 @@ def iter_blocks(shard: Any, data, *, counters: DataCounters | None = None, skip_
     give the same order.
     """
     c = counters if counters is not None else DataCounters()
+    names = [s.name for s in source_specs(data)] if data.sources else None
+    check = SkipCheck(data.max_skip_fraction)
 
     def examples():
-        for ids, mask, reason in _iter_rows(shard):
+        for ids, mask, reason, source in _iter_rows(shard):
             c.rows_read += 1
+            mine = c.of_source(names[source]) if names else None
+            if mine is not None:
+                mine["rows_read"] += 1
             if reason:
                 c.skip(reason)
+                if mine is not None:
+                    mine["rows_skipped_by_reason"][reason] = mine["rows_skipped_by_reason"].get(reason, 0) + 1
+                check(c)
                 continue
-            yield ids, mask
+            yield (ids, mask, names[source]) if names else (ids, mask)
+        check(c, final=True)
 
     stream = examples()
     if shuffle_seed is not None:

@@ -1,23 +1,138 @@
-"""Schema adapters: turn one raw dataset row into a list of chat messages, or say why not.
+"""Row formats: one small pure adapter per format turns a raw dataset row into chat messages, or says why not.
 
-Schemas understood (`schema="auto"` picks by the row's fields, in this order):
-  messages           {"messages": [{"role", "content"}, ...]}  (UltraChat 200k, trl-lib/Capybara)
-  conversation       {"conversation": [{"input", "output"}, ...]} (the original LDJnr/Capybara)
+Formats (`schema="auto"` picks by the row's fields, in this order):
+  messages           {"messages": [{"role", "content"}, ...]}            OpenAI chat; UltraChat 200k, trl-lib/Capybara
+  sharegpt           {"conversations": [{"from", "value"}, ...]}         human / gpt / system, tool roles mapped
+  conversation       {"conversation": [{"input", "output"}, ...]}        the original LDJnr/Capybara
+  alpaca             {"instruction", "input"?, "output", "system"?}     one exchange; input joins the instruction
   prompt_completion  {"prompt": str | messages, "completion": str | messages}
 
-A row that cannot become a trainable conversation is not an error: `to_messages` returns
-`(None, reason)` and the pipeline counts it under that reason. Reasons: invalid_json, unknown_schema,
-missing_messages, empty_messages, bad_message, unknown_role, non_string_content, empty_content,
-no_assistant_turn, no_user_turn, system_not_first.
+Other names are mapped in the recipe: `fields` maps a format's field to the row's (`{"messages": "dialog"}`,
+`{"from": "speaker"}`), `roles` maps each chat role to the names rows use for it (`{"user": ["human", "user"]}`,
+added to the defaults). The pipeline after an adapter sees only messages.
+
+A row that cannot become a trainable conversation is not an error: `to_messages` returns `(None, reason)` and
+the pipeline counts it under that reason. Reasons: invalid_json, unknown_schema, missing_messages,
+empty_messages, bad_message, unknown_role, non_string_content, empty_content, no_assistant_turn,
+no_user_turn, system_not_first.
 """
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Mapping
 
 ROLES = ("system", "user", "assistant", "tool")
+FORMATS = ("messages", "sharegpt", "conversation", "alpaca", "prompt_completion")
+# the fields each format needs, by their own names (what `describe_formats` prints and `fields` maps)
+FORMAT_FIELDS = {"messages": ("messages",), "sharegpt": ("conversations",), "conversation": ("conversation",),
+                 "alpaca": ("instruction", "output"), "prompt_completion": ("prompt", "completion")}
+# every field name an adapter reads, the keys `fields` may map
+FIELD_NAMES = ("messages", "conversations", "conversation", "instruction", "input", "output", "system",
+               "prompt", "completion", "role", "content", "from", "value")
+# names rows use for each role (ShareGPT's, LLaMA-Factory's tool turns); the recipe's `roles` adds to these
+DEFAULT_ROLE_NAMES = {"system": ("system",), "user": ("user", "human"),
+                      "assistant": ("assistant", "gpt", "model", "function_call"),
+                      "tool": ("tool", "observation", "function", "function_response", "ipython")}
 
 Messages = list[dict[str, str]]
+
+
+class Adapter:
+    """One source's row -> messages conversion: its format (or auto) with its field and role names."""
+
+    def __init__(self, schema: str = "auto", fields: Mapping[str, str] | None = None,
+                 roles: Mapping[str, Any] | None = None):
+        self.schema = schema
+        self.fields = {k: str(v) for k, v in (fields or {}).items()}
+        self.role_of: dict[str, str] = {}
+        for role, names in DEFAULT_ROLE_NAMES.items():
+            self.role_of.update({n: role for n in names})
+        for role, names in (roles or {}).items():
+            self.role_of.update({str(n): role for n in ([names] if isinstance(names, str) else names)})
+
+    def f(self, name: str) -> str:
+        """The row's name for a format's field."""
+        return self.fields.get(name, name)
+
+    def detect(self, row: Mapping) -> str | None:
+        """The format a row is in, by its (mapped) fields; None when none fits."""
+        for fmt in FORMATS:
+            if all(self.f(name) in row for name in FORMAT_FIELDS[fmt]):
+                return fmt
+        return None
+
+    def __call__(self, row: Any) -> tuple[Messages | None, str | None]:
+        """`(messages, None)` for a usable row, `(None, reason)` for one to skip. Never raises on data."""
+        if isinstance(row, (str, bytes)):
+            try:
+                row = json.loads(row)
+            except (ValueError, UnicodeDecodeError):
+                return None, "invalid_json"
+        if not isinstance(row, dict):
+            return None, "unknown_schema"
+        kind = self.detect(row) if self.schema == "auto" else self.schema
+        if kind is None:
+            return None, "unknown_schema"
+        return getattr(self, "_" + kind)(row)
+
+    def _messages(self, row):
+        return self._turns(_plain(row.get(self.f("messages"))), self.f("role"), self.f("content"))
+
+    def _sharegpt(self, row):
+        turns = _plain(row.get(self.f("conversations")))
+        if isinstance(turns, list) and turns and isinstance(turns[0], dict) and self.f("from") not in turns[0]:
+            return self._turns(turns, self.f("role"), self.f("content"))   # ShareGPT rows with role/content turns
+        return self._turns(turns, self.f("from"), self.f("value"))
+
+    def _turns(self, turns: Any, role_key: str, content_key: str):
+        if turns is None:
+            return None, "missing_messages"
+        if not isinstance(turns, list):
+            return None, "bad_message"
+        out = []
+        for t in turns:
+            if not isinstance(t, dict):
+                return None, "bad_message"
+            msg = {"role": self.role_of.get(t.get(role_key), t.get(role_key)), "content": t.get(content_key)}
+            if isinstance(t.get("reasoning_content"), str):
+                msg["reasoning_content"] = t["reasoning_content"]
+            out.append(msg)
+        return check_messages(out)
+
+    def _conversation(self, row):
+        turns = _plain(row.get(self.f("conversation")))
+        if turns is None:
+            return None, "missing_messages"
+        if not isinstance(turns, list):
+            return None, "bad_message"
+        messages: Messages = []
+        for t in turns:
+            if not isinstance(t, dict) or self.f("input") not in t:
+                return None, "bad_message"
+            messages.append({"role": "user", "content": t.get(self.f("input"))})
+            if t.get(self.f("output")) is not None:
+                messages.append({"role": "assistant", "content": t.get(self.f("output"))})
+        return check_messages(messages)
+
+    def _alpaca(self, row):
+        instruction, extra = row.get(self.f("instruction")), row.get(self.f("input"))
+        output, system = row.get(self.f("output")), row.get(self.f("system"))
+        if instruction is None or output is None:
+            return None, "missing_messages"
+        if not all(isinstance(v, str) for v in (instruction, output)) or not isinstance(extra or "", str) \
+                or not isinstance(system or "", str):
+            return None, "non_string_content"
+        prompt = f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
+        messages = [{"role": "system", "content": system}] if system and system.strip() else []
+        return check_messages(messages + [{"role": "user", "content": prompt},
+                                          {"role": "assistant", "content": output}])
+
+    def _prompt_completion(self, row):
+        prompt, completion = _plain(row.get(self.f("prompt"))), _plain(row.get(self.f("completion")))
+        p, c = _as_turns(prompt, "user"), _as_turns(completion, "assistant")
+        if p is None or c is None:
+            return None, "missing_messages" if prompt is None or completion is None else "non_string_content"
+        return check_messages(p + c)
 
 
 def _plain(value: Any) -> Any:
@@ -31,8 +146,16 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _check(messages: Any) -> tuple[Messages | None, str | None]:
-    """Validate a message list; return it cleaned (role and content only, plus reasoning/tool fields)."""
+def _as_turns(value: Any, role: str) -> Messages | None:
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list):
+        return value
+    return None
+
+
+def check_messages(messages: Any) -> tuple[Messages | None, str | None]:
+    """Validate a message list; return it cleaned (role and content only, plus reasoning text)."""
     if messages is None:
         return None, "missing_messages"
     if not isinstance(messages, list):
@@ -66,62 +189,16 @@ def _check(messages: Any) -> tuple[Messages | None, str | None]:
     return out, None
 
 
-def _from_conversation(turns: Any) -> tuple[Messages | None, str | None]:
-    if turns is None:
-        return None, "missing_messages"
-    if not isinstance(turns, list):
-        return None, "bad_message"
-    messages: Messages = []
-    for t in turns:
-        if not isinstance(t, dict) or "input" not in t:
-            return None, "bad_message"
-        messages.append({"role": "user", "content": t.get("input")})
-        if t.get("output") is not None:
-            messages.append({"role": "assistant", "content": t.get("output")})
-    return _check(messages)
-
-
-def _as_turns(value: Any, role: str) -> Messages | None:
-    if isinstance(value, str):
-        return [{"role": role, "content": value}]
-    if isinstance(value, list):
-        return value
-    return None
-
-
-def _from_prompt_completion(prompt: Any, completion: Any) -> tuple[Messages | None, str | None]:
-    p, c = _as_turns(prompt, "user"), _as_turns(completion, "assistant")
-    if p is None or c is None:
-        return None, "missing_messages" if prompt is None or completion is None else "non_string_content"
-    return _check(p + c)
-
-
 def detect_schema(row: dict) -> str | None:
-    """The schema a row is in, by its fields; None when none fits."""
-    if "messages" in row:
-        return "messages"
-    if "conversation" in row or "conversations" in row:
-        return "conversation"
-    if "prompt" in row and "completion" in row:
-        return "prompt_completion"
-    return None
+    """The format a row is in, by its fields (default names); None when none fits."""
+    return Adapter().detect(row)
 
 
 def to_messages(row: Any, schema: str = "auto") -> tuple[Messages | None, str | None]:
-    """`(messages, None)` for a usable row, `(None, reason)` for one to skip. Never raises on data."""
-    if isinstance(row, (str, bytes)):
-        try:
-            row = json.loads(row)
-        except (ValueError, UnicodeDecodeError):
-            return None, "invalid_json"
-    if not isinstance(row, dict):
-        return None, "unknown_schema"
-    kind = detect_schema(row) if schema == "auto" else schema
-    if kind == "messages":
-        return _check(_plain(row.get("messages")))
-    if kind == "conversation":
-        turns = row.get("conversation", row.get("conversations"))
-        return _from_conversation(_plain(turns))
-    if kind == "prompt_completion":
-        return _from_prompt_completion(_plain(row.get("prompt")), _plain(row.get("completion")))
-    return None, "unknown_schema"
+    """`(messages, None)` for a usable row, `(None, reason)` for one to skip (default field and role names)."""
+    return Adapter(schema)(row)
+
+
+def describe_formats() -> str:
+    """The accepted formats and the fields each needs, for error messages."""
+    return "; ".join(f"{fmt} ({', '.join(FORMAT_FIELDS[fmt])})" for fmt in FORMATS)

@@ -1,0 +1,171 @@
+"""The data checked in the driver before Ray starts: each source's splits exist, its first rows are in a format
+the adapters read, and the held-out set is settled (a small local source is read whole: at least one row held
+out, at most `validation_max_rows`, and its skipped share checked). Every failure is a RecipeError (exit 2).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from raytune_ft.data.reading import head_rows, hf_repo, iter_raw_rows, source_files
+from raytune_ft.data.rows import _split_bucket, skip_message
+from raytune_ft.data.sources import describe_formats
+from raytune_ft.data.specs import SourceSpec, source_specs
+from raytune_ft.typed_values import RecipeError
+
+HEAD_ROWS = 64
+READ_WHOLE_BYTES = 64 << 20      # a local source up to this size is read whole for the held-out carve
+_NOT_A_FORMAT = ("invalid_json", "unknown_schema", "missing_messages")
+
+
+@dataclass
+class SourceCheck:
+    """What the first rows of a source said: the format picked and how many rows were looked at."""
+    name: str
+    format: str
+    rows_seen: int
+
+
+def _fields(row) -> str:
+    if isinstance(row, (str, bytes)):
+        try:
+            row = json.loads(row)
+        except ValueError:
+            return "not JSON"
+    return ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
+
+
+def check_format(spec: SourceSpec, rows: list, where: str) -> SourceCheck:
+    """The format of a source's first rows; RecipeError when none of them is in one (row, fields, formats)."""
+    from raytune_ft.data.pipeline import adapter_of
+    from raytune_ft.data.rows import _unwrap
+
+    adapter = adapter_of(spec)
+    picked: dict[str, int] = {}
+    first_bad = None
+    for n, row in enumerate(rows, 1):
+        raw = _unwrap(row)
+        messages, reason = adapter(raw)
+        if reason in _NOT_A_FORMAT:
+            first_bad = first_bad or (n, raw, reason)
+            continue
+        parsed = json.loads(raw) if isinstance(raw, (str, bytes)) else raw
+        fmt = spec.schema if spec.schema != "auto" else adapter.detect(parsed)
+        picked[fmt] = picked.get(fmt, 0) + 1
+    if not picked:
+        if not rows:
+            raise RecipeError(f"{where}: {spec.source} has no rows")
+        n, raw, reason = first_bad
+        mapped = f" (mapped: {spec.fields})" if spec.fields else ""
+        asked = f"data.schema={spec.schema}: " if spec.schema != "auto" else ""
+        raise RecipeError(
+            f"{where}: {spec.source} row {n} is in no known format ({asked}{reason}); its fields: {_fields(raw)}"
+            f"{mapped}. Formats accepted: {describe_formats()}. Map other names with --set data.fields.FIELD=NAME "
+            "(e.g. data.fields.messages=dialog) and --set data.roles.ROLE=[names]")
+    return SourceCheck(spec.name, max(picked, key=picked.get), len(rows))
+
+
+def _check_splits(spec: SourceSpec, where: str) -> None:
+    """The named splits of a hub or object-store source exist (local ones: the recipe's validation)."""
+    if spec.kind == "hf":
+        from raytune_ft.data.reading import hf_splits
+
+        have = hf_splits(hf_repo(spec.source), spec.revision)
+        for what, name in (("split", spec.split), ("validation_split", spec.validation_split)):
+            if name is not None and name not in have:
+                raise RecipeError(f"{where}.{what}: {name!r} does not exist in {spec.source} "
+                                  f"(splits: {', '.join(have) or 'none'})")
+    elif spec.kind == "remote" and spec.validation_split is not None:
+        source_files(spec, spec.validation_split, held_out=True)
+
+
+def _local_bytes(spec: SourceSpec) -> int | None:
+    if spec.kind != "local":
+        return None
+    files, _ = source_files(spec, spec.split)
+    return sum(os.path.getsize(f) for f in files)
+
+
+def settle_carve(data, spec: SourceSpec) -> tuple[str, int | None]:
+    """For a source read whole here: move `data.validation_fraction` (a threshold on the rows' content hash)
+    so that at least one row and at most `validation_max_rows` are held out, and stop on too many skipped
+    rows. Returns the held-out description and its row count (None: not counted here)."""
+    from raytune_ft.data.pipeline import adapter_of
+    from raytune_ft.data.rows import _unwrap
+
+    f = data.validation_fraction
+    size = _local_bytes(spec)
+    if size is None or size > READ_WHOLE_BYTES:
+        return (f"{f:.1%} of {spec.name}'s rows by content hash (seed {data.seed}), never trained on; "
+                f"evaluated: {'all' if data.validation_max_rows is None else f'the first {data.validation_max_rows}'}",
+                None)
+    adapter, buckets, reasons, n = adapter_of(spec), [], {}, 0
+    for row in iter_raw_rows(spec, spec.split, seed=data.seed):
+        if spec.max_rows is not None and n >= spec.max_rows:
+            break
+        raw = _unwrap(row)
+        messages, reason = adapter(raw)
+        n += 1
+        if reason:
+            reasons[reason] = reasons.get(reason, 0) + 1
+        buckets.append(_split_bucket(messages if messages is not None else repr(raw), data.seed))
+    skipped = sum(reasons.values())
+    if n and skipped / n > data.max_skip_fraction:
+        raise RecipeError(f"data.max_skip_fraction: {spec.source}: "
+                          + skip_message(skipped, n, reasons, data.max_skip_fraction))
+    if n < 2:
+        raise RecipeError(f"data.validation_fraction: {spec.source} has {n} row(s): too few to hold any out "
+                          "and train on the rest; set data.validation_fraction=0 and train.eval_every=0")
+    buckets.sort()
+    want = sum(b < f for b in buckets)
+    cap = min(data.validation_max_rows or n - 1, n - 1)
+    held = min(max(want, 1), cap)
+    if held != want:            # the threshold between the held-th and the next smallest hash
+        data.validation_fraction = (buckets[held - 1] + buckets[held]) / 2
+    return (f"{held} of {n} rows of {spec.name} by content hash (seed {data.seed}; validation_fraction "
+            f"{f:g}{f' -> {data.validation_fraction:.6f}' if held != want else ''}), never trained on", held)
+
+
+def held_out_plan(data, specs: list[SourceSpec]) -> tuple[str, int | None]:
+    """Where the held-out rows come from, and how many (None: not known before they are read)."""
+    named = [s for s in specs if s.validation_split]
+    carved = [s for s in specs if not s.validation_split]
+    parts, count = [], 0
+    for s in named:
+        parts.append(f"split {s.validation_split} of {s.name}"
+                     + (f" (the first {data.validation_max_rows} rows)" if data.validation_max_rows else ""))
+        count = None
+    if carved and data.validation_fraction:
+        if len(specs) == 1:
+            text, rows = settle_carve(data, carved[0])
+            parts.append(text)
+            count = rows if count is not None else None
+        else:
+            parts.append(f"{data.validation_fraction:.1%} of the rows of {', '.join(s.name for s in carved)} by "
+                         f"content hash (seed {data.seed}), never trained on")
+            count = None
+    return "; ".join(parts) or "none", count
+
+
+def check_sources(data, *, head: int = HEAD_ROWS) -> tuple[list[SourceCheck], str, int | None]:
+    """Every source's splits and first rows (module docstring); the held-out plan settled."""
+    specs = source_specs(data)
+    checks = []
+    for i, spec in enumerate(specs):
+        where = f"data.sources[{i}]" if data.sources else "data"
+        _check_splits(spec, where)
+        try:
+            rows = head_rows(spec, spec.split, head, seed=data.seed)
+        except OSError as e:
+            raise RecipeError(f"{where}.source: {spec.source} cannot be read "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})") from None
+        checks.append(check_format(spec, rows, where))
+    held, count = held_out_plan(data, specs)
+    return checks, held, count
+
+
+def format_note(check: SourceCheck, spec: SourceSpec) -> str:
+    """One line: the format a source is read in, and whether it was picked by its fields."""
+    how = "picked by its fields" if spec.schema == "auto" else "data.schema"
+    return f"data: {check.name}: format {check.format} ({how}, {check.rows_seen} first rows read)"

@@ -1,0 +1,49 @@
+"""What a run says about its data at the end: per-source lines of the summary, and MLflow params (the formats
+read, where the held-out rows came from, each source's counts)."""
+from __future__ import annotations
+
+
+def source_lines(data: dict) -> list[str]:
+    """One summary line per source of a mixture: rows read, skipped by reason, tokens, blocks."""
+    out = []
+    for name, c in (data.get("by_source") or {}).items():
+        skipped = c.get("rows_skipped_by_reason") or {}
+        out.append(f"    {name}: {c.get('rows_read', 0)} rows read, {sum(skipped.values())} skipped"
+                   f"{f' {dict(skipped)}' if skipped else ''}, {c.get('tokens', 0):,} tokens, "
+                   f"in {c.get('blocks', 0)} blocks")
+    return out
+
+
+def data_params(notes: list[str], data: dict) -> dict[str, str]:
+    """MLflow params: the pre-run notes (`data.format.<source>`, `data.held_out`) and each source's counts
+    (`data.sources.<i>.<count>`)."""
+    params: dict[str, str] = {}
+    for i, line in enumerate(notes):
+        body = line.removeprefix("data: ")
+        if body.startswith("held-out set: "):
+            params["data.held_out"] = body.removeprefix("held-out set: ")
+        else:
+            params[f"data.format.{i}"] = body
+    for i, (name, c) in enumerate((data.get("by_source") or {}).items()):
+        params[f"data.sources.{i}.name"] = name
+        for key in ("rows_read", "tokens", "blocks"):
+            params[f"data.sources.{i}.{key}"] = str(c.get(key, 0))
+        for reason, n in sorted((c.get("rows_skipped_by_reason") or {}).items()):
+            params[f"data.sources.{i}.skipped.{reason}"] = str(n)
+    return {k: v[:6000] for k, v in params.items()}
+
+
+def log_data_params(tracking_uri: str, run_id: str | None, params: dict[str, str]) -> None:
+    """Log `params` to the run; tracking down never fails a trained run."""
+    if not run_id or not params:
+        return
+    try:
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
+        from raytune_ft.env import redact
+
+        MlflowClient(tracking_uri=tracking_uri).log_batch(
+            run_id, params=[Param(k, redact(v)) for k, v in params.items()])
+    except Exception as e:  # noqa: BLE001 - the run is trained; its data params are a nicety
+        print(f"[raytune_ft] could not log the data params to MLflow: {type(e).__name__}")

@@ -1,0 +1,189 @@
+"""The recipe's data sources as a list of `SourceSpec`s (one, or a mixture's), their files and their splits.
+
+A source is `builtin:NAME[:N]`, `hf://org/name`, `s3://bucket/prefix` (or any URI the storage layer
+accepts), or a local file or folder. Files are json, jsonl or parquet, plain or compressed (.gz, .bz2,
+.zst, .lz4). Splits: a hub repo's or a folder's files are grouped the way the hub names them
+(`<split>-00000-of-00003.parquet`, `<split>.jsonl`, `<split>/...`); a single file is one split, its own rows.
+Checked here without Ray, in the recipe's validation: what cannot be read or names a split that does not
+exist fails with a RecipeError that lists what exists.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from raytune_ft.data.sources import FIELD_NAMES, FORMATS, ROLES
+from raytune_ft.typed_values import RecipeError
+
+DATA_EXTENSIONS = (".jsonl", ".json", ".parquet")
+COMPRESSED = (".gz", ".bz2", ".zst", ".lz4")
+SPEC_KEYS = ("source", "split", "revision", "schema", "fields", "roles", "weight", "max_rows",
+             "validation_split", "name")
+_SHARDED = re.compile(r"^(?P<split>.+?)-\d+-of-\d+")
+
+
+@dataclass
+class SourceSpec:
+    """One source of the recipe's data, with everything its rows need to become messages."""
+    source: str
+    split: str = "train"
+    revision: str | None = None
+    schema: str = "auto"
+    fields: dict[str, str] = field(default_factory=dict)
+    roles: dict[str, Any] = field(default_factory=dict)
+    weight: float = 1.0
+    max_rows: int | None = None
+    validation_split: str | None = None
+    name: str = ""
+
+    @property
+    def kind(self) -> str:
+        return source_kind(self.source)
+
+
+def source_kind(src: str) -> str:
+    """builtin | hf | remote (an object store URI) | local."""
+    if src.startswith("builtin:"):
+        return "builtin"
+    if src.startswith("hf://"):
+        return "hf"
+    return "remote" if "://" in src and not src.startswith("file://") else "local"
+
+
+def source_specs(data) -> list[SourceSpec]:
+    """The sources of a DataConfig: its `sources` (a mixture) when given, else its one `source`."""
+    if not data.sources:
+        return [SourceSpec(source=data.source, split=data.split, revision=data.revision, schema=data.schema,
+                           fields=dict(data.fields), roles=dict(data.roles), max_rows=data.max_rows,
+                           validation_split=data.validation_split, name=data.source)]
+    specs, names = [], set()
+    for entry in data.sources:
+        spec = SourceSpec(**{"split": data.split, "schema": data.schema, "fields": dict(data.fields),
+                             "roles": dict(data.roles), **entry})
+        base = spec.name or spec.source if spec.split == data.split or spec.kind == "local" else \
+            f"{spec.name or spec.source}:{spec.split}"
+        spec.name = base if base not in names else f"{base}#{len(specs)}"
+        names.add(spec.name)
+        specs.append(spec)
+    return specs
+
+
+def is_data_file(name: str) -> bool:
+    base = name.lower()
+    for ext in COMPRESSED:
+        base = base.removesuffix(ext)
+    return base.endswith(DATA_EXTENSIONS)
+
+
+def split_of(path: str, root: str) -> str:
+    """The split a data file belongs to, named as the hub names them (module docstring)."""
+    rel = os.path.relpath(path, root) if root and path.startswith(root) else os.path.basename(path)
+    parts = rel.replace("\\", "/").split("/")
+    stem = parts[-1].split(".")[0]
+    if m := _SHARDED.match(stem):
+        return m.group("split")
+    if len(parts) > 1 and parts[-2] not in ("data", "default"):
+        return parts[-2]
+    return stem
+
+
+def splits_of(files: list[str], root: str) -> dict[str, list[str]]:
+    """The files of a folder or repo by split."""
+    out: dict[str, list[str]] = {}
+    for f in sorted(files):
+        out.setdefault(split_of(f, root), []).append(f)
+    return out
+
+
+def pick_split(files: list[str], root: str, split: str, what: str, *, single_ok: bool) -> list[str]:
+    """The files of `split`. A folder whose files name no such split is one split (`single_ok`: the
+    training split) when asked for training rows; asked for a held-out split, it fails listing the splits."""
+    by_split = splits_of(files, root)
+    if split in by_split:
+        return by_split[split]
+    if single_ok:
+        return sorted(files)
+    raise RecipeError(f"{what}: split {split!r} does not exist in {root} (splits: {', '.join(by_split)})")
+
+
+def local_files(path: str) -> list[str]:
+    """The data files of a local file or folder (all of a folder's, recursively)."""
+    if os.path.isfile(path):
+        return [path]
+    return sorted(os.path.join(d, f) for d, _, names in os.walk(path) for f in names if is_data_file(f))
+
+
+def check_specs(data) -> None:
+    """Each source's entry is well formed and, for a local one, exists and has the splits named."""
+    if data.sources and not isinstance(data.sources, list):
+        raise RecipeError("data.sources: expected a list of {source, split, weight, ...}")
+    for i, entry in enumerate(data.sources):
+        where = f"data.sources[{i}]"
+        if not isinstance(entry, dict) or "source" not in entry:
+            raise RecipeError(f"{where}: expected an object with a 'source' (keys: {', '.join(SPEC_KEYS)})")
+        unknown = sorted(set(entry) - set(SPEC_KEYS))
+        if unknown:
+            raise RecipeError(f"{where}.{unknown[0]}: unknown key (keys: {', '.join(SPEC_KEYS)})")
+        w = entry.get("weight", 1.0)
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0 < w <= 100:
+            raise RecipeError(f"{where}.weight: {w!r} is out of range (allowed: > 0 and <= 100)")
+        n = entry.get("max_rows")
+        if n is not None and (not isinstance(n, int) or n < 1):
+            raise RecipeError(f"{where}.max_rows: {n!r} is out of range (allowed: an integer >= 1)")
+    for i, spec in enumerate(source_specs(data)):
+        _check_spec(spec, f"data.sources[{i}]" if data.sources else "data")
+
+
+def _check_spec(spec: SourceSpec, where: str) -> None:
+    src = spec.source
+    if not isinstance(src, str) or not src.strip():
+        raise RecipeError(f"{where}.source: must not be empty")
+    if spec.schema not in ("auto", *FORMATS):
+        raise RecipeError(f"{where}.schema: {spec.schema!r} is not one of auto, {', '.join(FORMATS)}")
+    for k in spec.fields:
+        if k not in FIELD_NAMES:
+            raise RecipeError(f"{where}.fields.{k}: not a field of any format (fields: {', '.join(FIELD_NAMES)})")
+    for k, names in spec.roles.items():
+        if k not in ROLES:
+            raise RecipeError(f"{where}.roles.{k}: not a chat role (roles: {', '.join(ROLES)})")
+        if not isinstance(names, (list, str)):
+            raise RecipeError(f"{where}.roles.{k}: expected a list of names, got {names!r}")
+    if spec.kind == "builtin":
+        from raytune_ft.data.builtin import builtin_source
+
+        try:
+            builtin_source(src)
+        except ValueError as e:
+            raise RecipeError(f"{where}.source: {e}") from None
+    elif spec.kind == "remote":
+        from raytune_ft import storage
+
+        try:
+            storage.resolve(src)
+        except ValueError as e:
+            raise RecipeError(f"{where}.source: {e}") from None
+    elif spec.kind == "local":
+        path = os.path.expanduser(src.removeprefix("file://"))
+        if not os.path.exists(path):
+            raise RecipeError(f"{where}.source: {src!r} does not exist (a local file or folder, "
+                              "hf://org/dataset, s3://bucket/prefix or builtin:chat)")
+        files = local_files(path)
+        if not files:
+            raise RecipeError(f"{where}.source: no .jsonl/.json/.parquet files (plain or compressed) under {src!r}")
+        if spec.validation_split is not None:
+            check_held_out_split(spec, files, path, where)
+
+
+def check_held_out_split(spec: SourceSpec, files: list[str], root: str, where: str) -> None:
+    """A named held-out split must exist, and not be the training split (a single file has one split)."""
+    by_split = splits_of(files, root) if len(files) > 1 or os.path.isdir(root) else {}
+    if spec.validation_split in by_split and spec.validation_split != spec.split:
+        return
+    have = (f"splits: {', '.join(by_split)}" if by_split else
+            "a single file has one split, its own rows")
+    raise RecipeError(
+        f"{where}.validation_split: {spec.validation_split!r} does not exist in {spec.source} ({have}). "
+        f"Unset it (--set {where}.validation_split=none) to hold out data.validation_fraction (5% by default) "
+        "of the rows by content hash, never trained on")
