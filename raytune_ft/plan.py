@@ -380,7 +380,7 @@ def memory_plan(recipe: Recipe, *, gpu: str | None = None, tokens_per_s_per_gpu:
     tokens_src = ""
     if size is not None:
         rows = min(size.rows, d.max_rows) if d.max_rows else size.rows
-        tokens = rows * size.mean_tokens * (1 - d.validation_fraction) * t.epochs
+        tokens = rows * size.mean_tokens * (1 - (d.validation_fraction or 0.0)) * t.epochs
         tokens_src = size.source + (f", first {rows:,} rows" if d.max_rows else "") + \
             (f", x {t.epochs} epochs" if t.epochs > 1 else "")
     if t.max_steps:

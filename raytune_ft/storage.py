@@ -29,15 +29,12 @@ import shutil
 import urllib.parse
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import pyarrow.fs as pafs
 
 from raytune_ft.storage_errors import (FileTooLargeError, StorageFullError, disk_full_error,  # noqa: F401
                                        fmt_bytes, is_disk_full, too_large_error)
-
-if TYPE_CHECKING:
-    from raytune_ft.recipe import Recipe
 
 # Ray Train V2 (ray/train/v2/_internal/constants.py): the checkpoint manager's record of every
 # registered checkpoint, rewritten in the run folder at each registration.
@@ -135,12 +132,13 @@ def resolve(storage_path: str, *, endpoint: str | None = None, create: bool = Fa
     return Storage(fs, root, "s3")
 
 
-def for_recipe(recipe: "Recipe", *, create: bool = False) -> Storage:
+def for_recipe(recipe: Any, *, create: bool = False) -> Storage:
+    """The storage of a `Recipe`'s `tracking.storage_path` (typed loosely: this layer sits below the recipe)."""
     return resolve(recipe.tracking.storage_path, endpoint=getattr(recipe.tracking, "storage_endpoint", None),
                    create=create)
 
 
-def run_storage(recipe: "Recipe") -> tuple[Storage, str]:
+def run_storage(recipe: Any) -> tuple[Storage, str]:
     """(storage, the run folder's path on it)."""
     st = for_recipe(recipe)
     return st, st.path(recipe.tracking.run_name)

@@ -35,7 +35,7 @@ def test_sample_prompts_are_checked_before_ray_starts(tmp_path):
     with pytest.raises(RecipeError, match="train.sample_prompts: '/no/such.jsonl' is not a .jsonl/.json file"):
         validate(apply_overrides(Recipe(), ["train.sample_prompts=/no/such.jsonl"]))
     with pytest.raises(RecipeError, match="train.sample_prompts: 2 held-out conversations need held-out data"):
-        validate(apply_overrides(Recipe(), ["train.sample_prompts=2"]))
+        validate(apply_overrides(Recipe(), ["train.sample_prompts=2", "data.validation_fraction=0"]))
     with pytest.raises(RecipeError, match="offered by the FSDP2 loop only"):
         validate(apply_overrides(Recipe(), ["train.loop=trl", f"train.sample_prompts={write_prompts(tmp_path / 'p.jsonl')}"]))
     with pytest.raises(RecipeError, match="data.validation_max_rows"):

@@ -20,7 +20,7 @@ from raytune_ft.train.batch import EpochFeeds, ReadAhead, needs_counting_pass, s
 from tests.test_fsdp_loop import tiny_recipe
 
 SEQ_LEN = 96
-DATA = SimpleNamespace(seq_len=SEQ_LEN, pack_window=8, overlong="split")
+DATA = SimpleNamespace(seq_len=SEQ_LEN, pack_window=8, overlong="split", sources=None, max_skip_fraction=1.0)   # the rows include junk on purpose
 
 
 def _rows(n: int = 60, seed: int = 0) -> list[dict]:

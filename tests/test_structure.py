@@ -10,7 +10,8 @@ Layers, lowest first (a module imports only its own layer or lower ones):
   2 parts      recipe, recipe_sections, tracking, run_opening, lease, shapes, data.*, models.*: the typed recipe
                and the pieces a run is made of (data pipeline, model build, the MLflow store, the run's lease)
   3 library    train.* (but train.launch), registry.*: the training loops, checkpoints, registration
-  4 driver     plan, plan_lora, projection, storage_plan, storage_check, endings, preflight, plots, train.launch: what the
+  4 driver     plan, plan_lora, projection, storage_plan, storage_check, endings, preflight, plots, runs_table,
+               train.launch: what the
                launching process checks, starts and reports around one fit
   5 run        start_ahead, lifecycle, run: one run, top-down
   6 entry      cli: the command line
@@ -28,7 +29,7 @@ LAYERS = {
     1: {"typed_values", "env", "console", "hardware", "storage", "storage_errors", "compat", "channel"},
     2: {"recipe", "recipe_sections", "tracking", "run_opening", "lease", "shapes", "data", "models"},
     3: {"train", "registry"},
-    4: {"plan", "plan_lora", "projection", "storage_plan", "storage_check", "endings", "preflight", "plots",
+    4: {"plan", "plan_lora", "projection", "storage_plan", "storage_check", "endings", "preflight", "plots", "runs_table",
         "train.launch"},
     5: {"start_ahead", "lifecycle", "run"},
     6: {"cli"},

@@ -258,6 +258,6 @@ def build_datasets(recipe: Recipe):
     n = tokenize_processes(recipe)
     datasets = {"train": build_dataset(recipe.data, tok, split="train", processes=n)}
     # built only when read: a recipe without evaluation or held-out sample prompts skips its driver-side set-up
-    if (recipe.data.validation_fraction > 0 or recipe.data.validation_split) and recipe.train.reads_held_out():
+    if ((recipe.data.validation_fraction or 0) > 0 or recipe.data.validation_split) and recipe.train.reads_held_out():
         datasets["validation"] = build_dataset(recipe.data, tok, split="validation", processes=n)
     return datasets, train_data_config(("train",))
