@@ -67,6 +67,29 @@ def fault_plan(**plan: str):
         os.remove(_PLAN_FILE)
 
 
+def job_env(folder: str, **plan: str) -> dict[str, str]:
+    """The environment of a job run in a process of its own (a `--local` job, which starts its own Ray) whose
+    workers follow `plan`: the plan is written to a file in `folder`, and Ray's own `RAY_RUNTIME_ENV_HOOK`,
+    which `ray.init` calls with the job's runtime environment, adds RUNTIME_ENV's setup hook and variables to
+    it (`with_runtime_env`). The package is not told: it starts its Ray as for any user."""
+    unknown = set(plan) - set(FAULTS)
+    if unknown:
+        raise ValueError(f"unknown faults: {sorted(unknown)}")
+    path = os.path.join(folder, "fault_plan.json")
+    with open(path, "w") as f:
+        json.dump(plan, f)
+    return {"RAY_RUNTIME_ENV_HOOK": f"{__name__}.with_runtime_env", PLAN_FILE_ENV: path,
+            "PYTHONPATH": os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)}
+
+
+def with_runtime_env(runtime_env: dict | None) -> dict:
+    """Ray's runtime-environment hook (job_env): the job's runtime environment with RUNTIME_ENV's added."""
+    env = dict(runtime_env or {})
+    env["worker_process_setup_hook"] = RUNTIME_ENV["worker_process_setup_hook"]
+    env["env_vars"] = {**(env.get("env_vars") or {}), **RUNTIME_ENV["env_vars"]}
+    return env
+
+
 def attach_handlers() -> None:
     """Ray's worker_process_setup_hook (RUNTIME_ENV): each hook point calls the plan on file when it fires."""
     for point in _POINTS:

@@ -120,13 +120,13 @@ def test_a_local_run_in_a_terminal_prints_the_projects_lines_once_and_ends_with_
     import shutil
     import tempfile
 
-    from tests.faults import fault_env
+    from tests.faults import job_env
 
-    overrides = [f"data.source={fixtures / 'data' / 'ultrachat_200k_train_sft_first16.jsonl'}",
+    overrides = [f"data.source={fixtures / 'data' / 'ultrachat_200k_train_sft_first16.jsonl'}", "data.validation_split=none",
                  f"tracking.storage_path={tmp_path / 'runs'}", "train.max_steps=12", "train.checkpoint_every=5",
                  "train.eval_every=1000", "train.sample_prompts=0", "registry.enabled=false"]
     ray_tmp = tempfile.mkdtemp(prefix="rtpty", dir="/tmp")       # short: AF_UNIX paths are <= 107 bytes
-    env = {**console_env(tmp_path), **fault_env(exit_after_write="10:1:after=5"), "TERM": "xterm-256color",
+    env = {**console_env(tmp_path), **job_env(str(tmp_path), exit_after_write="10:1:after=5"), "TERM": "xterm-256color",
            "RAY_TMPDIR": ray_tmp}
     env.pop("RAYTUNE_LOCAL_STORAGE", None)
     cmd = [sys.executable, str(REPO / "jobs" / "qwen27b_b300.py"), "--local", *[f"--set={o}" for o in overrides]]

@@ -233,11 +233,11 @@ def lora_run(tmp_path_factory):
     """jobs/qwen27b_lora.py --local as a user runs it, with rank 1 dying once the final checkpoint's files are
     written (after step 10's was registered): Ray's restart resumes from step 10 and trains steps 11-20 again."""
     from tests.conftest import local_job_process
-    from tests.faults import fault_env
+    from tests.faults import job_env
 
     work = tmp_path_factory.mktemp("lorajob")
     overrides = [f"tracking.storage_path={work / 'runs'}"]
-    with local_job_process(work, overrides, extra_env=fault_env(exit_after_write="20:1:after=10"),
+    with local_job_process(work, overrides, extra_env=job_env(str(work), exit_after_write="20:1:after=10"),
                            job="qwen27b_lora", prefix="rtlora") as (proc, _):
         out = (proc.stdout + proc.stderr).decode(errors="replace")
         assert proc.returncode == 0, out[-4000:]
