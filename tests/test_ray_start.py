@@ -284,7 +284,7 @@ def test_the_worker_reads_the_first_tokenized_batch_before_the_next_is_made(ray_
 
     ds = ray.data.range(256, override_num_blocks=4).map_batches(tokenize, batch_format="pyarrow", batch_size=64)
     rows = 0
-    for ids, mask, reason in _iter_rows(ds.iterator()):
+    for ids, mask, reason, _source in _iter_rows(ds.iterator()):
         if rows == 0:
             read.touch()
         rows += 1
