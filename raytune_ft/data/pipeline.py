@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -108,9 +109,27 @@ def _columns(cols: dict[str, list]):
                      "source": pa.array(cols["source"], type=pa.int32())})
 
 
+def _cancelled_quietly() -> None:
+    """A tokenizing task that Ray Data cancels when a job ends (`ray job stop`, Ctrl-C, the pass done) is
+    interrupted with KeyboardInterrupt; where that lands inside a finalizer (the tokenizer's regex objects),
+    Python prints "Exception ignored in ..." with a traceback into the job's log, though nothing failed.
+    Those are dropped in the tokenizing processes; any other unraisable exception goes to the hook before."""
+    before = sys.unraisablehook
+    if getattr(before, "raytune_quiet", False):
+        return
+
+    def hook(unraisable):
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            before(unraisable)
+
+    hook.raytune_quiet = True
+    sys.unraisablehook = hook
+
+
 def _map_fn(tok_ref: _TokenizerRef, adapter: Adapter, template_kwargs: dict, fraction: float, keep: str,
             seed: int, source: int = 0):
     def fn(batch):
+        _cancelled_quietly()
         return _columns(tokenize_rows(batch.to_pylist(), tok_ref.get(), adapter=adapter,
                                       template_kwargs=template_kwargs, validation_fraction=fraction,
                                       keep=keep, seed=seed, source=source))
@@ -121,6 +140,7 @@ def _adapt_fn(adapter: Adapter, source: int, keep: str, fraction: float, seed: i
     import pyarrow as pa
 
     def fn(batch):
+        _cancelled_quietly()
         cols = adapt_rows(batch.to_pylist(), adapter, source=source, keep=keep, fraction=fraction, seed=seed,
                           weight=weight)
         return pa.table({"text": pa.array(cols["text"], type=pa.string()),
