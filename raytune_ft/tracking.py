@@ -73,14 +73,20 @@ def startup_params(breakdown: dict, attempt: str) -> dict[str, str]:
     return {f"{STARTUP_PARAM}{attempt}.{k.split('/', 1)[1]}": f"{float(v):.3f}" for k, v in breakdown.items()}
 
 
-def startup_from_params(params: dict) -> dict[str, float]:
-    """The start-up breakdown of the run's latest attempt its params hold, by phase (`ray_workers_s`:
-    seconds, ...)."""
+def startup_by_attempt(params: dict) -> dict[str, dict[str, float]]:
+    """The start-up breakdowns a run's params hold: attempt id -> {phase (`ray_workers_s`, ...): seconds}."""
     by_attempt: dict[str, dict[str, float]] = {}
     for k, v in params.items():
         m = _ATTEMPT_PARAM.fullmatch(k[len(STARTUP_PARAM):]) if k.startswith(STARTUP_PARAM) else None
         if m:
             by_attempt.setdefault(m[1], {})[m[2]] = float(v)
+    return by_attempt
+
+
+def startup_from_params(params: dict) -> dict[str, float]:
+    """The start-up breakdown of the run's latest attempt its params hold, by phase (`ray_workers_s`:
+    seconds, ...)."""
+    by_attempt = startup_by_attempt(params)
     return by_attempt[max(by_attempt)] if by_attempt else {}
 
 

@@ -155,10 +155,9 @@ def test_best_checkpoint_of_an_earlier_attempt_is_loaded_at_the_end_on_two_worke
     recipe, best = _finished(runs, "best")
     assert best.steps == 4 and recipe.scaling.num_workers == 2
     params = MlflowClient(recipe.tracking_uri).get_run(best.mlflow_run_id).data.params
-    from raytune_ft.tracking import STARTUP_PARAM, _ATTEMPT_PARAM
+    from raytune_ft.tracking import startup_by_attempt
 
-    attempts = {m[1] for k in params if k.startswith(STARTUP_PARAM)
-                and (m := _ATTEMPT_PARAM.fullmatch(k[len(STARTUP_PARAM):]))}
+    attempts = set(startup_by_attempt(params))
     assert len(attempts) >= 2, f"no second attempt: the kill never happened ({sorted(attempts)})"
     assert_ended_on_the_best_first_step(recipe, best)
 
