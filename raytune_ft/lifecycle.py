@@ -168,13 +168,14 @@ class RunLifecycle:
         return self.opened.result()
 
     # 4. the end of a job that returned
-    def finish(self, tags: dict, metrics: dict, json_artifacts: dict | None) -> str | None:
-        """End the MLflow run FINISHED with the job's outcome (through the opener's process, within its bound);
-        the run's experiment id, None where the store did not answer (said)."""
+    def finish(self, tags: dict, metrics: dict, json_artifacts: dict | None, params: dict | None = None) -> str | None:
+        """End the MLflow run FINISHED with the job's outcome: tags, metrics, JSON files and params (the data's,
+        data/report.data_params), all through the opener's process, within its bound; the run's experiment
+        id, None where the store did not answer (said)."""
         from raytune_ft.run_opening import END_WAIT_S
 
         answer = self.opened.end("FINISHED", tags, timeout=END_WAIT_S, metrics=metrics,
-                                 json_artifacts=json_artifacts)
+                                 json_artifacts=json_artifacts, params=params or None)
         if not answer.get("ended"):
             print(f"[raytune_ft] could not close the MLflow run within {END_WAIT_S:.0f} s (the tracking store did "
                   "not answer); it stays RUNNING until a re-submit")

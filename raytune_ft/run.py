@@ -300,17 +300,16 @@ def _run(recipe: Recipe, life: RunLifecycle, *, register: bool | None) -> RunSum
     # fit
     result, run_id = _fit(recipe, life)
     summary, meta, ckpt_uri = _summarize(recipe, result, run_id, st, run_path)
-    from raytune_ft.data.report import data_params, log_data_params
-
-    log_data_params(recipe.tracking_uri, run_id, data_params(data_notes, summary.data))
     # register
-    return _register_and_close(recipe, summary, meta, ckpt_uri, do_register, st, run_path, life)
+    return _register_and_close(recipe, summary, meta, ckpt_uri, do_register, st, run_path, life, data_notes)
 
 
 def _register_and_close(recipe: Recipe, summary: RunSummary, meta: dict, ckpt_uri: str | None, do_register: bool,
-                        st, run_path: str, life: RunLifecycle) -> RunSummary:
+                        st, run_path: str, life: RunLifecycle, data_notes: list[str]) -> RunSummary:
     """Register the final checkpoint (once: a re-submit finds the version it has), close the MLflow run with
-    the outcome, write summary.json."""
+    the outcome and the data's params (data/report.data_params), write summary.json."""
+    from raytune_ft.data.report import data_params
+
     from raytune_ft import storage, tracking
 
     run_id, data = summary.mlflow_run_id, summary.data
@@ -348,7 +347,8 @@ def _register_and_close(recipe: Recipe, summary: RunSummary, meta: dict, ckpt_ur
     ends = {"final_loss": summary.final_loss or float("nan"), "total_tokens": summary.tokens,
             **({"padding_fraction": record["padding_fraction"]} if record else {})}
     # the run is trained and (maybe) registered: a store that does not answer loses none of it (said)
-    summary.mlflow_experiment_id = life.finish(status_tags, ends, {"data.json": record} if record else None)
+    summary.mlflow_experiment_id = life.finish(status_tags, ends, {"data.json": record} if record else None,
+                                               data_params(data_notes, data))
     storage.write_json(st.fs, f"{run_path}/summary.json", asdict(summary))
     tracking.keep_tracking_db(recipe, st, run_path)
     return summary

@@ -211,14 +211,23 @@ def _resubmitted_finished_run(client, found, recipe: Recipe) -> str:
 
 
 def end_run(recipe: Recipe, run_id: str, status: str = "FINISHED", tags: dict | None = None,
-            metrics: dict | None = None, json_artifacts: dict[str, dict] | None = None) -> str:
-    """Close the run with its status, tags, end-of-run metrics and JSON files (name -> document); returns
-    its experiment's id."""
+            metrics: dict | None = None, json_artifacts: dict[str, dict] | None = None,
+            params: dict[str, str] | None = None) -> str:
+    """Close the run with its status, tags, end-of-run metrics, params and JSON files (name -> document);
+    returns its experiment's id. Params MLflow refuses (a resumed run's param logged before with another
+    value) are said, and the run is closed all the same."""
     import mlflow
 
     from raytune_ft.env import scrub
 
     client = mlflow.MlflowClient(recipe.tracking_uri)
+    if params:
+        from mlflow.entities import Param
+
+        try:
+            client.log_batch(run_id, params=[Param(k, redact(str(v))) for k, v in params.items()])
+        except Exception as e:  # noqa: BLE001 - the run's end is not given up for its data params
+            print(f"[raytune_ft] could not log {len(params)} params to MLflow: {type(e).__name__}", flush=True)
     for k, v in (tags or {}).items():
         client.set_tag(run_id, k, redact(str(v)))
     for k, v in (metrics or {}).items():

@@ -82,16 +82,34 @@ def job_env(folder: str, **plan: str) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)}
 
 
+# the job's own worker_process_setup_hook (the console's), which attach_handlers calls first where
+# with_runtime_env put its own in its place
+_JOB_SETUP_HOOK_ENV = "RAYTUNE_TEST_JOB_SETUP_HOOK"
+
+
 def with_runtime_env(runtime_env: dict | None) -> dict:
-    """Ray's runtime-environment hook (job_env): the job's runtime environment with RUNTIME_ENV's added."""
+    """Ray's runtime-environment hook (job_env): the job's runtime environment with RUNTIME_ENV's added. The
+    job's own setup hook still runs in every process (attach_handlers calls it), as it does for a user:
+    without it the workers printed the libraries' lines a user never sees."""
     env = dict(runtime_env or {})
+    job_hook = env.get("worker_process_setup_hook")
+    if job_hook is not None and not isinstance(job_hook, str):
+        raise TypeError(f"the job's worker_process_setup_hook is not a module path: {job_hook!r}")
     env["worker_process_setup_hook"] = RUNTIME_ENV["worker_process_setup_hook"]
-    env["env_vars"] = {**(env.get("env_vars") or {}), **RUNTIME_ENV["env_vars"]}
+    env["env_vars"] = {**(env.get("env_vars") or {}), **RUNTIME_ENV["env_vars"],
+                       **({_JOB_SETUP_HOOK_ENV: job_hook} if job_hook else {})}
     return env
 
 
 def attach_handlers() -> None:
-    """Ray's worker_process_setup_hook (RUNTIME_ENV): each hook point calls the plan on file when it fires."""
+    """Ray's worker_process_setup_hook (RUNTIME_ENV): the job's own setup hook first (with_runtime_env), then
+    each hook point calls the plan on file when it fires."""
+    job_hook = os.environ.get(_JOB_SETUP_HOOK_ENV)
+    if job_hook:
+        import importlib
+
+        module, _, name = job_hook.rpartition(".")
+        getattr(importlib.import_module(module), name)()
     for point in _POINTS:
         hooks.attach(point, lambda _point=point, **info: [h(**info) for h in _handlers_now().get(_point, ())])
     hooks.attach("storage.free_bytes", lambda free, **info: _free_bytes(_plan_now(), free, **info))

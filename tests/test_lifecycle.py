@@ -146,9 +146,11 @@ def test_a_return_finishes_the_run_and_an_error_fails_it(tmp_path):
         life.hold_folder(*storage.run_storage(recipe))
         life.open_run()
         run_id = life.run_id()
-        assert life.finish({"raytune.status": "trained"}, {"total_tokens": 10}, {"data.json": {"rows_read": 3}})
+        assert life.finish({"raytune.status": "trained"}, {"total_tokens": 10}, {"data.json": {"rows_read": 3}},
+                           {"data.sources.0.rows_read": "3"})
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.metrics["total_tokens"] == 10
+    assert run.data.params["data.sources.0.rows_read"] == "3"          # the data params, in the bounded ending
     assert _lease_gone(recipe)
 
     again = _recipe(tmp_path, "tracking.run_name=failing")

@@ -105,3 +105,23 @@ def test_a_run_still_opening_reaches_rank_0_through_rays_key_value_store(tmp_pat
             RunIdHandoff(refused, "token-b") as handoff:
         with pytest.raises(RunNotOpened, match=r"did not open: .*train\.max_steps"):
             ray.get(rank_0.remote(handoff.key), timeout=120)
+
+
+def test_the_data_params_are_logged_as_the_run_ends_and_a_refused_one_does_not_keep_it_running(tmp_path, capsys):
+    """The data's params (data/report.data_params) travel with the run's ending (RunLifecycle.finish), no longer in
+    a call of their own after it. MLflow refuses a param logged before with another value: the run is ended
+    all the same, and the refusal said."""
+    recipe = _recipe(tmp_path)
+    client = MlflowClient(recipe.tracking_uri)
+    run_id = start_run(recipe)
+    end_run(recipe, run_id, params={"data.held_out": "5% of a.jsonl", "data.sources.0.rows_read": "16"})
+    assert client.get_run(run_id).data.params["data.held_out"] == "5% of a.jsonl"
+
+    second = _recipe(tmp_path, "tracking.run_name=other")
+    client = MlflowClient(second.tracking_uri)
+    other = start_run(second)
+    client.log_param(other, "data.held_out", "before")
+    end_run(second, other, params={"data.held_out": "after"})
+    run = client.get_run(other)
+    assert run.info.status == "FINISHED" and run.data.params["data.held_out"] == "before"
+    assert "could not log 1 params to MLflow" in capsys.readouterr().out

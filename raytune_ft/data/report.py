@@ -1,5 +1,6 @@
 """What a run says about its data at the end: per-source lines of the summary, and MLflow params (the formats
-read, where the held-out rows came from, each source's counts)."""
+read, where the held-out rows came from, each source's counts), which the run's lifecycle logs as it ends
+the MLflow run (lifecycle.RunLifecycle.finish: bounded when the store does not answer)."""
 from __future__ import annotations
 
 
@@ -32,18 +33,3 @@ def data_params(notes: list[str], data: dict) -> dict[str, str]:
             params[f"data.sources.{i}.skipped.{reason}"] = str(n)
     return {k: v[:6000] for k, v in params.items()}
 
-
-def log_data_params(tracking_uri: str, run_id: str | None, params: dict[str, str]) -> None:
-    """Log `params` to the run; tracking down never fails a trained run."""
-    if not run_id or not params:
-        return
-    try:
-        from mlflow import MlflowClient
-        from mlflow.entities import Param
-
-        from raytune_ft.env import redact
-
-        MlflowClient(tracking_uri=tracking_uri).log_batch(
-            run_id, params=[Param(k, redact(v)) for k, v in params.items()])
-    except Exception as e:  # noqa: BLE001 - the run is trained; its data params are a nicety
-        print(f"[raytune_ft] could not log the data params to MLflow: {type(e).__name__}")
