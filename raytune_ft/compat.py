@@ -1,4 +1,4 @@
-"""The private names of Ray, torch, MLflow and transformers that the package uses, behind one door.
+"""The private names of Ray, torch, MLflow, transformers and torchao that the package uses, behind one door.
 
 Each entry says why the public API does not do, and the versions it was checked on. A name that moved or
 went away raises `CompatError` where it is first needed (at import for the ones a class is built on, at
@@ -7,7 +7,7 @@ fallback that quietly does less. tests/test_compat.py loads every entry; tests/t
 rest of the package to importing none of these names itself.
 
 Checked on: Ray 2.60.0, torch 2.13.0 (CPU) and 2.11.0 (GPU), MLflow 3.17.2, transformers 5.25.0 (CPU) and
-5.17.0 (GPU). Public APIs used instead where they exist: Ray Train's `CheckpointUploadMode.NO_UPLOAD` (the
+5.17.0 (GPU), torchao 0.18.0. Public APIs used instead where they exist: Ray Train's `CheckpointUploadMode.NO_UPLOAD` (the
 FSDP2 loop reports a checkpoint it uploaded itself, train/checkpointer.py), DCP's `DefaultStager` with
 `StagingOptions` (no patch on a torch that keeps its stager reusable).
 """
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 RAY, TORCH, MLFLOW, TRANSFORMERS = "ray 2.60.0", "torch 2.11.0, 2.13.0", "mlflow 3.17.2", "transformers 5.17.0, 5.25.0"
+TORCHAO = "torchao 0.18.0"
 
 
 class CompatError(RuntimeError):
@@ -106,6 +107,26 @@ RAY_JOB_TABLE = Internal(
         "ray.dashboard.modules.job.common.JobInfoStorageClient.JOB_DATA_KEY")
 
 # Loggers quieted by console.quiet_process: named after Ray's private modules (and one after its file)
+# The attribute of Ray Train's UserExceptionWithTraceback (ray.train.v2._internal.exceptions) that holds a
+# worker's own exception: train/launch.unfixable_error looks through it for an error no retry can fix (Ray
+# exposes the wrapper, not what it wraps)
+RAY_WRAPPED_ERROR = Internal(
+    "ray", "ray.train.v2._internal.exceptions", ("UserExceptionWithTraceback",), RAY,
+    why="to find a worker's own error inside Ray Train's wrapping of it (train/launch.unfixable_error)")
+
+
+def ray_wrapped_error(e: BaseException) -> BaseException | None:
+    """The worker's exception inside Ray Train's UserExceptionWithTraceback `e`; None for another exception.
+    CompatError where the wrapper no longer holds it where it did."""
+    wrapper = RAY_WRAPPED_ERROR.load()
+    if not isinstance(e, wrapper):
+        return None
+    if not hasattr(e, "_base_exc"):
+        raise CompatError(f"{installed('ray')}: UserExceptionWithTraceback has no _base_exc; checked on {RAY}. "
+                          "Update raytune_ft/compat.py for this Ray.")
+    return e._base_exc
+
+
 RAY_QUIET_LOGGERS = ("ray.train.v2._internal.execution.controller.placement_group_cleaner",
                      "ray._private.authentication.authentication_token_setup",
                      "ray.data._internal.progress")
@@ -211,7 +232,51 @@ def mlflow_registration_prints_off() -> Iterator[None]:
         fluent.eprint = printed
 
 
+# ---------------------------------------------------------------------------------------------------- torchao
+
+# torchao's float8 training wrappers of a weight (train/fp8.py): eval, samples and checkpoints use the
+# high-precision tensor each wraps, which torchao keeps in a private attribute (named by the tensor-subclass
+# protocol's __tensor_flatten__, its first inner tensor); torchao has no public unwrap
+TORCHAO_WEIGHT_WRAPPERS = (
+    Internal("torchao", "torchao.float8.fsdp_utils", ("WeightWithDynamicFloat8CastTensor",), TORCHAO,
+             why="to read the high-precision weight inside a float8 linear's FSDP2 weight"),
+    Internal("torchao", "torchao.prototype.moe_training.tensor",
+             ("MXFP8TrainingWeightWrapperTensor", "Float8TrainingWeightWrapperTensor"), TORCHAO,
+             why="to read the high-precision weight inside an MXFP8 linear's weight"),
+)
+
+
+def torchao_weight_wrappers() -> tuple[type, ...]:
+    """The classes of torchao's weight wrappers (loaded where torchao is imported already: an fp8 run's)."""
+    found: list[type] = []
+    for entry in TORCHAO_WEIGHT_WRAPPERS:
+        loaded = entry.load()
+        found += loaded if isinstance(loaded, tuple) else [loaded]
+    return tuple(found)
+
+
+def torchao_inner_tensor(t):
+    """The high-precision tensor torchao's weight wrapper `t` holds (its first inner tensor)."""
+    import torch
+
+    names, _ = t.__tensor_flatten__()
+    inner = getattr(t, names[0], None) if names else None
+    if not isinstance(inner, torch.Tensor):
+        raise CompatError(f"{installed('torchao')}: {type(t).__name__} holds no tensor first ({names}); checked "
+                          f"on {TORCHAO}. Update raytune_ft/compat.py for this torchao.")
+    return inner
+
+
 # ---------------------------------------------------------------------------------------------------- transformers
+
+def attn_implementation(config) -> str | None:
+    """The attention implementation a built model's `config` says its layers use. transformers keeps it in
+    a private attribute (set through the public PreTrainedModel.set_attn_implementation)."""
+    if not hasattr(config, "_attn_implementation"):
+        raise CompatError(f"{installed('transformers')}: {type(config).__name__} has no _attn_implementation; "
+                          f"checked on {TRANSFORMERS}. Update raytune_ft/compat.py for this transformers.")
+    return config._attn_implementation
+
 
 # Trainer methods the TRL loop's SFTTrainer subclass overrides (train/trl/trainer.py) and the attributes it
 # reads: Hugging Face's Trainer has no public hook for each step's own loss, for where the best model is
@@ -264,4 +329,6 @@ def transformers_without_torchao(precision: str) -> Iterator[None]:
 
 def internals() -> dict[str, Internal]:
     """Every `Internal` entry of this module by its name (the test loads each)."""
-    return {name: value for name, value in globals().items() if isinstance(value, Internal)}
+    out = {name: value for name, value in globals().items() if isinstance(value, Internal)}
+    out |= {f"TORCHAO_WEIGHT_WRAPPERS[{i}]": entry for i, entry in enumerate(TORCHAO_WEIGHT_WRAPPERS)}
+    return out

@@ -82,3 +82,50 @@ def test_mlflow_target_puts_the_previous_stores_back(tmp_path):
 
             fluent.eprint("not printed")
     assert mlflow.get_tracking_uri() == before
+
+
+def test_a_workers_error_is_found_inside_ray_trains_wrapping_of_it():
+    """train/launch.unfixable_error looks through Ray Train's wrapper (a private attribute, through compat)."""
+    from raytune_ft.train.launch import unfixable_error
+    from raytune_ft.typed_values import RecipeError
+
+    wrapper = compat.RAY_WRAPPED_ERROR.load()
+    inner = RecipeError("bad recipe")
+    assert compat.ray_wrapped_error(wrapper(inner, "Traceback ...")) is inner
+    assert compat.ray_wrapped_error(ValueError("plain")) is None
+    assert unfixable_error(RuntimeError("attempt failed")) is None
+    outer = RuntimeError("worker group failed")
+    outer.__cause__ = wrapper(inner, "Traceback ...")
+    assert unfixable_error(outer) is inner
+
+
+def test_torchaos_weight_wrappers_give_their_high_precision_tensor():
+    """train/fp8's eval, samples and checkpoints read the tensor inside torchao's float8 weight (torchao 0.18, a
+    dev dependency: its float8 wrappers build on CPU)."""
+    import torch
+    from torchao.float8.config import Float8LinearConfig
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from raytune_ft.train.fp8 import plain_tensor
+
+    assert Float8LinearConfig is not None
+    w = torch.randn(4, 8)
+    wrapped = WeightWithDynamicFloat8CastTensor(w, LinearMMConfig(), torch.float8_e4m3fn)
+    assert isinstance(wrapped, compat.torchao_weight_wrappers())
+    assert compat.torchao_inner_tensor(wrapped) is w
+    assert plain_tensor(wrapped) is w and plain_tensor(w) is w
+
+
+def test_a_models_attention_implementation_is_read_and_set_through_transformers():
+    from transformers import AutoModelForCausalLM
+
+    from raytune_ft.models.gated_delta import enable_packing
+    from raytune_ft.models.tiny import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3", 300), attn_implementation="eager")
+    assert compat.attn_implementation(model.config) == "eager"
+    enable_packing(model, "sdpa")
+    assert compat.attn_implementation(model.config) == "sdpa"
+    with pytest.raises(compat.CompatError, match="has no _attn_implementation"):
+        compat.attn_implementation(object())

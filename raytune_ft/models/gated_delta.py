@@ -348,11 +348,10 @@ def enable_packing(model: torch.nn.Module, attn_implementation: str | None = ATT
     restarting position_ids. Call before FSDP wrapping."""
     if attn_implementation is not None:
         register_varlen_attention()
-        if getattr(model.config, "_attn_implementation", None) != attn_implementation:
-            try:
-                model.set_attn_implementation(attn_implementation)
-            except Exception:               # older transformers: set it where the layers read it
-                model.config._attn_implementation = attn_implementation
+        from raytune_ft import compat
+
+        if compat.attn_implementation(model.config) != attn_implementation:
+            model.set_attn_implementation(attn_implementation)
     n = 0
     for sub in model.modules():
         if _is_gated_delta_net(sub) and not getattr(sub, "_raytune_packed", False):

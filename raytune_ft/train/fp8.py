@@ -221,15 +221,22 @@ def plain_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _unwrap(t):
+    from raytune_ft import compat
+
     while _is_wrapper(t):
-        t = t._tensor if hasattr(t, "_tensor") else t._data
+        t = compat.torchao_inner_tensor(t)
     return t
 
 
 def _is_wrapper(t) -> bool:
-    return t is not None and type(t).__name__ in ("WeightWithDynamicFloat8CastTensor",
-                                                  "MXFP8TrainingWeightWrapperTensor",
-                                                  "Float8TrainingWeightWrapperTensor")
+    """Whether `t` is one of torchao's weight wrappers (torchao is imported by then where it can be one)."""
+    import sys
+
+    if t is None or "torchao" not in sys.modules:
+        return False
+    from raytune_ft import compat
+
+    return isinstance(t, compat.torchao_weight_wrappers())
 
 
 def _local(t):

@@ -53,7 +53,7 @@ def unfixable_error(exc: BaseException | None) -> BaseException | None:
             return e
         # Ray's wrappings: a worker's error (UserExceptionWithTraceback), a task's, the worker group's, the
         # controller's
-        todo += [e.__cause__, e.__context__, getattr(e, "_base_exc", None), getattr(e, "cause", None),
+        todo += [e.__cause__, e.__context__, compat.ray_wrapped_error(e), getattr(e, "cause", None),
                  getattr(e, "controller_failure", None)]
         todo += list((getattr(e, "worker_failures", None) or {}).values())
     return None
