@@ -7,9 +7,10 @@ fallback that quietly does less. tests/test_compat.py loads every entry; tests/t
 rest of the package to importing none of these names itself.
 
 Checked on: Ray 2.60.0, torch 2.13.0 (CPU) and 2.11.0 (GPU), MLflow 3.17.2, transformers 5.25.0 (CPU) and
-5.17.0 (GPU), torchao 0.18.0. Public APIs used instead where they exist: Ray Train's `CheckpointUploadMode.NO_UPLOAD` (the
-FSDP2 loop reports a checkpoint it uploaded itself, train/checkpointer.py), DCP's `DefaultStager` with
-`StagingOptions` (no patch on a torch that keeps its stager reusable).
+5.17.0 (GPU), torchao 0.18.0. Public APIs used instead where they exist: Ray Train's
+`CheckpointUploadMode.NO_UPLOAD` (the FSDP2 loop reports a checkpoint it uploaded itself,
+train/checkpointer.py), DCP's `DefaultStager` with `StagingOptions` (no patch on a torch that keeps its
+stager reusable).
 """
 from __future__ import annotations
 
