@@ -74,10 +74,13 @@ def _hours(seconds: float) -> str:
 
 def project(recipe, plan, measured: dict | None = None, gpu: str = "B300") -> Projection | None:
     """The projection of `recipe` (its memory `plan` gives the pass's steps, evaluation and samples) on 8 x
-    `gpu`; None where no 64-layer measurement of this model exists or the loop is not FSDP2."""
+    `gpu`; None where no 64-layer measurement of this model exists, the loop is not FSDP2, or the run is a
+    LoRA run (the measurement is full SFT's: its step, its fp32 reduce-scatter and its checkpoints are not a
+    LoRA run's)."""
     m = MEASURED_64 if measured is None else measured
     shape = plan.shape
-    if m is None or recipe.train.loop != "fsdp2" or shape.n_layers != m["layers"] or shape.hidden != m["hidden"]:
+    if (m is None or recipe.train.loop != "fsdp2" or recipe.train.lora_r > 0 or shape.n_layers != m["layers"]
+            or shape.hidden != m["hidden"]):
         return None
     target, source_gpu = gpu_spec(gpu), gpu_spec(m["gpu"])
     n = recipe.scaling.num_workers
@@ -161,4 +164,7 @@ def plan_extras(recipe, plan) -> list[str]:
     full-pass projection where a measurement at this model's depth exists."""
     out = [line] if (line := memory_margin_line(plan)) else []
     proj = project(recipe, plan)
+    if proj is None and recipe.train.lora_r > 0 and MEASURED_64 and plan.shape.n_layers == MEASURED_64["layers"]:
+        out.append("  projection   none: the 64-layer measurement is full SFT's, and no LoRA run of this depth and "
+                   "block length has been measured beside it")
     return out + (proj.lines() if proj else [])

@@ -290,6 +290,11 @@ def test_the_b300_plan_states_its_margin_and_the_projection_labels_its_inputs():
     assert proj.item("checkpoint per rank").value == pytest.approx(3 * P * 4 / 8 / 1e9)
     assert proj.pass_seconds == pytest.approx(sum(proj.item(n).value for n in (
         "training", "checkpoints", "evaluation + samples", "start-up")))
+    # a LoRA run is not projected from full SFT's measurement (its step, reduce-scatter and checkpoints differ)
+    lora = job("qwen27b_lora").recipe()
+    lora_plan = memory_plan(lora)
+    assert lora_plan.shape.n_layers == 64 and project(lora, lora_plan) is None
+    assert any("projection   none" in x for x in plan_extras(lora, lora_plan))
     # a model of another depth has no measurement to project from
     cut = apply_overrides(job("qwen27b_b300").recipe(), ["scaling.num_workers=8"])
     from raytune_ft.models.tiny import real_config
