@@ -14,6 +14,8 @@ The child ignores SIGINT and SIGTERM (Ctrl-C and `ray job stop` reach the whole 
 alone ends it, by closing its pipe (the child finishes what it was sent, then exits) or by killing it. Its
 stdout and stderr are the parent's; answers travel on a pipe of their own. Nothing secret goes on its
 command line: the credentials a child needs are the parent's environment, which it inherits.
+
+`call_within` is the same bounded wait for a call made in this process (a read of the tracking store).
 """
 from __future__ import annotations
 
@@ -182,3 +184,29 @@ def _child(module: str, function: str, answer_fd: int) -> None:
     sys.stderr.flush()
     # MLflow's background threads (telemetry, async logging) have nothing left to do for this process
     os._exit(0)
+
+
+class NoAnswer(TimeoutError):
+    """A call given to `call_within` did not return within its bound."""
+
+
+def call_within(seconds: float, what: str, fn: Callable, *args, **kwargs):
+    """`fn(*args, **kwargs)` in a daemon thread, waited for `seconds` at most: its result, its exception
+    raised here, or NoAnswer naming `what` (the thread is left behind, and the process does not wait for it
+    to exit: a store that never answers holds nothing up)."""
+    out: dict = {}
+
+    def call() -> None:
+        try:
+            out["result"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+            out["error"] = e
+
+    worker = threading.Thread(target=call, name=f"raytune-{what.split()[0]}", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise NoAnswer(f"{what}: no answer within {seconds:g} s")
+    if "error" in out:
+        raise out["error"]
+    return out["result"]

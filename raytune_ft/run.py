@@ -14,6 +14,9 @@ from raytune_ft.start_ahead import local_cpus
 
 # `mlflow ui`'s page of an experiment's training runs (its routes are behind a # in MLflow 3's UI)
 RUNS_VIEW = "http://127.0.0.1:5000/#/experiments/{}/runs"
+# the most a trained run's end waits on reads of the tracking store and on its plots (made from the
+# checkpoint's histories, logged to MLflow): a store that does not answer costs the summary these, said
+READ_BACK_S, PLOTS_S = 30.0, 60.0
 
 
 @dataclass
@@ -105,35 +108,42 @@ def merged_data_counters(checkpoint_dir: str, fs=None) -> dict:
 
 
 def _write_plots(recipe: Recipe, st, run_path: str, ckpt, run_id: str, last_step: int) -> list[str]:
-    """Loss and throughput PNGs in <run folder>/plots, logged to the MLflow run; never fails the run.
+    """Loss and throughput PNGs in <run folder>/plots, logged to the MLflow run; never fails the run, and
+    never holds its end past PLOTS_S (a tracking store or object storage that does not answer: said).
 
     Only the two small history files are read from the checkpoint (rank 0's train state, the trainer
     state); on object storage the PNGs are made in a temporary folder and uploaded to the run folder."""
+    from raytune_ft.channel import call_within
+
+    try:
+        return call_within(PLOTS_S, "plots", _make_plots, recipe, st, run_path, ckpt, run_id, last_step)
+    except Exception as e:
+        print(f"[raytune_ft] plots skipped: {redact_exception(e)}")
+        return []
+
+
+def _make_plots(recipe: Recipe, st, run_path: str, ckpt, run_id: str, last_step: int) -> list[str]:
     import tempfile
 
     from raytune_ft import storage
     from raytune_ft.plots import plot_finished_run
 
-    try:
-        with tempfile.TemporaryDirectory(prefix="raytune_plots_") as tmp:
-            src = os.path.join(tmp, "checkpoint")
-            # the FSDP2 loop writes the first, the TRL loop both; download copies nothing of a missing one
-            for rel in ("train_state/rank0.json", "trainer/trainer_state.json"):
-                storage.download(ckpt.filesystem, f"{ckpt.path.rstrip('/')}/{rel}",
-                                 os.path.dirname(os.path.join(src, rel)))
-            out = os.path.join(tmp, "plots") if st.remote else os.path.join(run_path, "plots")
-            every = recipe.train.checkpoint_every
-            paths = plot_finished_run(src, out, tracking_uri=recipe.tracking_uri, run_id=run_id,
-                                      title=recipe.tracking.run_name,
-                                      checkpoint_steps=range(every, last_step, every)
-                                      if recipe.train.loop == "fsdp2" else ())
-            if st.remote:
-                storage.upload(out, st.fs, f"{run_path}/plots")
-                paths = [st.uri(f"{run_path}/plots/{os.path.basename(p)}") for p in paths]
-            return paths
-    except Exception as e:
-        print(f"[raytune_ft] plots skipped: {redact_exception(e)}")
-        return []
+    with tempfile.TemporaryDirectory(prefix="raytune_plots_") as tmp:
+        src = os.path.join(tmp, "checkpoint")
+        # the FSDP2 loop writes the first, the TRL loop both; download copies nothing of a missing one
+        for rel in ("train_state/rank0.json", "trainer/trainer_state.json"):
+            storage.download(ckpt.filesystem, f"{ckpt.path.rstrip('/')}/{rel}",
+                             os.path.dirname(os.path.join(src, rel)))
+        out = os.path.join(tmp, "plots") if st.remote else os.path.join(run_path, "plots")
+        every = recipe.train.checkpoint_every
+        paths = plot_finished_run(src, out, tracking_uri=recipe.tracking_uri, run_id=run_id,
+                                  title=recipe.tracking.run_name,
+                                  checkpoint_steps=range(every, last_step, every)
+                                  if recipe.train.loop == "fsdp2" else ())
+        if st.remote:
+            storage.upload(out, st.fs, f"{run_path}/plots")
+            paths = [st.uri(f"{run_path}/plots/{os.path.basename(p)}") for p in paths]
+        return paths
 
 
 def _padding_share(data: dict) -> str:
@@ -160,10 +170,13 @@ def _data_record(data: dict) -> dict:
             "packing_efficiency": c.real_tokens / total if total else 0.0}
 
 
-def _last_logged_metrics(recipe: Recipe, run_id: str) -> dict:
+def _last_logged_metrics(recipe: Recipe, run_id: str, timeout_s: float | None = None) -> dict:
     """The latest value of each metric of the MLflow run under the loop's names, the start-up params as
-    `startup/<phase>_s`, and `step`: the last step logged."""
-    try:
+    `startup/<phase>_s`, and `step`: the last step logged. {} where the store fails or does not answer
+    within `timeout_s` (READ_BACK_S; said)."""
+    from raytune_ft.channel import call_within
+
+    def read() -> dict:
         from mlflow import MlflowClient
 
         from raytune_ft.tracking import loop_metric_name, mlflow_metric_name, startup_from_params
@@ -176,6 +189,9 @@ def _last_logged_metrics(recipe: Recipe, run_id: str) -> dict:
         if history:
             out["step"] = max(m.step for m in history)
         return out
+
+    try:
+        return call_within(READ_BACK_S if timeout_s is None else timeout_s, "metrics read-back", read)
     except Exception as e:  # tracking down: the summary goes without the end-of-run figures
         print(f"[raytune_ft] could not read the run's metrics back from MLflow: {type(e).__name__}")
         return {}

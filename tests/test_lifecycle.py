@@ -133,6 +133,44 @@ def test_a_tracking_store_that_does_not_answer_ends_within_the_bound(tmp_path, m
     assert _lease_gone(recipe) and not [p for p in children if p.is_running()]
 
 
+def test_call_within_returns_raises_or_gives_up_within_its_bound():
+    import threading
+
+    from raytune_ft.channel import NoAnswer, call_within
+
+    assert call_within(5, "sum", sum, [1, 2]) == 3
+    with pytest.raises(ZeroDivisionError):
+        call_within(5, "division", lambda: 1 / 0)
+    hold, t0 = threading.Event(), time.monotonic()
+    with pytest.raises(NoAnswer, match="hung call: no answer within 0.5 s"):
+        call_within(0.5, "hung call", hold.wait)
+    assert time.monotonic() - t0 < 2
+    hold.set()
+
+
+@pytest.mark.slow          # a real `mlflow server`
+@pytest.mark.timeout(180)
+def test_a_returned_runs_reads_of_a_store_that_does_not_answer_are_bounded(tmp_path, mlflow_server, capsys):
+    """After fit, the driver reads the run's metrics back (train.save_final=false) and logs its plots: with
+    the tracking server stopped (SIGSTOP), each gives up within its bound and says so; the summary goes on."""
+    from raytune_ft import run as run_module
+    from raytune_ft.tracking import mlflow_metric_name, start_run
+
+    recipe = _recipe(tmp_path, f"tracking.tracking_uri={mlflow_server.uri}")
+    run_id = start_run(recipe)
+    MlflowClient(mlflow_server.uri).log_metric(run_id, mlflow_metric_name("loss"), 1.5, step=3)
+    assert run_module._last_logged_metrics(recipe, run_id)["step"] == 3
+    os.killpg(mlflow_server.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert run_module._last_logged_metrics(recipe, run_id, timeout_s=2) == {}
+        seconds = time.monotonic() - t0
+    finally:
+        os.killpg(mlflow_server.proc.pid, signal.SIGCONT)
+    assert seconds < 5, seconds
+    assert "could not read the run's metrics back from MLflow: NoAnswer" in capsys.readouterr().out
+
+
 @pytest.mark.slow          # two opener processes
 @pytest.mark.timeout(120)
 def test_a_return_finishes_the_run_and_an_error_fails_it(tmp_path):

@@ -236,25 +236,23 @@ def find_registered_version(checkpoint_path: str, name: str, *, tracking_uri: st
     registration that follows looks again, inside its own deadline."""
     from mlflow import MlflowClient
 
-    found: dict = {}
+    from raytune_ft.channel import NoAnswer, call_within
 
     def look():
-        try:
-            # a client of its own, not the process-global target: this thread may be left behind
-            client = MlflowClient(tracking_uri, registry_uri=registry_uri
-                                  or compat.MLFLOW_REGISTRY_UTILS.load()(tracking_uri))
-            found["version"] = _find_version(client, name, checkpoint_id(checkpoint_path), run_id)
-        except Exception as e:
-            logger.info("could not look for a version of %s: %s", name, redact_exception(e))
+        # a client of its own, not the process-global target: this thread may be left behind
+        client = MlflowClient(tracking_uri, registry_uri=registry_uri
+                              or compat.MLFLOW_REGISTRY_UTILS.load()(tracking_uri))
+        return _find_version(client, name, checkpoint_id(checkpoint_path), run_id)
 
-    worker = threading.Thread(target=look, name="raytune-version-lookup", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
+    try:
+        v = call_within(timeout_s, "version lookup", look) if timeout_s is not None else look()
+    except NoAnswer:
         logger.warning("no answer from the registry within %gs while looking for a version of %s",
                        timeout_s, name)
         return None
-    v = found.get("version")
+    except Exception as e:
+        logger.info("could not look for a version of %s: %s", name, redact_exception(e))
+        return None
     if v is None:
         return None
     return RegistrationResult(name=name, version=str(v.version), model_uri=f"models:/{name}/{v.version}",
