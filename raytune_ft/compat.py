@@ -61,6 +61,14 @@ class Internal:
         return found[0] if len(found) == 1 else found
 
 
+def private_attr(obj: Any, name: str, package: str, known: str) -> Any:
+    """`obj`'s private attribute `name`, or CompatError naming `package`'s installed version."""
+    if not hasattr(obj, name):
+        raise CompatError(f"{installed(package)}: {type(obj).__name__} has no {name}; checked on {known}. "
+                          f"Update raytune_ft/compat.py for this {package}.")
+    return getattr(obj, name)
+
+
 # ---------------------------------------------------------------------------------------------------- Ray
 
 RAY_WORKER_GROUP_CALLBACK = Internal(
@@ -122,10 +130,7 @@ def ray_wrapped_error(e: BaseException) -> BaseException | None:
     wrapper = RAY_WRAPPED_ERROR.load()
     if not isinstance(e, wrapper):
         return None
-    if not hasattr(e, "_base_exc"):
-        raise CompatError(f"{installed('ray')}: UserExceptionWithTraceback has no _base_exc; checked on {RAY}. "
-                          "Update raytune_ft/compat.py for this Ray.")
-    return e._base_exc
+    return private_attr(e, "_base_exc", "ray", RAY)
 
 
 RAY_QUIET_LOGGERS = ("ray.train.v2._internal.execution.controller.placement_group_cleaner",
@@ -273,10 +278,7 @@ def torchao_inner_tensor(t):
 def attn_implementation(config) -> str | None:
     """The attention implementation a built model's `config` says its layers use. transformers keeps it in
     a private attribute (set through the public PreTrainedModel.set_attn_implementation)."""
-    if not hasattr(config, "_attn_implementation"):
-        raise CompatError(f"{installed('transformers')}: {type(config).__name__} has no _attn_implementation; "
-                          f"checked on {TRANSFORMERS}. Update raytune_ft/compat.py for this transformers.")
-    return config._attn_implementation
+    return private_attr(config, "_attn_implementation", "transformers", TRANSFORMERS)
 
 
 # Trainer methods the TRL loop's SFTTrainer subclass overrides (train/trl/trainer.py) and the attributes it
