@@ -32,6 +32,8 @@ LEASE_FILE = "raytune_lease.json"
 # how often the driver refreshes the heartbeat, and how old a heartbeat makes a lease free to take over
 HEARTBEAT_ENV, STALE_ENV = "RAYTUNE_LEASE_HEARTBEAT_S", "RAYTUNE_LEASE_STALE_S"
 DEFAULT_HEARTBEAT_S, DEFAULT_STALE_S = 30.0, 300.0
+# the most giving the lease back takes (a part of the run's ending, lifecycle.END_BOUND_S)
+RELEASE_S = 3.0
 
 
 class RunFolderInUse(RuntimeError):
@@ -186,16 +188,24 @@ class Lease:
         self._thread.start()
         return self
 
-    def release(self) -> None:
-        """Stop the heartbeat and delete the lease file if it is still this job's."""
+    def release(self, timeout_s: float = RELEASE_S) -> None:
+        """Stop the heartbeat and delete the lease file if it is still this job's, within `timeout_s`: on a
+        storage that does not answer the file is left behind (said), goes stale and is taken over."""
+        from raytune_ft.channel import call_within
+
+        deadline = time.monotonic() + timeout_s
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        try:
+        if self._thread is not None:   # a beat under way on a storage that hangs is left to its thread
+            self._thread.join(timeout=timeout_s / 2)
+
+        def delete() -> None:
             found = read(self.fs, self.run_path)
             if found is not None and found.token == self.token:
                 self.fs.delete_file(self.path)
-        except OSError as e:  # left behind, it goes stale and is taken over
+
+        try:
+            call_within(max(deadline - time.monotonic(), 0.1), "lease release", delete)
+        except OSError as e:  # NoAnswer too: left behind, it goes stale and is taken over
             self.log(f"could not release the lease of {self.uri}: {type(e).__name__}")
 
     def __enter__(self) -> "Lease":

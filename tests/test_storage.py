@@ -475,3 +475,28 @@ def test_a_lease_being_refreshed_is_never_read_half_written(tmp_path):
     stop.set()
     writer.join(timeout=5)
     assert reads > 100 and not empty, f"{len(empty)} of {reads} reads found no lease"
+
+
+@pytest.mark.timeout(120)
+def test_giving_the_lease_back_to_object_storage_that_does_not_answer_is_bounded(s3_env, capsys):
+    """The S3 server stopped (SIGSTOP to its process group) as the job ends: the release gives up within
+    lease.RELEASE_S and says so (the file goes stale and is taken over); with the server back, it goes."""
+    import signal
+    import time
+
+    from raytune_ft import lease
+
+    st = storage.resolve(f"s3://{s3_env.bucket()}/team/runs", create=True)
+    held = lease.hold(st, st.path("hung"), settle_s=0)
+    os.killpg(s3_env.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        held.release()
+        seconds = time.monotonic() - t0
+    finally:
+        os.killpg(s3_env.proc.pid, signal.SIGCONT)
+    assert seconds < lease.RELEASE_S + 1.5, seconds
+    assert "could not release the lease of" in capsys.readouterr().out
+    assert lease.read(st.fs, st.path("hung")) is not None           # left behind, to go stale
+    held.release()
+    assert lease.read(st.fs, st.path("hung")) is None
