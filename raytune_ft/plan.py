@@ -22,6 +22,8 @@ The memory model (bytes per GPU; every line is a stated estimate, not a measurem
                       plus its compute-dtype gradient, an fp32 (V x D) lm_head-gradient accumulator and
                       the hidden-state gradient; never the full fp32 logits. The TRL loop without Liger
                       materialises full logits (bf16) and their fp32 upcast and gradient.
+  LoRA (FSDP2)        the adapters' extra input gradients in the backward and a calibrated allowance
+                      (plan_lora.py says which is which).
 The components are summed (the loss's logits chunk, freed before the first recompute, shares its memory with the
 recomputed layer); other phases that do not overlap are counted together, so the total is an upper estimate; tests/test_plan.py holds it against
 peaks measured on an H200 (TRL on the Qwen3-4B shape, the seed loop on the 4B shape and on the 27B shape
@@ -41,7 +43,7 @@ import math
 from dataclasses import dataclass, field
 
 from raytune_ft.hardware import GPUS, GiB, GpuSpec, gpu_spec
-from raytune_ft.plan_lora import lora_layer_params, lora_state_lines
+from raytune_ft.plan_lora import lora_fsdp2_lines, lora_layer_params, lora_state_lines
 from raytune_ft.recipe import Recipe
 from raytune_ft.shapes import ModelShape, model_shape
 
@@ -363,6 +365,8 @@ def memory_plan(recipe: Recipe, *, gpu: str | None = None, tokens_per_s_per_gpu:
         add("loss", logits - shared + head_grad + 2 * tokens_mb * D * compute_b,
             f"chunked CE: {chunk:,} x {V:,} fp32 logits + grad (less {_fmt_bytes(shared).strip()} freed before the "
             f"first recompute), {'no' if lora else 'fp32'} lm_head grad accumulator, final hidden + its grad")
+        for line in lora_fsdp2_lines(shape, t, tokens_mb, compute_b, P * compute_b / shard) if lora else ():
+            add(*line)
     elif t.use_liger and on_gpu:
         chunk = min(tokens_mb, 2048)
         add("loss", chunk * V * (4 + compute_b) + 2 * tokens_mb * D * compute_b,

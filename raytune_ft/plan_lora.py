@@ -5,12 +5,26 @@ adapters (r x (in + out) per adapted linear, shapes.ModelShape.lora_params) are 
 gradients and AdamW's two states. The FSDP2 loop shards base and adapters over the workers; the TRL loop
 (DDP) keeps a full copy. Activations are the full fine-tune's: the frozen base still saves what its
 input-gradient matmuls need; the adapters' own (the r-wide intermediate) are left out as negligible.
+
+Two FSDP2 lines the full fine-tune does without (`lora_fsdp2_lines`), because its one layer of fp32
+weight gradients (the "fsdp gathered" line) covers the backward's transient gradients, and a LoRA
+layer's fp32 gradients are the adapters' only:
+  lora backward       the recomputed layer's backward holds, per adapted linear, the adapter path's
+                      input gradient beside the base's and their sum: 2 x tokens x the widest linear
+                      input (the MLP's down_proj) in the compute dtype (measured on CPU, bench/NOTES.md).
+  lora allowance      a calibration, not a cause: a fraction (LORA_ALLOWANCE) of the frozen base's
+                      bytes that the measured LoRA peaks held beyond every line above; the term was
+                      not identified on CPU (bench/NOTES.md, "LoRA memory plan: what it left out").
 """
 from __future__ import annotations
 
 from typing import Callable
 
 from raytune_ft.shapes import ModelShape
+
+# of the frozen base's bytes per GPU: the smallest round fraction that puts the plan over both measured
+# LoRA peaks (tests/test_plan.py holds it there)
+LORA_ALLOWANCE = 0.12
 
 
 def lora_state_lines(shape: ModelShape, train_cfg, compute_b: int, shard: int,
@@ -34,3 +48,19 @@ def lora_layer_params(shape: ModelShape, train_cfg) -> int:
     r, targets = train_cfg.lora_r, list(train_cfg.lora_target_modules)
     return max(sum(r * (i + o) for name, (i, o) in shape.linears(kind).items() if not targets or name in targets)
                for kind in set(shape.layer_types))
+
+
+def lora_fsdp2_lines(shape: ModelShape, train_cfg, tokens: int, compute_b: int, base_bytes: float) -> list[tuple]:
+    """The FSDP2 loop's LoRA-only lines (module docstring): the adapted linears' extra input gradients in
+    the backward, and the calibrated allowance on the frozen base's `base_bytes`."""
+    targets = list(train_cfg.lora_target_modules)
+    widest = max(i for kind in set(shape.layer_types) for name, (i, _) in shape.linears(kind).items()
+                 if not targets or name in targets)
+    return [
+        ("lora backward", 2 * tokens * widest * compute_b,
+         f"2 x {tokens:,} tokens x {widest:,} (widest adapted input) x {compute_b} B: the adapter path's input "
+         "gradient and the summed one, beside the base's, in the recomputed layer's backward"),
+        ("lora allowance", LORA_ALLOWANCE * base_bytes,
+         f"{LORA_ALLOWANCE:.0%} of the frozen base's {base_bytes / 2**30:.2f} GiB: calibrated on the measured LoRA peaks, "
+         "cause not identified (bench/NOTES.md)"),
+    ]

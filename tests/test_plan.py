@@ -266,6 +266,52 @@ def test_plan_within_10_percent_of_the_64_layer_fsdp2_peak():
     assert not shipped.fits
 
 
+# jobs/qwen27b_lora.py on one H100 (`python -m bench gpu lora --gpus 0 --layers 10 --steps 4 --lora-seq 8192`,
+# 2026-12-06, bench/RESULTS.md): FSDP2 at world size 1, frozen bf16 base, r=16 on every linear, full AC, compile
+MEASURED_LORA_H100 = [(10, 32768, 34.5), (64, 8192, 74.8)]
+
+
+@pytest.mark.parametrize("layers,seq,peak_gib", MEASURED_LORA_H100)
+def test_lora_plan_within_10_percent_over_the_measured_h100_peaks(layers, seq, peak_gib):
+    """The LoRA plan is an upper estimate of both measured peaks, and within 10% of them (before its LoRA
+    lines it was 2.2 and 5.95 GiB under)."""
+    from raytune_ft.models.tiny import real_config
+
+    recipe = apply_overrides(job("qwen27b_lora").recipe(), [f"data.seq_len={seq}", "scaling.num_workers=1",
+                                                          "scaling.gpus_per_node=1"])
+    shape = ModelShape.from_config(real_config("qwen3.8-27b", num_hidden_layers=layers))
+    plan = memory_plan(recipe, gpu="H100", shape=shape)
+    assert plan.total_bytes / GiB >= peak_gib
+    assert plan.total_bytes / GiB == pytest.approx(peak_gib, rel=0.10)
+    # the adapters' input gradients: twice the tokens x the MLP's down_proj input, bf16
+    assert plan.component("lora backward") == 2 * seq * shape.intermediate * 2
+    assert plan.component("lora allowance") == pytest.approx(0.12 * shape.total_params * 2)
+    assert "cause not identified" in plan.render()
+
+
+def test_a_lora_linear_backward_holds_two_more_input_gradients_than_a_frozen_one():
+    """What the "lora backward" line counts, measured (live tensor bytes, torch's MemTracker): the backward of a
+    LoraLinear in bf16 (as under FSDP2's param_dtype) peaks 2 x tokens x in_features x 2 B over the same frozen
+    linear's, which full SFT's one layer of fp32 weight gradients covered and a LoRA plan did not."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from raytune_ft.train.lora import LoraLinear
+
+    T, n_in, n_out = 2048, 512, 1536
+    peaks = {}
+    for kind in ("frozen", "lora"):
+        base = torch.nn.Linear(n_in, n_out, bias=False, dtype=torch.bfloat16).requires_grad_(False)
+        m = LoraLinear(base, 16, 32, 0.0).to(torch.bfloat16) if kind == "lora" else base
+        x = torch.randn(T, n_in, dtype=torch.bfloat16, requires_grad=True)
+        y = m(x)
+        tracker = MemTracker()
+        with tracker:
+            y.backward(torch.ones_like(y))
+        peaks[kind] = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    extra = peaks["lora"] - peaks["frozen"]
+    assert 2 * T * n_in * 2 <= extra < 2 * T * n_in * 2 + T * n_out * 2
+
+
 def test_the_b300_plan_states_its_margin_and_the_projection_labels_its_inputs():
     from raytune_ft.projection import plan_extras, project
 
