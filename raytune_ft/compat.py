@@ -253,9 +253,12 @@ TORCHAO_WEIGHT_WRAPPERS = (
 
 
 def torchao_weight_wrappers() -> tuple[type, ...]:
-    """The classes of torchao's weight wrappers (loaded where torchao is imported already: an fp8 run's)."""
+    """The classes of torchao's weight wrappers whose modules are imported (a tensor of one can exist only
+    then: an fp8 run imports the one its recipe uses), so that asking never imports torchao's prototypes."""
     found: list[type] = []
     for entry in TORCHAO_WEIGHT_WRAPPERS:
+        if entry.module not in sys.modules:
+            continue
         loaded = entry.load()
         found += loaded if isinstance(loaded, tuple) else [loaded]
     return tuple(found)
