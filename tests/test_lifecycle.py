@@ -156,7 +156,9 @@ def test_a_returned_runs_reads_of_a_store_that_does_not_answer_are_bounded(tmp_p
     from raytune_ft import run as run_module
     from raytune_ft.tracking import mlflow_metric_name, start_run
 
-    recipe = _recipe(tmp_path, f"tracking.tracking_uri={mlflow_server.uri}")
+    # the server is the session's: a run name of this test's own
+    recipe = _recipe(tmp_path, f"tracking.tracking_uri={mlflow_server.uri}",
+                     f"tracking.run_name=readback-{tmp_path.name}")
     run_id = start_run(recipe)
     MlflowClient(mlflow_server.uri).log_metric(run_id, mlflow_metric_name("loss"), 1.5, step=3)
     assert run_module._last_logged_metrics(recipe, run_id)["step"] == 3
