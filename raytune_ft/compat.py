@@ -136,6 +136,9 @@ def ray_wrapped_error(e: BaseException) -> BaseException | None:
 RAY_QUIET_LOGGERS = ("ray.train.v2._internal.execution.controller.placement_group_cleaner",
                      "ray._private.authentication.authentication_token_setup",
                      "ray.data._internal.progress")
+# Ray Train's worker-side logger of "Error in training function:" and the traceback (console.quiet_process
+# filters it)
+RAY_TRAIN_FN_ERROR_LOGGER = "ray.train.v2._internal.util"
 RAY_REPORT_LOGGER_FILE = ("train", "v2", "_internal", "execution", "context.py")   # under ray's package folder
 
 # ---------------------------------------------------------------------------------------------------- torch

@@ -90,6 +90,9 @@ def quiet_process() -> None:
     report = _ray_report_logger()
     if report:
         logging.getLogger(report).setLevel(logging.WARNING)
+    errors = logging.getLogger(compat.RAY_TRAIN_FN_ERROR_LOGGER)
+    if not any(isinstance(f, TrainFnErrorFilter) for f in errors.filters):
+        errors.addFilter(TrainFnErrorFilter())
     # Ray's own APIs calling its deprecated ones (Ray Data's ExecutionOptions from Ray Train): nothing to fix here
     warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"ray\.")
     # torchao's sources compiled on first import ("invalid escape sequence": a SyntaxWarning from Python 3.12)
@@ -97,6 +100,20 @@ def quiet_process() -> None:
         warnings.filterwarnings("ignore", category=category, module=TORCHAO_SOURCES)
     # the rest of the libraries' warnings (transformers' deprecations, ...) into the workers' log file
     libraries_to_file(library_log("workers"))
+
+
+class TrainFnErrorFilter(logging.Filter):
+    """Ray Train's "Error in training function:" record in a worker. None for a worker that stopped because
+    another one died (launch.PeerLost: the controller's line names the dead worker, whose own traceback is
+    the one to read); otherwise the traceback without its last newline, which the console showed as a
+    blank `(RayTrainWorker pid=...)` line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "PeerLost: " in message:
+            return False
+        record.msg, record.args = message.rstrip("\n"), ()
+        return True
 
 
 def _pin_ray_address() -> None:

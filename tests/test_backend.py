@@ -98,3 +98,36 @@ def test_a_collective_that_lost_its_peer_is_raised_in_one_line():
     assert str(lost) == ("a collective lost its peer (another worker of this attempt died): Connection closed by peer "
                          "[127.0.0.1]:34698")
     assert _peer_lost(ValueError("other")) is None       # any other error is raised as it was
+
+
+def test_a_report_cut_short_by_the_attempts_end_is_a_lost_peer_and_ray_does_not_print_its_traceback():
+    """Rank 0 in ray.train.report's rank synchronisation when rank 1 died: Ray Train's controller killed the
+    synchronisation actor, and the worker raised ActorDiedError (its text as Ray printed it in CI). The loop
+    raises it as PeerLost, whose "Error in training function" record Ray's logger then drops in the worker
+    (console.quiet_process); another error's record keeps its traceback, less the last newline that printed a
+    blank prefixed line."""
+    import logging
+
+    from raytune_ft import compat
+    from raytune_ft.console import quiet_process
+    from raytune_ft.train.launch import PeerLost, _peer_lost
+
+    died = ("The actor died unexpectedly before finishing this task.\n\tclass_name: SynchronizationActor\n\t"
+            "actor_id: a800a9084a806bc9db8b9e7301000000\n\tpid: 9749\nThe actor is dead because it was killed by "
+            "`ray.kill`.")
+    lost = _peer_lost(RuntimeError(died))
+    assert isinstance(lost, PeerLost) and "Ray Train stopped the attempt" in str(lost)
+
+    quiet_process()
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log = logging.getLogger(compat.RAY_TRAIN_FN_ERROR_LOGGER)
+    log.addHandler(handler)
+    try:
+        log.error("Error in training function:\nTraceback (most recent call last):\n  ...\n"
+                  f"raytune_ft.train.launch.PeerLost: {lost}\n")
+        log.error("Error in training function:\nTraceback (most recent call last):\n  ...\nValueError: bad\n")
+    finally:
+        log.removeHandler(handler)
+    assert seen == ["Error in training function:\nTraceback (most recent call last):\n  ...\nValueError: bad"]

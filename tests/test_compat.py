@@ -34,7 +34,7 @@ def test_the_quieted_ray_loggers_are_named_after_modules_that_exist():
     """A logger named after a module Ray renamed would quietly stop being quieted."""
     import ray
 
-    for name in compat.RAY_QUIET_LOGGERS:
+    for name in (*compat.RAY_QUIET_LOGGERS, compat.RAY_TRAIN_FN_ERROR_LOGGER):
         assert importlib.util.find_spec(name) is not None, name
     assert os.path.isfile(os.path.join(os.path.dirname(ray.__file__), *compat.RAY_REPORT_LOGGER_FILE))
 

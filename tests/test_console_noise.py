@@ -145,6 +145,9 @@ def test_a_local_run_in_a_terminal_prints_the_projects_lines_once_and_ends_with_
     # the workers' own setup hook ran under the test's fault hook (tests/faults.with_runtime_env): Ray's lines
     # a user never sees stay off the console
     assert not [x for x in shown if "Reporting training result" in x or "Progress bars disabled" in x], screen
+    # the other rank, stopped with the attempt (in a collective, or in a report's synchronisation), prints no
+    # traceback: the controller's line says which worker died
+    assert not [x for x in shown if "Traceback" in x or "Error in training function" in x], screen
     # each process's project lines once (the restarted attempt's workers are other processes)
     own = [x for x in shown if "raytune_ft" in x]
     twice = {x for x in own if own.count(x) > 1}

@@ -150,10 +150,20 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "NCCL com
               "Broken pipe", "remote process exited or there was a network error")
 
 
+# what a worker's ray.train.report says when the attempt is torn down under it: Ray Train's controller, told
+# a worker died, kills the actor the ranks synchronise each report through
+_SYNC_GONE = "class_name: SynchronizationActor"
+
+
 def _peer_lost(e: BaseException) -> "PeerLost | None":
-    """`e` said in one line as `PeerLost` where a collective failed because another worker died (the dead worker
-    is the error to read; Ray prints each worker's traceback whole), else None."""
+    """`e` said in one line as `PeerLost` where a collective failed because another worker died, or the report
+    this worker was in was cut short by the attempt's end (the dead worker is the error to read; Ray prints
+    each worker's traceback whole), else None."""
     text = str(e)
+    if _SYNC_GONE in text:
+        lost = PeerLost("a report was cut short: Ray Train stopped the attempt (another worker of it died)")
+        lost.__suppress_context__ = True
+        return lost
     for said in _PEER_GONE:
         if said in text:
             where = text[text.index(said):].split(". ")[0].splitlines()[0][:200]
