@@ -99,7 +99,9 @@ def probe_remote(spec, where: str) -> None:
 def _check_hub(src: str, revision: str | None) -> None:
     if os.environ.get("RAYTUNE_HF_ROOT"):
         return   # the hub's offline stand-in
-    repo = src[len("hf://"):].removeprefix("datasets/").strip("/")
+    from raytune_ft.data.reading import hf_repo
+
+    repo = hf_repo(src)
     if _truthy("HF_HUB_OFFLINE"):
         raise RecipeError(f"data.source: {src} needs the Hugging Face hub, and HF_HUB_OFFLINE is set: "
                           "unset it, or give a local file or folder")

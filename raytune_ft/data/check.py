@@ -60,11 +60,11 @@ class SourceReport:
 
 
 def _report(spec: SourceSpec, fmt: str, data, tokenizer, limit: int) -> SourceReport:
-    from raytune_ft.data.pipeline import adapter_of
+    from raytune_ft.data.pipeline import _split_plan, adapter_of
 
     adapter, rep = adapter_of(spec), SourceReport(spec.name, fmt, spec.weight if data.sources else None)
     kwargs = dict(data.template_kwargs)
-    fraction = 0.0 if spec.validation_split else (data.validation_fraction or 0.0)
+    fraction = _split_plan(spec, data, "train")[2]     # the rows training skips are the held-out ones
     examples = []
     for raw in iter_raw_rows(spec, spec.split, seed=data.seed):
         if rep.rows >= limit:
@@ -134,16 +134,15 @@ def data_check(recipe, *, limit: int = DEFAULT_ROWS, png: str | None = None) -> 
     lines.append(f"held-out set       {held if data.validation_fraction or data.validation_split or data.sources else 'none'}")
     rows = sum(r.rows - r.held_out for r in reports)
     skipped = {k: sum(r.skipped.get(k, 0) for r in reports) for r in reports for k in r.skipped}
-    ok = not rows or sum(skipped.values()) / rows <= data.max_skip_fraction
-    if not ok:
-        from raytune_ft.data.rows import skip_message
+    from raytune_ft.data.rows import too_many_skipped
 
-        lines.append("STOP               a run would stop: " + skip_message(sum(skipped.values()), rows, skipped,
-                                                                              data.max_skip_fraction))
+    why = too_many_skipped(skipped, rows, data.max_skip_fraction)
+    if why:
+        lines.append(f"STOP               a run would stop: {why}")
     path = histogram(reports, data.seq_len, png or f"data_check_{recipe.job}.png",
                      f"{recipe.job}: token lengths by source")
     lines.append(f"histogram          {path}")
-    return lines, ok
+    return lines, not why
 
 
 def add_parser(sub, job_help: str) -> None:

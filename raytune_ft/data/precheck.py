@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 
 from raytune_ft.data.reading import head_rows, hf_repo, iter_raw_rows, source_files
-from raytune_ft.data.rows import _split_bucket, skip_message
+from raytune_ft.data.rows import _split_bucket, too_many_skipped
 from raytune_ft.data.sources import describe_formats
 from raytune_ft.data.specs import SourceSpec, source_specs
 from raytune_ft.typed_values import RecipeError
@@ -110,10 +110,9 @@ def settle_carve(data, spec: SourceSpec) -> tuple[str, int | None]:
         if reason:
             reasons[reason] = reasons.get(reason, 0) + 1
         buckets.append(_split_bucket(messages if messages is not None else repr(raw), data.seed))
-    skipped = sum(reasons.values())
-    if n and skipped / n > data.max_skip_fraction:
-        raise RecipeError(f"data.max_skip_fraction: {spec.source}: "
-                          + skip_message(skipped, n, reasons, data.max_skip_fraction))
+    why = too_many_skipped(reasons, n, data.max_skip_fraction)
+    if why:
+        raise RecipeError(f"data.max_skip_fraction: {spec.source}: {why}")
     if n < 2:
         raise RecipeError(f"data.validation_fraction: {spec.source} has {n} row(s): too few to hold any out "
                           "and train on the rest; set data.validation_fraction=0 and train.eval_every=0")

@@ -114,15 +114,19 @@ class SkipCheck:
         self.max_fraction = max_fraction
 
     def __call__(self, c: DataCounters, final: bool = False) -> None:
-        if (c.rows_read < self.MIN_ROWS and not final) or not c.rows_read:
+        if c.rows_read < self.MIN_ROWS and not final:
             return
-        if c.rows_skipped / c.rows_read > self.max_fraction:
-            raise TooManySkipped(skip_message(c.rows_skipped, c.rows_read, c.rows_skipped_by_reason,
-                                              self.max_fraction))
+        why = too_many_skipped(c.rows_skipped_by_reason, c.rows_read, self.max_fraction)
+        if why:
+            raise TooManySkipped(why)
 
 
-def skip_message(skipped: int, read: int, reasons: dict, max_fraction: float) -> str:
-    """Why a run stops for its skipped rows, with the reasons and what to do."""
+def too_many_skipped(reasons: dict, read: int, max_fraction: float) -> str | None:
+    """Why a pass of `read` rows stops for its skipped ones (`reasons`: count by reason), with what to do;
+    None while their share is at most `max_fraction` (the run's, the pre-check's and `data check`'s test)."""
+    skipped = sum(reasons.values())
+    if not read or skipped / read <= max_fraction:
+        return None
     why = ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]))
     return (f"{skipped} of {read} rows skipped ({skipped / read:.1%}, more than data.max_skip_fraction="
             f"{max_fraction:g}): {why}. `raytune-ft data check` shows them by source; fix the rows, map their "
