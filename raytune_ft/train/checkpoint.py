@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import pyarrow.fs as pafs
 import torch
@@ -71,11 +71,14 @@ def _located(directory: str, fs: pafs.FileSystem | None) -> tuple[pafs.FileSyste
     return fs, directory if not isinstance(fs, pafs.LocalFileSystem) else os.path.abspath(directory)
 
 
-def gathered_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def gathered_state(model: torch.nn.Module, keep: Callable[[str], bool] | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) of each entry of the model's state dict, one gathered at a time (a collective:
-    every rank iterates; ranks other than 0 may drop what they get)."""
+    every rank iterates, in the same order; ranks other than 0 may drop what they get). `keep`: the names
+    to gather at all (the others are skipped on every rank alike)."""
     for key, value in model.state_dict().items():
-        yield key, value.full_tensor() if hasattr(value, "full_tensor") else value
+        if keep is None or keep(key):
+            yield key, value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
 def export_hf_folder(out_dir: str, model: torch.nn.Module, hf_config, tokenizer, rank: int,

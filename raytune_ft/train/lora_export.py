@@ -38,7 +38,7 @@ def _split_lora_key(key: str) -> tuple[str, str] | None:
 def merged_state(model: torch.nn.Module, rank: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The state of the model with each adapter merged into its base linear (W + B @ A * scaling, in fp32),
     under the plain model's names; gathered one entry at a time (a collective), merged on rank 0 only."""
-    scaling = {name: m.scaling for name, m in lora_modules(model)}
+    adapters = dict(lora_modules(model))
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in gathered_state(model):
         split = _split_lora_key(key)
@@ -50,17 +50,20 @@ def merged_state(model: torch.nn.Module, rank: int) -> Iterator[tuple[str, torch
         parts[kind] = t if rank == 0 else t.new_empty(0)
         if len(parts) == 3:
             del pending[module]
-            merged = parts["W"] if rank != 0 else parts["W"].float() + (
-                parts["B"].float() @ parts["A"].float()) * scaling[module]
+            merged = parts["W"] if rank != 0 else (
+                parts["W"].float() + adapters[module].delta_weight(parts["A"], parts["B"]))
             yield f"{module}.weight", merged
 
 
 def base_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The frozen base's state alone (adapters dropped), under the plain model's names."""
-    for key, t in gathered_state(model):
-        split = _split_lora_key(key)
-        if split is None or split[1] == "W":
-            yield key.replace(".base_layer.", "."), t
+    for key, t in gathered_state(model, keep=_is_base):
+        yield key.replace(".base_layer.", "."), t
+
+
+def _is_base(key: str) -> bool:
+    split = _split_lora_key(key)
+    return split is None or split[1] == "W"
 
 
 def adapter_key(param_key: str, layout: BaseLayout) -> str:
@@ -90,8 +93,8 @@ def write_adapter(out_dir: str, model: torch.nn.Module, recipe: Recipe, tokenize
     from safetensors.torch import save_file
 
     tensors = {}
-    for key, t in gathered_state(model):
-        if rank == 0 and _split_lora_key(key) and _split_lora_key(key)[1] != "W":
+    for key, t in gathered_state(model, keep=lambda key: not _is_base(key)):   # the adapters alone
+        if rank == 0:
             tensors[adapter_key(key, layout)] = t.detach().to("cpu", dtype=torch.float32).contiguous()
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
