@@ -197,9 +197,10 @@ def flops_per_block(config, seq_lens: Iterable[int], *, include_linear_attention
     the 6 FLOPs per parameter and token dropped), plus the adapters' full training FLOPs."""
     cfg = _config_of(config)
     lens = [int(n) for n in seq_lens]
-    flops = training_flops(matmul_params(cfg), attention_width(cfg), lens)
+    n = matmul_params(cfg)     # a config's count builds a JSON key each call: once per block
+    flops = training_flops(n, attention_width(cfg), lens)
     if adapter_params is not None:
-        flops += (6.0 * adapter_params - 2.0 * matmul_params(cfg)) * sum(lens)
+        flops += (6.0 * adapter_params - 2.0 * n) * sum(lens)
     if include_linear_attention:
         flops += _layer_types(cfg).count("linear_attention") * gated_delta_flops_per_token(cfg) * sum(lens)
     return flops
