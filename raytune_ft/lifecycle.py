@@ -175,7 +175,7 @@ class RunLifecycle:
         from raytune_ft.run_opening import END_WAIT_S
 
         answer = self.opened.end("FINISHED", tags, timeout=END_WAIT_S, metrics=metrics,
-                                 json_artifacts=json_artifacts, params=params or None)
+                                 json_artifacts=json_artifacts, params=params)
         if not answer.get("ended"):
             print(f"[raytune_ft] could not close the MLflow run within {END_WAIT_S:.0f} s (the tracking store did "
                   "not answer); it stays RUNNING until a re-submit")

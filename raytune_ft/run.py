@@ -170,7 +170,7 @@ def _data_record(data: dict) -> dict:
             "packing_efficiency": c.real_tokens / total if total else 0.0}
 
 
-def _last_logged_metrics(recipe: Recipe, run_id: str, timeout_s: float | None = None) -> dict:
+def _last_logged_metrics(recipe: Recipe, run_id: str, timeout_s: float = READ_BACK_S) -> dict:
     """The latest value of each metric of the MLflow run under the loop's names, the start-up params as
     `startup/<phase>_s`, and `step`: the last step logged. {} where the store fails or does not answer
     within `timeout_s` (READ_BACK_S; said)."""
@@ -191,7 +191,7 @@ def _last_logged_metrics(recipe: Recipe, run_id: str, timeout_s: float | None = 
         return out
 
     try:
-        return call_within(READ_BACK_S if timeout_s is None else timeout_s, "metrics read-back", read)
+        return call_within(timeout_s, "metrics read-back", read)
     except Exception as e:  # tracking down: the summary goes without the end-of-run figures
         print(f"[raytune_ft] could not read the run's metrics back from MLflow: {type(e).__name__}")
         return {}

@@ -284,8 +284,9 @@ def _tag_version(name: str, version: str, ckpt_id: str, tags: dict | None = None
     from mlflow import MlflowClient
 
     try:
+        client = MlflowClient()
         for key, value in {**(tags or {}), CHECKPOINT_TAG: ckpt_id}.items():
-            MlflowClient().set_model_version_tag(name, version, key, value)
+            client.set_model_version_tag(name, version, key, value)
     except Exception as e:  # a registry without version tags: its run's tags still identify it
         logger.warning("could not tag %s version %s with its checkpoint (a retry finds it by its run's "
                        "tags): %s", name, version, redact_exception(e))
