@@ -62,38 +62,29 @@ def check_data_source(recipe: Recipe) -> list[str]:
 def probe_remote(spec, where: str) -> None:
     """An object-store source answers, with this environment's credentials, within the storage check's
     deadline and timeouts: listed once, a failure said as the checkpoint storage's is (storage_check)."""
-    import threading
-
     import pyarrow.fs as pafs
 
     from raytune_ft import storage, storage_check
+    from raytune_ft.channel import NoAnswer, call_within
     from raytune_ft.env import public_uri
 
     st = storage.resolve(spec.source)
-    fs, outcome = storage_check._quick(st.fs), {}
+    fs = storage_check._quick(st.fs)
 
-    def attempt():
-        try:
-            info = fs.get_file_info(st.root)
-            if info.type == pafs.FileType.NotFound:
-                raise FileNotFoundError(f"{public_uri(spec.source)} does not exist")
-            if info.type == pafs.FileType.Directory:
-                fs.get_file_info(pafs.FileSelector(st.root, recursive=False))
-        except BaseException as e:  # noqa: BLE001 - reported below, in the caller's thread
-            outcome["error"] = e
+    def attempt() -> None:
+        info = fs.get_file_info(st.root)
+        if info.type == pafs.FileType.NotFound:
+            raise FileNotFoundError(f"{public_uri(spec.source)} does not exist")
+        if info.type == pafs.FileType.Directory:
+            fs.get_file_info(pafs.FileSelector(st.root, recursive=False))
 
-    worker = threading.Thread(target=attempt, name="raytune-data-probe", daemon=True)
-    worker.start()
-    worker.join(storage_check.DEADLINE_S)
-    if worker.is_alive():
-        outcome["error"] = TimeoutError(f"no answer within {storage_check.DEADLINE_S:g} s (timed out)")
-    if "error" in outcome:
-        raise RecipeError(
-            f"{where}.source: {public_uri(spec.source)} cannot be read: "
-            f"{storage_check._what_failed(f'listing {public_uri(spec.source)}', outcome['error'])}.\n"
-            f"  endpoint: {storage_check._endpoint(st.fs)}\n  {storage_check._variables()}\n"
-            "Nothing was started. Set the credentials (or the endpoint) in the environment of the machine that "
-            "submits the run and of every node, then submit again.")
+    try:
+        call_within(storage_check.DEADLINE_S, "data probe", attempt)
+    except Exception as e:  # noqa: BLE001 - said in the recipe's words
+        if isinstance(e, NoAnswer):
+            e = TimeoutError(f"no answer within {storage_check.DEADLINE_S:g} s (timed out)")
+        raise RecipeError(storage_check.unusable(f"{where}.source: {public_uri(spec.source)} cannot be read",
+                                                 f"listing {public_uri(spec.source)}", e, st.fs)) from None
 
 
 def _check_hub(src: str, revision: str | None) -> None:

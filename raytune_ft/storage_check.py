@@ -148,11 +148,16 @@ def probe(st: storage.Storage, folder: str) -> None:
                             TimeoutError(f"no answer within {DEADLINE_S:g} s (timed out)"))
     if "error" in outcome:
         step, exc = outcome["error"]
-        raise StorageAccessError(
-            f"tracking.storage_path: {public_uri(st.uri())} cannot be used: {_what_failed(step, exc)}.\n"
-            f"  endpoint: {_endpoint(st.fs)}\n  {_variables()}\n"
-            "Nothing was started. Set the credentials (or the endpoint) in the environment of the "
-            "machine that submits the run and of every node, then submit again.")
+        raise StorageAccessError(unusable(f"tracking.storage_path: {public_uri(st.uri())} cannot be used", step, exc,
+                                          st.fs))
+
+
+def unusable(head: str, step: str, exc: BaseException, fs) -> str:
+    """The message of object storage that failed its probe (this one, or a data source's: preflight): `head`,
+    which `step` failed and why, the endpoint and the credential variables seen, and what to do."""
+    return (f"{head}: {_what_failed(step, exc)}.\n  endpoint: {_endpoint(fs)}\n  {_variables()}\n"
+            "Nothing was started. Set the credentials (or the endpoint) in the environment of the machine that "
+            "submits the run and of every node, then submit again.")
 
 
 def check_storage(recipe: "Recipe") -> None:
