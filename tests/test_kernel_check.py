@@ -285,7 +285,7 @@ def test_the_switch_is_honoured_by_the_selection(monkeypatch):
     from raytune_ft.models import attention as att
 
     monkeypatch.setattr(att, "_flash_attn_varlen", lambda: object())
-    select_attention_backend.cache_clear()
+    att._backend_for.cache_clear()
     assert select_attention_backend("cuda") == "flash_attn"
     disable_kernel("flash_attn")
     assert select_attention_backend("cuda") != "flash_attn"

@@ -42,12 +42,12 @@ DISABLED_KERNELS: set[str] = set()
 def disable_kernel(name: str) -> None:
     """Switch a kernel ("flash_attn", "torch_varlen", "causal_conv1d", "fla_chunk", ...) off for this process."""
     DISABLED_KERNELS.add(name)
-    select_attention_backend.cache_clear()
+    _backend_for.cache_clear()
 
 
 def reset_disabled_kernels() -> None:
     DISABLED_KERNELS.clear()
-    select_attention_backend.cache_clear()
+    _backend_for.cache_clear()
 
 
 # ----------------------------------------------------------------- packing signals
@@ -138,28 +138,24 @@ def _torch_varlen():
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
-@functools.lru_cache(maxsize=None)
 def select_attention_backend(device: str | torch.device) -> str:
     """The kernel full attention uses on `device`: "flash_attn", "torch_varlen" or "sdpa_blockdiag".
 
-    Logged once per device type and choice. (fp32 inputs on CUDA still go to SDPA: the varlen kernels are
-    half-precision only.)"""
-    dev = torch.device(device)
-    if dev.type == "cuda" and "flash_attn" not in DISABLED_KERNELS and _flash_attn_varlen() is not None:
-        choice = "flash_attn"
-    elif dev.type == "cuda" and "torch_varlen" not in DISABLED_KERNELS and _torch_varlen()[0] is not None:
-        choice = "torch_varlen"
-    else:
-        choice = "sdpa_blockdiag"
-    _say_backend(dev.type, choice)
-    return choice
+    Chosen and logged once per device type ("cpu" and torch.device("cpu") are one). (fp32 inputs on CUDA still
+    go to SDPA: the varlen kernels are half-precision only.)"""
+    return _backend_for(torch.device(device).type)
 
 
 @functools.lru_cache(maxsize=None)
-def _say_backend(device_type: str, choice: str) -> None:
-    """Log a device type's backend once: `select_attention_backend` is cached per argument, and "cpu" and
-    torch.device("cpu") are two arguments (a line printed twice)."""
+def _backend_for(device_type: str) -> str:
+    if device_type == "cuda" and "flash_attn" not in DISABLED_KERNELS and _flash_attn_varlen() is not None:
+        choice = "flash_attn"
+    elif device_type == "cuda" and "torch_varlen" not in DISABLED_KERNELS and _torch_varlen()[0] is not None:
+        choice = "torch_varlen"
+    else:
+        choice = "sdpa_blockdiag"
     log.info("raytune_ft: packed full attention on %s uses %s", device_type, choice)
+    return choice
 
 
 def _sdpa_blockdiag(q, k, v, cu, scaling):
