@@ -46,7 +46,7 @@ def lora_layer_params(shape: ModelShape, train_cfg) -> int:
     """The most adapter parameters of one decoder layer: the unsharded fp32 gradients FSDP2 holds before a
     layer's reduce-scatter (the frozen base has none)."""
     r, targets = train_cfg.lora_r, list(train_cfg.lora_target_modules)
-    return max(sum(r * (i + o) for name, (i, o) in shape.linears(kind).items() if not targets or name in targets)
+    return max(sum(r * (i + o) for i, o in shape.adapted_linears(kind, targets).values())
                for kind in set(shape.layer_types))
 
 
@@ -54,8 +54,7 @@ def lora_fsdp2_lines(shape: ModelShape, train_cfg, tokens: int, compute_b: int, 
     """The FSDP2 loop's LoRA-only lines (module docstring): the adapted linears' extra input gradients in
     the backward, and the calibrated allowance on the frozen base's `base_bytes`."""
     targets = list(train_cfg.lora_target_modules)
-    widest = max(i for kind in set(shape.layer_types) for name, (i, _) in shape.linears(kind).items()
-                 if not targets or name in targets)
+    widest = max(i for kind in set(shape.layer_types) for i, _ in shape.adapted_linears(kind, targets).values())
     return [
         ("lora backward", 2 * tokens * widest * compute_b,
          f"2 x {tokens:,} tokens x {widest:,} (widest adapted input) x {compute_b} B: the adapter path's input "

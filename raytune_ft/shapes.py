@@ -123,12 +123,13 @@ class ModelShape:
         """Trainable LoRA parameters: r x (in + out) for each targeted linear of each layer."""
         if r <= 0:
             return 0
-        total = 0
-        for kind in self.layer_types:
-            for name, (i, o) in self.linears(kind).items():
-                if not targets or name in targets or "all-linear" in targets:
-                    total += r * (i + o)
-        return total
+        return sum(r * (i + o) for kind in self.layer_types for i, o in self.adapted_linears(kind, targets).values())
+
+    def adapted_linears(self, kind: str, targets: list[str]) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear of a `kind` layer that LoRA's `targets` adapt (none named, or "all-linear":
+        every one)."""
+        return {name: io for name, io in self.linears(kind).items()
+                if not targets or "all-linear" in targets or name in targets}
 
     def flops_per_token(self, mean_conversation_tokens: float) -> float:
         """Training FLOPs per token (raytune_ft.hardware's method) over conversations of the mean length."""
