@@ -45,13 +45,14 @@ def check_data_source(recipe: Recipe) -> list[str]:
     from raytune_ft.data.precheck import check_sources, format_note
     from raytune_ft.data.specs import source_specs
 
-    for src, revision in dict.fromkeys((s.source, s.revision) for s in source_specs(recipe.data) if s.kind == "hf"):
+    specs = source_specs(recipe.data)
+    for src, revision in dict.fromkeys((s.source, s.revision) for s in specs if s.kind == "hf"):
         _check_hub(src, revision)
-    for i, spec in enumerate(source_specs(recipe.data)):
+    for i, spec in enumerate(specs):
         if spec.kind == "remote":
             probe_remote(spec, f"data.sources[{i}]" if recipe.data.sources else "data")
     checks, held, _ = check_sources(recipe.data)
-    lines = [format_note(c, s) for c, s in zip(checks, source_specs(recipe.data))]
+    lines = [format_note(c, s) for c, s in zip(checks, specs)]
     if recipe.train.reads_held_out():
         lines.append(f"data: held-out set: {held}")
     for line in lines:

@@ -97,11 +97,6 @@ def logged_model_name(meta: dict, ckpt: Path) -> str:
     return re.sub(r"[/:.%\"']", "-", str(meta.get("run_name") or ckpt.name)) or "model"
 
 
-def _registration_prints_off():
-    """MLflow's "Successfully registered model ..." prints off (compat.mlflow_registration_prints_off)."""
-    return compat.mlflow_registration_prints_off()
-
-
 @contextlib.contextmanager
 def _pipeline_impl_shim() -> Iterator[None]:
     """Let mlflow 3.17 log a model from a folder under transformers 5.
@@ -385,7 +380,7 @@ def _log_and_register(ckpt: Path, ckpt_id: str, hf_dir: Path, name: str, meta: d
                          "raytune.registered_model_name": name})
         model_arg: Any = str(hf_dir.resolve()) if log_from_disk else _load_components(hf_dir)
         shim = _pipeline_impl_shim() if log_from_disk else contextlib.nullcontext()
-        with shim, _registration_prints_off():
+        with shim, compat.mlflow_registration_prints_off():
             info = mlflow.transformers.log_model(
                 transformers_model=model_arg,
                 name=logged_model_name(meta, ckpt),
