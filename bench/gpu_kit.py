@@ -711,9 +711,11 @@ def add_arguments(p) -> None:
     p.add_argument("--precisions", default="bf16,fp8", help="fp8: which runs of the pair (bf16, fp8 or both)")
     p.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "mxfp8"])
     p.add_argument("--lora-seq", type=int, default=32768, help="lora: the 64-layer LoRA run's block length")
-    p.add_argument("--part", default="all", choices=["all", *SUITE_PARTS, "cold", "warm", "resubmit"],
+    p.add_argument("--part", default="all",
+                   choices=["all", *SUITE_PARTS, "cold", "warm", "resubmit", "pair", "real"],
                    help="suite: which files (kernels, ray); startup: which run (cold, warm: two invocations with "
-                        "one --workdir; resubmit: after cold, two `ray job submit`s on a Ray head it starts)")
+                        "one --workdir; resubmit: after cold, two `ray job submit`s on a Ray head it starts); "
+                        "lora: the cut's pair (full SFT, LoRA) or the real 64 layers alone")
     p.add_argument("--parity-steps", type=int, default=300)
     p.add_argument("--assets", default=os.path.join(REPO, ".bench-assets"),
                    help="a folder with tokenizer/, chat_template.jinja and rows/*.jsonl for nodes without hub "

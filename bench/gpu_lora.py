@@ -10,6 +10,7 @@ Each LoRA run's record holds `raytune-ft plan`'s total for the same recipe and G
 its MFU counts the frozen base's forward and backward FLOPs (no weight gradients) plus the adapters', as the
 loop logs it for a LoRA run. A last RESULT line compares lora-16 with full-16.
 `--cpu-smoke`: the full and LoRA jobs' --local forms (tiny qwen3_5, local Ray on CPU), no 64-layer run.
+`--part pair` runs the cut's two runs alone, `--part real` the 64-layer run alone (each fits one 600 s window).
 """
 from __future__ import annotations
 
@@ -68,8 +69,12 @@ def parts(kit) -> list:
     full = _on_job(kit.recipe_run("lora", f"full-{cut}", ["--set", "train.master_weights=bf16"],
                                   throughput_figures), FULL_JOB)
     full.info["master_weights"] = "bf16"
+    part = kit.o.part
+    if part not in ("all", "pair", "real"):
+        raise SystemExit(f"lora --part: pair, real or all, not {part}")
     runs = [full, _with_plan(_on_job(kit.recipe_run("lora", f"lora-{cut}", [], throughput_figures), LORA_JOB), gpu)]
-    if not kit.o.cpu_smoke:
+    runs = [] if part == "real" else runs
+    if not kit.o.cpu_smoke and part != "pair":
         real = os.path.join(kit.work, f"qwen3.8-27b-{REAL_LAYERS}layers")
         big = kit.recipe_run("lora", f"lora-{REAL_LAYERS}layers", ["--set", f"model.name={real}",
                              "--set", f"data.seq_len={kit.o.lora_seq}"], throughput_figures)

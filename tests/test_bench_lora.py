@@ -24,6 +24,14 @@ def test_lora_bench_runs_the_cut_s_full_sft_and_lora_then_the_64_layers(capsys):
         "model.name=/tmp/raytune_bench/qwen3.8-27b-64layers --set data.seq_len=32768")
     assert bench_main(["gpu", "lora", "--gpus", "0", "--dry-run", "--lora-seq", "16384"]) == 0
     assert "data.seq_len=16384" in capsys.readouterr().out
+    assert bench_main(["gpu", "lora", "--gpus", "0", "--dry-run", "--part", "pair"]) == 0
+    pair = [line for line in capsys.readouterr().out.splitlines() if line.startswith("=== ")]
+    assert [("qwen27b_b300" in x, "qwen27b_lora" in x) for x in pair] == [(True, False), (False, True)]
+    assert bench_main(["gpu", "lora", "--gpus", "0", "--dry-run", "--part", "real"]) == 0
+    (real,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("=== ")]
+    assert "qwen3.8-27b-64layers" in real
+    with pytest.raises(SystemExit, match="pair, real or all"):
+        bench_main(["gpu", "lora", "--gpus", "0", "--dry-run", "--part", "cold"])
 
 
 @pytest.mark.slow
