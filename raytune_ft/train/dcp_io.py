@@ -149,13 +149,16 @@ def save(directory: str, parts: dict[str, Any], rank: int, *, process_group=None
              process_group=process_group)
 
 
-def load(fs: pafs.FileSystem, checkpoint_path: str, parts: dict[str, Any], rank: int) -> list[str]:
+def load(fs: pafs.FileSystem, checkpoint_path: str, parts: dict[str, Any], rank: int, *,
+         no_dist: bool = False) -> list[str]:
     """Load this rank's part of `checkpoint_path`/dcp from `fs` into `parts` (the sharded model's, the
-    optimizer's). Returns the paths of the files it opened (`.metadata` and this rank's own shard files)."""
+    optimizer's). Returns the paths of the files it opened (`.metadata` and this rank's own shard files).
+    `no_dist`: plan the read on this rank alone, with no collective (a lone rank of a fake process group,
+    whose gather before torch 2.13 hands back uninitialised buffers that DCP then unpickles)."""
     reader = ArrowReader(fs, f"{checkpoint_path.rstrip('/')}/{DCP_DIR}")
     md = reader.read_metadata()
     reader.opened.clear()  # read again by dcp.load; counted once from here on
     per_rank = any(k.startswith(f"app.rank{rank}.") for k in md.state_dict_metadata)
     state_cls = ShardedTrainState if per_rank else _LegacyTrainState
-    dcp.load({"app": state_cls(parts, rank)}, storage_reader=reader)
+    dcp.load({"app": state_cls(parts, rank)}, storage_reader=reader, no_dist=no_dist)
     return list(dict.fromkeys(reader.opened))
