@@ -188,6 +188,34 @@ def keep_stager_buffers(stager) -> Callable[[], None]:
     return close
 
 
+@contextlib.contextmanager
+def fsdp_kept_unsharded(modules: list) -> Iterator[None]:
+    """Inside it, the FSDP2 `modules` keep their parameters unsharded after a forward (FSDP2's public
+    `set_reshard_after_forward(False)`); on leaving, each gets back its own setting and is resharded. FSDP2
+    has no public getter for a module's setting, and its setter also drops the root's automatic choice: the
+    state's `_auto_reshard_after_forward` and each parameter group's `post_forward_mesh_info` are kept and put
+    back (torch 2.11 holds one group per state in `_fsdp_param_group`, 2.13 a list in `_fsdp_param_groups`)."""
+    saved = []
+    for m in modules:
+        state = private_attr(m, "_get_fsdp_state", "torch", TORCH)()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            one = private_attr(state, "_fsdp_param_group", "torch", TORCH)
+            groups = [one] if one is not None else []
+        saved.append((m, state, private_attr(state, "_auto_reshard_after_forward", "torch", TORCH),
+                      [(g, private_attr(g, "post_forward_mesh_info", "torch", TORCH)) for g in groups]))
+    try:
+        for m in modules:
+            m.set_reshard_after_forward(False, recurse=False)
+        yield
+    finally:
+        for m, state, auto, groups in saved:
+            state._auto_reshard_after_forward = auto
+            for g, info in groups:
+                g.post_forward_mesh_info = info
+            m.reshard()
+
+
 # ---------------------------------------------------------------------------------------------------- MLflow
 
 MLFLOW_CHAT_SIGNATURE = Internal(

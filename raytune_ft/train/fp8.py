@@ -173,26 +173,39 @@ def precompute_fp8_scales(model: nn.Module, recipe: str) -> None:
 
 
 @contextlib.contextmanager
-def linears_in_high_precision(model: nn.Module | None):
+def linears_in_high_precision(model: nn.Module | None, *, keep_weights: bool = False):
     """Inside it, every float8 linear of `model` computes a plain matmul in its input's dtype, on its weight
     as the forward sees it (FSDP2's float8 all-gather hands it in float8 with its scale: dequantised).
-    For the forward-only probes (held-out loss, samples), which run eagerly; training is untouched."""
+    For the forward-only probes (held-out loss, samples), which run eagerly; training is untouched.
+    `keep_weights`: the weights stay gathered and unchanged for the context's length, so each linear
+    dequantises its weight once (a bf16 copy kept until the context ends)."""
     swapped = [m for m in (model.modules() if model is not None else ()) if _is_fp8_linear(m)]
+    kept: dict[int, torch.Tensor] = {}
     for m in swapped:
-        m.forward = functools.partial(_high_precision_forward, m)   # the instance's own, over the class's
+        m.forward = functools.partial(_high_precision_forward, m, kept if keep_weights else None)
     try:
         yield
     finally:
         for m in swapped:
             del m.forward
+        kept.clear()
 
 
-def _high_precision_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    w = module.weight
-    if hasattr(w, "to_original_precision"):        # torchao's float8 tensor: the all-gathered weight
-        w = w.to_original_precision()
-    w = _unwrap(w)
-    return torch.nn.functional.linear(x, w.to(x.dtype), None if module.bias is None else module.bias.to(x.dtype))
+def float8_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weights of `model`'s float8 linears."""
+    return [m.weight for m in model.modules() if _is_fp8_linear(m)]
+
+
+def _high_precision_forward(module: nn.Module, kept: dict | None, x: torch.Tensor) -> torch.Tensor:
+    w = kept.get(id(module)) if kept is not None else None
+    if w is None:
+        w = module.weight
+        if hasattr(w, "to_original_precision"):        # torchao's float8 tensor: the all-gathered weight
+            w = w.to_original_precision()
+        w = _unwrap(w).to(x.dtype)
+        if kept is not None:
+            kept[id(module)] = w
+    return torch.nn.functional.linear(x, w, None if module.bias is None else module.bias.to(x.dtype))
 
 
 def _plain_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:

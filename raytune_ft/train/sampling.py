@@ -5,12 +5,10 @@ a collective, so every rank must run every forward: with the same inputs on ever
 token broadcast from rank 0 (bitwise-equal logits are not guaranteed across devices), all ranks stop
 at the same step. No KV cache: each step is one packed forward over every unfinished sequence (the
 training path, with its conversation boundaries), and the logits are computed at each sequence's last
-position only. For the bounded lengths sampled here that costs little next to FSDP2's per-forward
-all-gather of the weights, which a cache would not save.
-
-The forwards run eagerly (`probe_uncompiled`), even where `train.compile` compiled the layers: each
-generation step has a length of its own, and through the compiled modules every new length recompiles the
-training step's graphs, then makes them dynamic, until torch.compile's recompile limit sends them to eager.
+position only. For the bounded lengths sampled here a step's time is the reading of the weights, which a
+cache would not save: `train/probe.py` keeps them gathered for the round where they fit, and runs the
+forwards eagerly (each generation step has a length of its own: through the compiled modules every new
+length would recompile the training step's graphs).
 
 Prompts (`train.sample_prompts`): a .jsonl/.json file of prompts (a string, {"prompt": ...}) or
 conversations ({"messages": [...]}, or a list of turns), rendered with the chat template and its
@@ -19,7 +17,6 @@ turn (the tokens before its supervised span: the template's assistant header inc
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -119,18 +116,6 @@ def stop_token_ids(tokenizer, template_kwargs: dict) -> list[int]:
     return sorted(stops)
 
 
-@contextlib.contextmanager
-def probe_uncompiled(model=None):
-    """Inside it, torch.compile'd modules run their eager code and compile nothing: what sampling and
-    evaluation run keeps the training step's compiled graphs (shapes, grad mode) as they are. `model`'s
-    float8 linears run as plain matmuls meanwhile (`fp8.linears_in_high_precision`): eager, their float8
-    casts go through torchao's tensor subclass op by op, which cost the probes more than the matmuls."""
-    from raytune_ft.train.fp8 import linears_in_high_precision
-
-    with torch.compiler.set_stance("force_eager"), linears_in_high_precision(model):
-        yield
-
-
 @torch.no_grad()
 def generate_greedy(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
                     device: torch.device) -> list[tuple[list[int], float]]:
@@ -140,6 +125,7 @@ def generate_greedy(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     A collective under torch.distributed: every rank calls it with the same prompts and runs the same
     forwards; rank 0's tokens are the ones every rank continues with."""
     from raytune_ft.models.gated_delta import packed_forward_kwargs
+    from raytune_ft.train.probe import probe_uncompiled
 
     stops = set(int(s) for s in stop_ids)
     seqs = [list(map(int, p)) for p in prompts]
