@@ -194,7 +194,10 @@ def fsdp_kept_unsharded(modules: list) -> Iterator[None]:
     `set_reshard_after_forward(False)`); on leaving, each gets back its own setting and is resharded. FSDP2
     has no public getter for a module's setting, and its setter also drops the root's automatic choice: the
     state's `_auto_reshard_after_forward` and each parameter group's `post_forward_mesh_info` are kept and put
-    back (torch 2.11 holds one group per state in `_fsdp_param_group`, 2.13 a list in `_fsdp_param_groups`)."""
+    back (torch 2.11 holds one group per state in `_fsdp_param_group`, 2.13 a list in `_fsdp_param_groups`).
+    A probe can be the model's first forward (the samples before the first step), where FSDP2's lazy set-up
+    makes the root keep its parameters after a forward, where it was left to choose (`_is_root`); the
+    setting put back then is that choice, not the one saved before it was made."""
     saved = []
     for m in modules:
         state = private_attr(m, "_get_fsdp_state", "torch", TORCH)()
@@ -211,8 +214,9 @@ def fsdp_kept_unsharded(modules: list) -> Iterator[None]:
     finally:
         for m, state, auto, groups in saved:
             state._auto_reshard_after_forward = auto
+            root_keeps = auto and private_attr(state, "_is_root", "torch", TORCH) is True
             for g, info in groups:
-                g.post_forward_mesh_info = info
+                g.post_forward_mesh_info = None if root_keeps else info
             m.reshard()
 
 

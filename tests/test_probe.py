@@ -12,12 +12,21 @@ from tests.test_fp8 import _blocks, _small_config, _train, process_group  # noqa
 pytestmark = pytest.mark.timeout(600)
 
 
-def _fresh(recipe: str | None):
+def _fresh(recipe: str | None, steps: int = 1):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     init = AutoModelForCausalLM.from_config(_small_config(), dtype=torch.float32).state_dict()
-    return _train(init, recipe, _blocks(1), "none")[1]
+    return _train(init, recipe, _blocks(1)[:steps], "none")[1]
+
+
+def _step(model) -> float:
+    from raytune_ft.train.batch import StepBatch
+    from raytune_ft.train.fsdp_loop import forward_backward
+
+    mb = StepBatch.from_blocks(_blocks(2)[1:], torch.device("cpu"))
+    loss_sum, denom = forward_backward(model, [mb], 1, torch.device("cpu"))
+    return float(loss_sum / denom)
 
 
 def _decode_forwards(model, n: int) -> list[torch.Tensor]:
@@ -54,7 +63,7 @@ def _settings(model) -> list:
     for m in probe.fsdp_modules(model):
         state = m._get_fsdp_state()
         groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
-        out.append((state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in groups],
+        out.append((state._auto_reshard_after_forward, [g.post_forward_mesh_info is None for g in groups],
                     [g.is_sharded for g in groups]))
     return out
 
@@ -77,15 +86,20 @@ def test_a_probe_gathers_each_module_once_and_training_after_it_is_unchanged(pro
     assert [s[:2] for s in _settings(model)] == [s[:2] for s in before]   # (the root stays gathered, as before)
 
     # a training step after a probe gives the loss of the same step without one (both from the same weights)
-    from raytune_ft.train.batch import StepBatch
-    from raytune_ft.train.fsdp_loop import forward_backward
+    assert _step(model) == _step(_fresh(None))
 
-    def step(m):
-        mb = StepBatch.from_blocks(_blocks(2)[1:], torch.device("cpu"))
-        loss_sum, denom = forward_backward(m, [mb], 1, torch.device("cpu"))
-        return float(loss_sum / denom)
 
-    assert step(model) == step(_fresh(None))
+@pytest.mark.slow
+def test_a_probe_as_the_models_first_forward_leaves_the_settings_of_a_first_training_forward(process_group):
+    """The base model's samples run before the first step: FSDP2 sets itself up in that forward (the root
+    keeps its parameters after a forward); training afterwards has the settings it has without the probe."""
+    probed, plain = _fresh(None, steps=0), _fresh(None, steps=0)
+    _decode_forwards(probed, 2)
+    assert _step(probed) == _step(plain)
+    assert _settings(probed) == _settings(plain)
+    root, *layers = _settings(probed)
+    assert probe.fsdp_modules(probed)[0]._get_fsdp_state()._is_root
+    assert root[1] == [True] and all(s[1] == [False] for s in layers)   # the root alone keeps its parameters
 
 
 @pytest.mark.slow
