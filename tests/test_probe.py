@@ -122,5 +122,16 @@ def test_float8_weights_are_dequantised_once_per_probe(process_group, monkeypatc
 
 def test_the_gathered_size_counts_every_parameter_and_a_bf16_copy_of_float8_weights():
     lin = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16, bias=False))
-    assert probe.gathered_bytes(lin) == (64 * 32 + 32 + 32 * 16) * 4
+    assert probe.gathered_bytes(lin) == (64 * 32 + 32 + 32 * 16) * 4     # no FSDP2 module: no all-gather buffers
     assert probe.fits_gathered(lin)          # no process group: this rank decides alone
+
+
+@pytest.mark.slow
+def test_the_gathered_size_adds_the_largest_modules_all_gather_buffers(process_group):
+    model = _fresh(None)
+    params = sum(p.numel() * p.dtype.itemsize for p in model.parameters())
+    root, *layers = probe.fsdp_modules(model)
+    in_layers = {id(p) for m in layers for p in m.parameters()}
+    own = {"root": sum(p.numel() * p.dtype.itemsize for p in root.parameters() if id(p) not in in_layers)}
+    own |= {i: sum(p.numel() * p.dtype.itemsize for p in m.parameters()) for i, m in enumerate(layers)}
+    assert probe.gathered_bytes(model) == params + 2 * max(own.values())

@@ -180,7 +180,7 @@ def linears_in_high_precision(model: nn.Module | None, *, keep_weights: bool = F
     `keep_weights`: the weights stay gathered and unchanged for the context's length, so each linear
     dequantises its weight once (a bf16 copy kept until the context ends)."""
     swapped = [m for m in (model.modules() if model is not None else ()) if _is_fp8_linear(m)]
-    kept: dict[int, torch.Tensor] = {}
+    kept: dict[tuple, torch.Tensor] = {}
     for m in swapped:
         m.forward = functools.partial(_high_precision_forward, m, kept if keep_weights else None)
     try:
@@ -197,14 +197,15 @@ def float8_weights(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _high_precision_forward(module: nn.Module, kept: dict | None, x: torch.Tensor) -> torch.Tensor:
-    w = kept.get(id(module)) if kept is not None else None
+    key = (id(module), x.dtype)
+    w = kept.get(key) if kept is not None else None
     if w is None:
         w = module.weight
         if hasattr(w, "to_original_precision"):        # torchao's float8 tensor: the all-gathered weight
             w = w.to_original_precision()
         w = _unwrap(w).to(x.dtype)
         if kept is not None:
-            kept[id(module)] = w
+            kept[key] = w
     return torch.nn.functional.linear(x, w, None if module.bias is None else module.bias.to(x.dtype))
 
 

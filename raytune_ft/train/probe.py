@@ -43,12 +43,19 @@ def fsdp_modules(model) -> list:
 
 
 def gathered_bytes(model) -> int:
-    """An upper bound of the bytes `model`'s parameters take gathered (in their own dtype: an fp32 master
-    weight is gathered in bf16 for the compute, counted at 4 bytes), plus a dequantised copy of each float8
-    linear's weight."""
+    """An upper bound of the bytes `model` takes gathered: its parameters in their own dtype (an fp32 master
+    weight, gathered in bf16 for the compute, counted at 4 bytes), a dequantised copy of each float8 linear's
+    weight, and twice the largest FSDP2 module's own parameters (its all-gather's input and output buffers,
+    alive beside the gathered parameters while it gathers)."""
     from raytune_ft.train.fp8 import float8_weights
 
-    return sum(p.numel() * p.dtype.itemsize for p in model.parameters()) + \
+    seen: set[int] = set()
+    largest = 0
+    for m in reversed(fsdp_modules(model)):     # the nested modules before those that hold them
+        own = [p for p in m.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        largest = max(largest, sum(p.numel() * p.dtype.itemsize for p in own))
+    return sum(p.numel() * p.dtype.itemsize for p in model.parameters()) + 2 * largest + \
         sum(w.numel() * 2 for w in float8_weights(model))
 
 
