@@ -63,17 +63,19 @@ def parts(kit) -> list:
     """The runs of `bench gpu lora` (each a gpu_kit.Part)."""
     from bench.gpu_kit import throughput_figures
 
-    kit.o.layers = kit.o.layers or CUT_LAYERS
-    cut = kit.layers()
-    gpu = None if kit.o.cpu_smoke else _device_name()
-    full = _on_job(kit.recipe_run("lora", f"full-{cut}", ["--set", "train.master_weights=bf16"],
-                                  throughput_figures), FULL_JOB)
-    full.info["master_weights"] = "bf16"
     part = kit.o.part
     if part not in ("all", "pair", "real"):
         raise SystemExit(f"lora --part: pair, real or all, not {part}")
-    runs = [full, _with_plan(_on_job(kit.recipe_run("lora", f"lora-{cut}", [], throughput_figures), LORA_JOB), gpu)]
-    runs = [] if part == "real" else runs
+    kit.o.layers = kit.o.layers or CUT_LAYERS
+    cut = kit.layers()
+    gpu = None if kit.o.cpu_smoke else _device_name()
+    runs = []
+    if part != "real":
+        full = _on_job(kit.recipe_run("lora", f"full-{cut}", ["--set", "train.master_weights=bf16"],
+                                      throughput_figures), FULL_JOB)
+        full.info["master_weights"] = "bf16"
+        runs = [full, _with_plan(_on_job(kit.recipe_run("lora", f"lora-{cut}", [], throughput_figures), LORA_JOB),
+                                 gpu)]
     if not kit.o.cpu_smoke and part != "pair":
         real = os.path.join(kit.work, f"qwen3.8-27b-{REAL_LAYERS}layers")
         big = kit.recipe_run("lora", f"lora-{REAL_LAYERS}layers", ["--set", f"model.name={real}",

@@ -173,13 +173,13 @@ def precompute_fp8_scales(model: nn.Module, recipe: str) -> None:
 
 
 @contextlib.contextmanager
-def linears_in_high_precision(model: nn.Module | None, *, keep_weights: bool = False):
+def linears_in_high_precision(model: nn.Module, *, keep_weights: bool = False):
     """Inside it, every float8 linear of `model` computes a plain matmul in its input's dtype, on its weight
     as the forward sees it (FSDP2's float8 all-gather hands it in float8 with its scale: dequantised).
     For the forward-only probes (held-out loss, samples), which run eagerly; training is untouched.
     `keep_weights`: the weights stay gathered and unchanged for the context's length, so each linear
     dequantises its weight once (a bf16 copy kept until the context ends)."""
-    swapped = [m for m in (model.modules() if model is not None else ()) if _is_fp8_linear(m)]
+    swapped = [m for m in model.modules() if _is_fp8_linear(m)]
     kept: dict[tuple, torch.Tensor] = {}
     for m in swapped:
         m.forward = functools.partial(_high_precision_forward, m, kept if keep_weights else None)

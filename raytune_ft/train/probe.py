@@ -17,14 +17,13 @@ import contextlib
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 
 HEADROOM_FRACTION = 0.10        # of the device's memory kept free beside the gathered weights
 HEADROOM_MIN_BYTES = 4 << 30    # ... and at least this (a probe's own activations: a 32k-token forward, no grad)
 
 
 @contextlib.contextmanager
-def probe_uncompiled(model=None) -> Iterator[None]:
+def probe_uncompiled(model) -> Iterator[None]:
     """Inside it, torch.compile'd modules run their eager code and compile nothing (the training step's
     graphs stay as they are); `model`'s weights stay gathered where they fit (`weights_gathered`), and its
     float8 linears run as plain matmuls on their dequantised weight (`fp8.linears_in_high_precision`):
@@ -39,7 +38,7 @@ def probe_uncompiled(model=None) -> Iterator[None]:
 def fsdp_modules(model) -> list:
     from torch.distributed.fsdp import FSDPModule
 
-    return [m for m in (model.modules() if model is not None else ()) if isinstance(m, FSDPModule)]
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def gathered_bytes(model) -> int:
@@ -70,22 +69,15 @@ def free_bytes(device: torch.device) -> tuple[int, int]:
     return vm.available, vm.total
 
 
-def _device_of(model) -> torch.device:
-    p = next(model.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
-
-
 def fits_gathered(model) -> bool:
     """Whether the whole model gathered fits beside what the device holds now, with headroom; agreed by
     every rank (one rank short of memory sends them all the per-forward way)."""
-    device = _device_of(model)
+    from raytune_ft.train.lending import step_extent
+
+    device = next(model.parameters()).device
     free, total = free_bytes(device)
     ok = gathered_bytes(model) + max(HEADROOM_MIN_BYTES, int(HEADROOM_FRACTION * total)) <= free
-    if dist.is_initialized():
-        flag = torch.tensor([1 if ok else 0], device=device if device.type == "cuda" else "cpu")
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        ok = bool(flag.item())
-    return ok
+    return bool(step_extent(int(ok), device)[0])       # the fewest over the ranks: all fit, or none keeps
 
 
 @contextlib.contextmanager
