@@ -105,7 +105,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     import ray
 
-    from raytune_ft.recipe import DataConfig
+    from raytune_ft.recipe.recipe import DataConfig
     from tests.s3_server import S3Server
 
     work = Path(tempfile.mkdtemp(prefix="bench_data_sources_"))

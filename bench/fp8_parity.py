@@ -59,7 +59,7 @@ def load_tokenizer(path: str | None):
     """A real tokenizer folder (its own chat template; a pad token as the loop's tokenizer_for sets it),
     or the project's tiny tokenizer when no path is given."""
     from raytune_ft.models.build import tokenizer_for
-    from raytune_ft.recipe import ModelConfig
+    from raytune_ft.recipe.recipe import ModelConfig
 
     if path is None:
         return tokenizer_for(ModelConfig(local_tiny=True))

@@ -11,7 +11,7 @@ loop's conversation lengths (same generator, same seed), so tokens/s and MFU com
     SHAPE=tiny DEVICE=cpu python bench/gpu_compare.py --model qwen3.8-27b --seq 512 --steps 3 --warm 1
 
 Prints one `RESULT {json}` line: tok_per_s, mfu (6 x matmul params x tokens + attention term, over
-the datasheet dense bf16 peak: 989 TFLOP/s on an H200, raytune_ft.hardware), peak_gib, s_per_step, backends; or {"oom": true}.
+the datasheet dense bf16 peak: 989 TFLOP/s on an H200, raytune_ft.planning.hardware), peak_gib, s_per_step, backends; or {"oom": true}.
 `--precision fp8` trains the decoder linears in float8 as train.precision=fp8 does (raytune_ft.train.fp8:
 conversion before compile and FSDP2, scales after each optimizer step); its MFU counts the same model
 FLOPs over the same bf16 peak, so MFU and tokens/s compare one to one with the bf16 run. Refused (exit 2,
@@ -54,7 +54,7 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
 
     from raytune_ft.models.attention import select_attention_backend
-    from raytune_ft.hardware import flops_per_block, gpu_peak_tflops, matmul_params
+    from raytune_ft.planning.hardware import flops_per_block, gpu_peak_tflops, matmul_params
     from raytune_ft.models.gated_delta import gated_delta_backends
     from raytune_ft.train.fsdp_loop import StepBatch, compile_pointwise, forward_backward, shard_packed_model
 

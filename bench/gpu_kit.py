@@ -159,7 +159,7 @@ def metric_windows(summary: dict, names=("tokens_per_s", "tokens_per_s_per_worke
     """Each logged window's metrics from the run's MLflow store, by step."""
     import mlflow
 
-    from raytune_ft.tracking import mlflow_metric_name
+    from raytune_ft.tracking.mlflow_run import mlflow_metric_name
 
     client = mlflow.MlflowClient(summary["tracking_uri"])
     out = {}
@@ -200,7 +200,7 @@ def shipped_figures(summary: dict) -> dict:
     (the end's held-out loss and samples): tokens over wall seconds, and the seconds that were not steps."""
     import mlflow
 
-    from raytune_ft.tracking import mlflow_metric_name
+    from raytune_ft.tracking.mlflow_run import mlflow_metric_name
 
     fig = throughput_figures(summary)
     client = mlflow.MlflowClient(summary["tracking_uri"])

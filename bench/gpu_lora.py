@@ -38,7 +38,7 @@ def _settings(argv: list[str]) -> list[str]:
 def planned_gib(job: str, argv: list[str], gpu: str | None) -> dict:
     """`raytune-ft plan`'s per-GPU total for the recipe this command line runs, on `gpu`."""
     from raytune_ft.cli import _job_recipe
-    from raytune_ft.plan import memory_plan
+    from raytune_ft.planning.plan import memory_plan
 
     recipe = _job_recipe(os.path.basename(job)[:-3], "--local" in argv, _settings(argv))
     plan = memory_plan(recipe, gpu=gpu)
@@ -47,7 +47,7 @@ def planned_gib(job: str, argv: list[str], gpu: str | None) -> dict:
 
 
 def _device_name() -> str | None:
-    from raytune_ft.hardware import current_device_name
+    from raytune_ft.planning.hardware import current_device_name
 
     return current_device_name()
 

@@ -75,7 +75,7 @@ def candidates(ranks: int, seq: int, master: str) -> list[dict]:
 def make_recipe(a, setting: dict, model_dir: str | None):
     """jobs/qwen27b_b300.py's recipe for `setting`: its real widths at `--layers`, random weights."""
     from jobs import qwen27b_b300 as job
-    from raytune_ft.recipe import apply_overrides
+    from raytune_ft.recipe.recipe import apply_overrides
 
     r = job.recipe()
     sets = [f"scaling.num_workers={setting['ranks']}", f"train.master_weights={setting['master']}",
@@ -94,8 +94,8 @@ def make_recipe(a, setting: dict, model_dir: str | None):
 def plausible(a, device_name: str | None, model_dir: str | None) -> tuple[list[dict], list[dict]]:
     """The candidates worth a try on this GPU, shipped first: those whose plan (an upper estimate) is within
     the GPU's whole memory; each plan's verdict beside it. A try that runs out of memory moves to the next."""
-    from raytune_ft.hardware import gpu_spec
-    from raytune_ft.plan import memory_plan
+    from raytune_ft.planning.hardware import gpu_spec
+    from raytune_ft.planning.plan import memory_plan
 
     seq = a.seq or (512 if a.cpu_smoke else 32768)
     cands = candidates(a.ranks, seq, a.master)
@@ -284,13 +284,13 @@ def run_setting(a, setting: dict, model_dir: str | None, device, rec: dict) -> N
     import torch
     import torch.distributed as dist
 
-    from raytune_ft.hardware import flops_per_block, gpu_spec
+    from raytune_ft.planning.hardware import flops_per_block, gpu_spec
 
     cuda = device.type == "cuda"
     device_name = torch.cuda.get_device_name(device) if cuda else None
     recipe = make_recipe(a, setting, model_dir)
     if device_name:
-        from raytune_ft.plan import memory_plan
+        from raytune_ft.planning.plan import memory_plan
 
         rec["plan_gib"] = round(memory_plan(recipe, gpu=device_name).total_bytes / 2**30, 2)
     if dist.is_initialized():

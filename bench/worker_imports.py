@@ -65,7 +65,7 @@ def stages(tokenizer: str | None, cpu: bool) -> dict[str, float]:
     lap("ray.train")
     import raytune_ft.train.fsdp_loop  # noqa: F401
     lap("the loop's module")
-    from raytune_ft.recipe import Recipe, on_local_cpu
+    from raytune_ft.recipe.recipe import Recipe, on_local_cpu
     from raytune_ft.models.tokenizer import tokenizer_for
 
     recipe = Recipe()

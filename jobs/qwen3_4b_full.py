@@ -15,7 +15,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from raytune_ft.cli import job_main  # noqa: E402
-from raytune_ft.recipe import (  # noqa: E402
+from raytune_ft.recipe.recipe import (  # noqa: E402
     on_local_cpu, DataConfig, ModelConfig, RegistryConfig, Recipe, ScalingConfig, TrackingConfig, TrainConfig)
 
 MODEL = "Qwen/Qwen3-4B"

@@ -15,8 +15,8 @@ from typing import Callable
 
 from raytune_ft.console import is_terminal, setup_driver
 from raytune_ft.env import redact
-from raytune_ft.recipe import absolute_local_paths, Recipe, RecipeError, apply_overrides, validate
-from raytune_ft.runs_table import DEFAULT_STORAGE, find_runs, format_runs
+from raytune_ft.recipe.recipe import absolute_local_paths, Recipe, RecipeError, apply_overrides, validate
+from raytune_ft.tracking.runs_table import DEFAULT_STORAGE, find_runs, format_runs
 
 RecipeFn = Callable[[], Recipe]
 LocalFn = Callable[[Recipe], Recipe]
@@ -63,7 +63,7 @@ def resolve(recipe_fn: RecipeFn, local_fn: LocalFn, *, local: bool, overrides: l
 
 def _print_plan(recipe: Recipe, **kwargs) -> None:
     try:
-        from raytune_ft.plan import memory_plan
+        from raytune_ft.planning.plan import memory_plan
     except ImportError:
         return
     try:
@@ -77,7 +77,7 @@ def _print_plan(recipe: Recipe, **kwargs) -> None:
 def _print_storage_plan(recipe: Recipe, shape) -> None:
     """What the run writes to tracking.storage_path: per checkpoint, the export, the peak (`shape`: the
     model shape the memory plan just read)."""
-    from raytune_ft.storage_plan import storage_plan
+    from raytune_ft.planning.disk import storage_plan
 
     print("\n".join(storage_plan(recipe, shape).lines()))
 
@@ -106,9 +106,9 @@ def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = No
 
     keep_bytecode(cache_root(recipe), recipe.train.bytecode_cache)
     setup_driver(terminal=is_terminal(sys.stdout))
-    from raytune_ft.lease import RunFolderInUse
-    from raytune_ft.run import run
-    from raytune_ft.storage_check import StorageAccessError
+    from raytune_ft.storage.lease import RunFolderInUse
+    from raytune_ft.driver.run import run
+    from raytune_ft.storage.check import StorageAccessError
 
     try:
         summary = run(recipe, local=args.local, register=False if args.no_register else None)
@@ -116,7 +116,7 @@ def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = No
         print(f"error: {redact(str(e))}", file=sys.stderr)
         return 2
     except BaseException as e:  # Ctrl-C, SIGTERM (`ray job stop`), an error: the run closed its MLflow run
-        from raytune_ft.endings import Stopped, ending_line, exit_code
+        from raytune_ft.driver.endings import Stopped, ending_line, exit_code
 
         line = ending_line(e)
         if line is None:
@@ -177,7 +177,7 @@ def cli_register(argv: list[str]) -> int:
     """`raytune-ft register CHECKPOINT --name catalog.schema.model [...]`; returns the exit code.
 
     Runs the registration in this process (no Ray); a failure is recorded as the post-fit task records it."""
-    from raytune_ft.recipe import validate_registry_name
+    from raytune_ft.recipe.recipe import validate_registry_name
 
     ap = argparse.ArgumentParser(
         prog="raytune-ft register",
@@ -203,8 +203,7 @@ def cli_register(argv: list[str]) -> int:
     if not args.tracking_uri:
         print("raytune-ft register: --tracking-uri is required (or set MLFLOW_TRACKING_URI)", file=sys.stderr)
         return 2
-    from raytune_ft import storage
-
+    from raytune_ft.storage import fs as storage
     if storage.is_uri(args.checkpoint):        # s3://...: read where it lies, with the AWS_* environment
         st = storage.resolve(args.checkpoint)
         if not storage.list_files(st.fs, st.root):
@@ -304,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         except RecipeError as e:
             print(f"error: bad recipe: {redact(str(e))}", file=sys.stderr)
             return 2
-        from raytune_ft.plan import memory_plan
+        from raytune_ft.planning.plan import memory_plan
 
         try:
             plan = memory_plan(recipe, gpu=args.gpu, tokens_per_s_per_gpu=args.tokens_per_s_per_gpu, mfu=args.mfu)
@@ -313,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(plan.render())
         _print_storage_plan(recipe, plan.shape)
-        from raytune_ft.projection import plan_extras
+        from raytune_ft.planning.projection import plan_extras
 
         print("\n".join(plan_extras(recipe, plan)))
         return 0 if plan.fits else 1

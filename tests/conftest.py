@@ -337,7 +337,7 @@ def train_state(ckpt_dir, rank: int = 0) -> dict:
 def run_with_fault(recipe, plan: dict[str, str]) -> Exception | None:
     """run(recipe, local=True) with the faults `plan` for this run only (tests/faults.py: they reach the
     workers of a Ray the tests started); the exception the run raised, None when it finished."""
-    from raytune_ft.run import run
+    from raytune_ft.driver.run import run
     from tests.faults import fault_plan
 
     with fault_plan(**plan):
@@ -369,8 +369,8 @@ def _isolated_mlflow_uris():
 def mlflow_run(tmp_path):
     """A default recipe whose MLflow store is a sqlite file under tmp_path, and a real run in it (rank 0's
     logging: tests/test_step_metrics.py, tests/test_mlflow_sender.py)."""
-    from raytune_ft import tracking
-    from raytune_ft.recipe import Recipe
+    from raytune_ft.tracking import mlflow_run as tracking
+    from raytune_ft.recipe.recipe import Recipe
 
     r = Recipe()
     r.tracking.storage_path = str(tmp_path / "runs")

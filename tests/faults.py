@@ -182,7 +182,7 @@ def _fail_at(spec: str):
 
 def _first_time(name: str) -> bool:
     """True the first time a worker of the run asks for `name` (a marker file in the run's folder)."""
-    from raytune_ft import storage
+    from raytune_ft.storage import fs as storage
     from raytune_ft.train.ckpt_storage import run_location
 
     fs, run_path = run_location()
@@ -195,7 +195,7 @@ def _first_time(name: str) -> bool:
 
 def _wait_registered(done, timeout_s: float = 120) -> None:
     """Wait until `done(Ray's record of the run's registered checkpoints)` holds (or the timeout)."""
-    from raytune_ft import storage
+    from raytune_ft.storage import fs as storage
     from raytune_ft.train.ckpt_storage import run_location
 
     fs, run_path = run_location()          # local or object storage alike
@@ -220,7 +220,9 @@ def _lease_to_another_job() -> None:
     """The run folder's lease written as another job's, its heartbeat long stale (a later job takes it over)."""
     from dataclasses import asdict
 
-    from raytune_ft import lease, storage
+    from raytune_ft.storage import lease
+
+    from raytune_ft.storage import fs as storage
     from raytune_ft.train.ckpt_storage import run_location
 
     fs, run_path = run_location()

@@ -20,7 +20,7 @@ DRIVER = textwrap.dedent("""
     import ray
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     from raytune_ft.cli import _job_recipe
-    from raytune_ft.train.launch import build_trainer
+    from raytune_ft.driver.launch import build_trainer
     recipe = _job_recipe("qwen27b_b300", True, ["tracking.storage_path=" + sys.argv[1]])
     trainer = build_trainer(recipe)
     print(json.dumps({"torch": "torch" in sys.modules, "backend": type(trainer.backend_config).__name__,
@@ -89,7 +89,7 @@ def test_a_dead_worker_is_said_in_a_few_words():
 
 
 def test_a_collective_that_lost_its_peer_is_raised_in_one_line():
-    from raytune_ft.train.launch import PeerLost, _peer_lost
+    from raytune_ft.driver.launch import PeerLost, _peer_lost
 
     gloo = ("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:34698. This is "
             "typically caused by a remote worker crashing.\nmore")
@@ -110,7 +110,7 @@ def test_a_report_cut_short_by_the_attempts_end_is_a_lost_peer_and_ray_does_not_
 
     from raytune_ft import compat
     from raytune_ft.console import quiet_process
-    from raytune_ft.train.launch import PeerLost, _peer_lost
+    from raytune_ft.driver.launch import PeerLost, _peer_lost
 
     died = ("The actor died unexpectedly before finishing this task.\n\tclass_name: SynchronizationActor\n\t"
             "actor_id: a800a9084a806bc9db8b9e7301000000\n\tpid: 9749\nThe actor is dead because it was killed by "
@@ -126,7 +126,7 @@ def test_a_report_cut_short_by_the_attempts_end_is_a_lost_peer_and_ray_does_not_
     log.addHandler(handler)
     try:
         log.error("Error in training function:\nTraceback (most recent call last):\n  ...\n"
-                  f"raytune_ft.train.launch.PeerLost: {lost}\n")
+                  f"raytune_ft.driver.launch.PeerLost: {lost}\n")
         log.error("Error in training function:\nTraceback (most recent call last):\n  ...\nValueError: bad\n")
     finally:
         log.removeHandler(handler)

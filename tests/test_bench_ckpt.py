@@ -29,7 +29,7 @@ def test_ckpt_runs_the_recipe_twice_synchronous_then_in_the_background(capsys, t
 def test_the_held_seconds_of_each_save_come_from_the_runs_mlflow_store(tmp_path):
     import mlflow
 
-    from raytune_ft.tracking import mlflow_metric_name     # the names the loop's metrics get in MLflow
+    from raytune_ft.tracking.mlflow_run import mlflow_metric_name     # the names the loop's metrics get in MLflow
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri)

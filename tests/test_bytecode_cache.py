@@ -20,8 +20,8 @@ import textwrap
 import pytest
 
 from raytune_ft import env as envmod
-from raytune_ft.recipe import Recipe, apply_overrides
-from raytune_ft.typed_values import RecipeError
+from raytune_ft.recipe.recipe import Recipe, apply_overrides
+from raytune_ft.recipe.values import RecipeError
 from tests.conftest import REPO
 
 # in a fresh Python started with `environ`: keep_bytecode, then import a module of `src`, then start a child

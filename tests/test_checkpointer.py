@@ -29,7 +29,7 @@ class LetThrough:
 def _saver(tmp_path, state, *, background: bool, reports: list):
     from ray.train.v2._internal.execution.storage import StorageContext
 
-    from raytune_ft.recipe import Recipe
+    from raytune_ft.recipe.recipe import Recipe
     from raytune_ft.train.checkpointer import Checkpointer
     from raytune_ft.train.common import WorkerLog
 

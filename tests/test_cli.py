@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from raytune_ft import cli
-
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -122,7 +121,7 @@ def test_sample_prompts_set_to_a_number_is_a_number_in_the_dry_run(capsys, value
         recipe = json.loads(out[: out.index("\nmemory plan:")])
         assert recipe["train"]["sample_prompts"] == shown and f'"sample_prompts": {shown},' in out
     else:       # a file name stays text (and is checked as a file: this one does not exist)
-        from raytune_ft.recipe import Recipe, apply_overrides
+        from raytune_ft.recipe.recipe import Recipe, apply_overrides
 
         assert apply_overrides(Recipe(), [f"train.sample_prompts={value}"]).train.sample_prompts == shown
 
@@ -155,7 +154,7 @@ def test_plan_unknown_gpu_is_a_clear_error(capsys):
 
 
 def _summary(storage: Path, name: str, **kw) -> Path:
-    from raytune_ft.run import RunSummary
+    from raytune_ft.driver.run import RunSummary
 
     s = RunSummary(job=kw.pop("job", "qwen27b_b300"), run_name=name, status=kw.pop("status", "registered"), **kw)
     d = storage / name
@@ -208,8 +207,8 @@ def test_runs_shows_an_unfinished_run_from_its_mlflow_store(tmp_path, capsys):
     """A run still training has no summary.json: its status and last loss come from MLflow."""
     import mlflow
 
-    from raytune_ft import tracking
-    from raytune_ft.recipe import Recipe
+    from raytune_ft.tracking import mlflow_run as tracking
+    from raytune_ft.recipe.recipe import Recipe
 
     recipe = Recipe()
     recipe.tracking.storage_path = str(tmp_path)
@@ -234,7 +233,7 @@ def test_job_script_still_runs_as_python_jobs_x():
 
 
 def test_summary_labels_its_two_rates_and_spaces_the_data_row():
-    from raytune_ft.run import RunSummary
+    from raytune_ft.driver.run import RunSummary
 
     s = RunSummary(job="j", run_name="r", status="trained", steps=20, tokens=20_000, attempt_tokens=20_000,
                    tokens_per_s=650.0, steps_tokens_per_s=4400.0, data={"rows_read": 512, "blocks": 40})
@@ -248,7 +247,7 @@ def test_summary_labels_its_two_rates_and_spaces_the_data_row():
 
 def test_run_off_a_terminal_turns_off_ray_colours_and_progress_bars(monkeypatch, capsys):
     """Under `ray job submit` or a pipe the driver's stdout is a file: no ANSI colours, no tqdm bars."""
-    import raytune_ft.run as run_mod
+    import raytune_ft.driver.run as run_mod
 
     seen = {}
 

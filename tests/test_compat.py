@@ -11,8 +11,6 @@ import re
 import pytest
 
 from raytune_ft import compat
-
-
 def test_every_internal_loads_and_says_why_and_where_it_was_checked():
     entries = compat.internals()
     assert len(entries) >= 12
@@ -86,8 +84,8 @@ def test_mlflow_target_puts_the_previous_stores_back(tmp_path):
 
 def test_a_workers_error_is_found_inside_ray_trains_wrapping_of_it():
     """train/launch.unfixable_error looks through Ray Train's wrapper (a private attribute, through compat)."""
-    from raytune_ft.train.launch import unfixable_error
-    from raytune_ft.typed_values import RecipeError
+    from raytune_ft.driver.launch import unfixable_error
+    from raytune_ft.recipe.values import RecipeError
 
     wrapper = compat.RAY_WRAPPED_ERROR.load()
     inner = RecipeError("bad recipe")

@@ -49,7 +49,7 @@ def test_register_prints_its_result_only(tmp_path):
 
     from raytune_ft.models.build import load_causal_lm
     from raytune_ft.models.tiny import local_tokenizer
-    from raytune_ft.recipe import Recipe
+    from raytune_ft.recipe.recipe import Recipe
 
     r = Recipe()
     r.model.local_tiny, r.model.dtype = True, "float32"

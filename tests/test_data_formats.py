@@ -10,7 +10,7 @@ import pytest
 
 from raytune_ft.data.precheck import check_sources
 from raytune_ft.data.sources import Adapter, to_messages
-from raytune_ft.recipe import Recipe, RecipeError, apply_overrides, validate
+from raytune_ft.recipe.recipe import Recipe, RecipeError, apply_overrides, validate
 
 SHAREGPT_ROLE = {"user": "human", "assistant": "gpt", "system": "system"}
 
@@ -194,7 +194,7 @@ def test_data_check_says_what_each_source_trains_on(tmp_path, ultrachat, capybar
 
 def test_a_mixtures_local_paths_are_made_absolute_where_the_run_is_launched(fixtures, monkeypatch):
     """Ray's workers read in folders of their own: a relative path in data.sources would name nothing there."""
-    from raytune_ft.recipe import absolute_local_paths
+    from raytune_ft.recipe.recipe import absolute_local_paths
 
     monkeypatch.chdir(fixtures / "data")
     sources = json.dumps([{"source": "capybara_ldjnr_first16.jsonl"}, {"source": "hf://trl-lib/Capybara"}])

@@ -12,7 +12,7 @@ import pytest
 
 from raytune_ft.data.packing import DataCounters
 from raytune_ft.data.pipeline import HF_ROOT_ENV, build_dataset, iter_blocks, train_data_config
-from raytune_ft.recipe import DataConfig
+from raytune_ft.recipe.recipe import DataConfig
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from raytune_ft.data.packing import DataCounters
-from raytune_ft.recipe import Recipe, RecipeError, apply_overrides, validate
+from raytune_ft.recipe.recipe import Recipe, RecipeError, apply_overrides, validate
 from tests.conftest import own_ray
 from tests.mlflow_server import free_port
 
@@ -48,7 +48,7 @@ def _sources(bucket: str) -> str:
 
 @pytest.mark.timeout(600)
 def test_a_two_source_mixture_on_s3_is_read_by_ray_data_and_counted_per_source(s3_data, fixtures):
-    from raytune_ft import preflight
+    from raytune_ft.driver import preflight
     from raytune_ft.data.pipeline import build_dataset, iter_blocks
 
     recipe = validate(apply_overrides(Recipe(), [f"data.sources={_sources(s3_data)}", "data.seq_len=4096",
@@ -65,8 +65,7 @@ def test_a_two_source_mixture_on_s3_is_read_by_ray_data_and_counted_per_source(s
 
 
 def test_an_s3_source_with_wrong_keys_or_no_server_stops_before_ray(s3_server, monkeypatch):
-    from raytune_ft import preflight
-
+    from raytune_ft.driver import preflight
     bucket = s3_server.bucket()
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)

@@ -11,7 +11,7 @@ import pytest
 from raytune_ft.data.packing import DataCounters
 from raytune_ft.data.pipeline import build_dataset, iter_blocks
 from raytune_ft.data.precheck import check_sources
-from raytune_ft.recipe import Recipe, apply_overrides, validate
+from raytune_ft.recipe.recipe import Recipe, apply_overrides, validate
 
 
 @pytest.fixture(scope="module")

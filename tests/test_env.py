@@ -53,7 +53,6 @@ def test_child_python_env_puts_the_package_first_and_keeps_the_callers_path(monk
 
 def test_ray_train_defaults_turn_the_preemption_watcher_off_for_cpu_runs_only_and_keep_a_users_value(monkeypatch):
     from raytune_ft import env
-
     monkeypatch.delenv(env.PREEMPTION_ENV, raising=False)
     monkeypatch.setitem(env._SET_HERE, "preemption", False)
     env.ray_train_defaults(watch_preemption=False)

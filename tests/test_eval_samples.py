@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from raytune_ft.recipe import RecipeError, apply_overrides, validate
+from raytune_ft.recipe.recipe import RecipeError, apply_overrides, validate
 from tests.conftest import train_state
 from tests.test_fsdp_loop import tiny_recipe
 
@@ -30,7 +30,7 @@ def write_prompts(path) -> str:
 # ---------------------------------------------------------------- recipe and data
 
 def test_sample_prompts_are_checked_before_ray_starts(tmp_path):
-    from raytune_ft.recipe import Recipe
+    from raytune_ft.recipe.recipe import Recipe
 
     with pytest.raises(RecipeError, match="train.sample_prompts: '/no/such.jsonl' is not a .jsonl/.json file"):
         validate(apply_overrides(Recipe(), ["train.sample_prompts=/no/such.jsonl"]))
@@ -49,7 +49,7 @@ def test_sample_prompts_are_checked_before_ray_starts(tmp_path):
 def test_validation_max_rows_keeps_the_first_held_out_rows(ray_local):
     from raytune_ft.data.pipeline import build_dataset
     from raytune_ft.models.tiny import local_tokenizer
-    from raytune_ft.recipe import DataConfig
+    from raytune_ft.recipe.recipe import DataConfig
 
     data = DataConfig(source="builtin:chat:200", seq_len=256, validation_fraction=0.3, seed=3)
     every = build_dataset(data, local_tokenizer(), split="validation").take_all()
@@ -68,7 +68,7 @@ def test_batched_packed_greedy_equals_generate_one_prompt_at_a_time():
     no sequence sees another's tokens, and each stops at its own end."""
     from raytune_ft.models.build import load_causal_lm
     from raytune_ft.models.gated_delta import enable_packing
-    from raytune_ft.recipe import Recipe
+    from raytune_ft.recipe.recipe import Recipe
     from raytune_ft.train.fsdp_model import PackedCausalLM
     from raytune_ft.train.sampling import generate_greedy
 
@@ -179,8 +179,8 @@ def test_samples_and_eval_leave_the_training_graphs_alone():
 def watched_run(ray_local, tmp_path_factory):
     """2 CPU workers, held-out loss every 2 steps, 2 sample prompts from a file, MLflow on; the data and the
     held-out rows read from before the model is built (train.read_ahead=on, the GPU workers' default)."""
-    from raytune_ft import tracking
-    from raytune_ft.train.launch import build_trainer
+    from raytune_ft.tracking import mlflow_run as tracking
+    from raytune_ft.driver.launch import build_trainer
 
     tmp = tmp_path_factory.mktemp("watched")
     r = tiny_recipe(tmp, "watched", max_steps=4, checkpoint_every=2)
@@ -189,7 +189,7 @@ def watched_run(ray_local, tmp_path_factory):
     r.train.sample_prompts = write_prompts(tmp / "prompts.jsonl")
     r.train.read_ahead = "on"
     r = validate(r)
-    from raytune_ft.run_opening import put_run_id
+    from raytune_ft.tracking.opening import put_run_id
 
     run_id = tracking.start_run(r)
     put_run_id("mlflow_run/watched", {"run_id": run_id})      # the one way a run id reaches rank 0
@@ -286,8 +286,8 @@ def test_trl_eval_loss_is_logged_as_eval_loss_and_perplexity(tmp_path):
 
     import mlflow
 
-    from raytune_ft import tracking
-    from raytune_ft.recipe import Recipe
+    from raytune_ft.tracking import mlflow_run as tracking
+    from raytune_ft.recipe.recipe import Recipe
     from raytune_ft.train.common import WorkerLog
     from raytune_ft.train.trl.base import Paused
     from raytune_ft.train.trl.report import ReportContext, report_callback
@@ -312,7 +312,7 @@ def test_trl_eval_loss_is_logged_as_eval_loss_and_perplexity(tmp_path):
 
 def test_plan_states_the_cost_of_evaluation_and_samples():
     from raytune_ft.cli import _job_recipe
-    from raytune_ft.plan import memory_plan
+    from raytune_ft.planning.plan import memory_plan
 
     r = _job_recipe("qwen27b_b300", False, [])
     assert r.train.eval_every and r.train.sample_prompts

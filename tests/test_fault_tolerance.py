@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from raytune_ft import storage
+from raytune_ft.storage import fs as storage
 from tests.conftest import REPO
 
 STEPS, EVERY = 10, 4
@@ -126,7 +126,7 @@ def _assert_history_matches(history: list[dict], reference: list[dict]) -> None:
 
 def _unfixable_errors():
     from raytune_ft.models.kernel_check import KernelCheckError
-    from raytune_ft.recipe import RecipeError
+    from raytune_ft.recipe.recipe import RecipeError
     from raytune_ft.train.batch import DataOrderChanged
 
     return [storage.StorageFullError("/mnt/runs/r", 4000, 10), RecipeError("train.lr: must be > 0"),
@@ -146,7 +146,7 @@ def test_an_error_a_retry_cannot_fix_is_raised_at_once_other_errors_are_retried(
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
     from ray.train.v2.api.exceptions import WorkerGroupError
 
-    from raytune_ft.train.launch import RaiseUnfixable, unfixable_error
+    from raytune_ft.driver.launch import RaiseUnfixable, unfixable_error
 
     policy = RaiseUnfixable(ray.train.FailureConfig(max_failures=3))
     err = _unfixable_errors()[index]
@@ -170,8 +170,7 @@ class LeaseWatcher(threading.Thread):
         self.stop = threading.Event()
 
     def run(self):
-        from raytune_ft import lease
-
+        from raytune_ft.storage import lease
         while not self.stop.wait(0.05):
             rec = lease.read(self.fs, self.run_path)
             if rec is not None and (not self.seen or self.seen[-1] != rec):
@@ -186,9 +185,9 @@ def test_a_second_job_on_a_live_run_folder_stops_at_once_and_deletes_nothing(ray
     back at the end, and the folder A left is an orphan of a dead job's attempt, which B removes."""
     import mlflow
 
-    from raytune_ft import lease
+    from raytune_ft.storage import lease
     from raytune_ft.env import scoped_env
-    from raytune_ft.run import run
+    from raytune_ft.driver.run import run
 
     recipe = _recipe(tmp_path, "shared", 0, "train.max_steps=2", "train.checkpoint_every=2")
     st, run_path = storage.run_storage(recipe)

@@ -133,7 +133,7 @@ def test_compile_covers_the_float8_linears_outside_the_mlp():
 
 
 def test_recipe_precision_fields():
-    from raytune_ft.recipe import Recipe, RecipeError, apply_overrides, on_local_cpu, validate
+    from raytune_ft.recipe.recipe import Recipe, RecipeError, apply_overrides, on_local_cpu, validate
 
     assert (Recipe().train.precision, Recipe().train.fp8_recipe) == ("bf16", "tensorwise")
     r = validate(apply_overrides(Recipe(), ["train.precision=fp8", "train.fp8_recipe=rowwise"]))
@@ -153,7 +153,7 @@ def test_recipe_precision_fields():
 
 def test_the_loop_refuses_fp8_on_a_cpu_worker_before_loading_anything(monkeypatch):
     """A recipe for GPUs whose worker lands on a CPU (or an old GPU): refused at the worker's start."""
-    from raytune_ft.recipe import Recipe, apply_overrides
+    from raytune_ft.recipe.recipe import Recipe, apply_overrides
     from raytune_ft.train import fsdp_loop
     from raytune_ft.train.common import WorkerLog
 
@@ -319,8 +319,8 @@ def test_mxfp8_conversion_keeps_a_plain_state_dict(process_group):
 
 
 def test_the_memory_plan_counts_float8_casts():
-    from raytune_ft.plan import memory_plan
-    from raytune_ft.recipe import Recipe, apply_overrides
+    from raytune_ft.planning.plan import memory_plan
+    from raytune_ft.recipe.recipe import Recipe, apply_overrides
 
     base = apply_overrides(Recipe(), ["model.name=qwen3.8-27b", "model.init=random", "data.seq_len=32768"])
     bf16 = memory_plan(base, gpu="H200")
@@ -339,7 +339,7 @@ def test_the_loops_build_converts_a_meta_model_and_trains(tmp_path, monkeypatch,
     random init filling the (wrapped) shards; then the loop's step with the scales after it. The GPU
     check is the one part replaced (no float8 GPU here; the check has its own tests above)."""
     from raytune_ft.models.tiny import ASSETS
-    from raytune_ft.recipe import Recipe, apply_overrides
+    from raytune_ft.recipe.recipe import Recipe, apply_overrides
     from raytune_ft.train import fsdp_loop
     from raytune_ft.train.batch import StepBatch
     from raytune_ft.train.common import WorkerLog
@@ -424,7 +424,7 @@ def test_parity_text_rows_render_with_the_real_tokenizer(fixtures):
 WORKER_BUILD = """
 import importlib.util, json, socket, sys
 import torch, torch.distributed as dist
-from raytune_ft.recipe import Recipe, on_local_cpu, apply_overrides
+from raytune_ft.recipe.recipe import Recipe, on_local_cpu, apply_overrides
 from raytune_ft.train import fsdp_loop
 from raytune_ft.train.common import WorkerLog
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from raytune_ft.recipe import Recipe, validate
+from raytune_ft.recipe.recipe import Recipe, validate
 from tests.conftest import train_state
 
 
@@ -41,7 +41,7 @@ def tiny_recipe(storage, name: str, **train) -> Recipe:
 
 
 def fit(recipe: Recipe, blocks_by_rank=None):
-    from raytune_ft.train.launch import build_trainer
+    from raytune_ft.driver.launch import build_trainer
 
     result = build_trainer(recipe, blocks_by_rank=blocks_by_rank).fit()
     return result, train_state(result.checkpoint.path)

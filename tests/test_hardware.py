@@ -1,10 +1,10 @@
-"""GPU peaks, MFU basis and model FLOPs (raytune_ft/hardware.py)."""
+"""GPU peaks, MFU basis and model FLOPs (raytune_ft/planning/hardware.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from raytune_ft import hardware
+from raytune_ft.planning import hardware
 from raytune_ft.models.tiny import real_config
 
 

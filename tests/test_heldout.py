@@ -50,7 +50,7 @@ def _held_out_rank(rank: int, world: int, port: int, out: str, fail: bool) -> No
     import numpy as np
     import ray.train
 
-    from raytune_ft.recipe import Recipe
+    from raytune_ft.recipe.recipe import Recipe
     from raytune_ft.train.evaluate import start_reading_held_out
     from tests.conftest import spawned_gloo_rank
 

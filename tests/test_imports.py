@@ -102,7 +102,7 @@ def test_the_walk_sees_the_package():
     graph = import_graph()
     assert len(graph) > 30
     # arrows the layers are known to have: the walk must find them, or it proves nothing
-    assert "raytune_ft.recipe" in graph["raytune_ft.plan"] and "raytune_ft.hardware" in graph["raytune_ft.plan"]
+    assert "raytune_ft.recipe.recipe" in graph["raytune_ft.planning.plan"] and "raytune_ft.planning.hardware" in graph["raytune_ft.planning.plan"]
     assert "raytune_ft.registry.task" in graph["raytune_ft.registry"]
     assert "raytune_ft.registry.base" in graph["raytune_ft.registry.task"]
 
@@ -133,14 +133,14 @@ AFTER_FIT = textwrap.dedent("""
     from raytune_ft.train.checkpoint_meta import read_meta, read_meta_at, read_train_state, write_meta, write_train_state
     alone = "torch" in sys.modules
     # what run.py, endings.py and the registry entry import once fit returned, and the readers called
-    import raytune_ft.endings, raytune_ft.plots, raytune_ft.run, raytune_ft.run_opening, raytune_ft.tracking
+    import raytune_ft.driver.endings, raytune_ft.tracking.plots, raytune_ft.driver.run, raytune_ft.tracking.opening, raytune_ft.tracking.mlflow_run
     from raytune_ft.registry import find_registered_version, run_registration
     from raytune_ft.registry.base import RegistrationOutcome
     ckpt = sys.argv[1]
     write_meta(ckpt, {"step": 3, "final": True})
     write_train_state(ckpt, 0, {"counters": {"real_tokens": 5}})
     read_back = [read_meta_at(pafs.LocalFileSystem(), ckpt), read_meta(ckpt),
-                 read_train_state(pafs.LocalFileSystem(), ckpt, 0), raytune_ft.run.merged_data_counters(ckpt)["real_tokens"]]
+                 read_train_state(pafs.LocalFileSystem(), ckpt, 0), raytune_ft.driver.run.merged_data_counters(ckpt)["real_tokens"]]
     print(json.dumps({"alone": alone, "after_fit": "torch" in sys.modules, "read_back": read_back}))
 """)
 

@@ -121,7 +121,7 @@ def test_a_broken_cache_never_fails_the_run(tmp_path, clean_env):
 
 
 def test_a_relative_cache_dir_is_refused_before_ray_starts():
-    from raytune_ft.recipe import Recipe, RecipeError, apply_overrides, validate
+    from raytune_ft.recipe.recipe import Recipe, RecipeError, apply_overrides, validate
 
     r = Recipe()
     apply_overrides(r, ["train.cache_dir=jit"])

@@ -149,9 +149,9 @@ def test_ray_job_stop_says_one_line_ends_the_run_killed_and_the_same_submit_resu
 
     from mlflow import MlflowClient
 
-    from raytune_ft import storage as storage_mod
+    from raytune_ft.storage import fs as storage_mod
     from raytune_ft.cli import _job_recipe
-    from raytune_ft.lease import LEASE_FILE
+    from raytune_ft.storage.lease import LEASE_FILE
 
     address, env, _ = ray_head
     sets = [f"tracking.storage_path={tmp_path / 'runs'}", "train.max_steps=8", "train.checkpoint_every=3",

@@ -9,7 +9,7 @@ from raytune_ft.data.builtin import builtin_chat
 from raytune_ft.data.packing import DataCounters
 from raytune_ft.data.pipeline import iter_blocks, tokenize_rows
 from raytune_ft.data.sources import to_messages
-from raytune_ft.recipe import DataConfig
+from raytune_ft.recipe.recipe import DataConfig
 
 GOOD = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
 

@@ -218,7 +218,7 @@ def test_a_loop_worker_logs_through_its_worker_log_and_tags_its_run(mlflow_store
     """check_on_worker, as both loops call it: rank 0's WorkerLog writes the line and tags the run."""
     import io
 
-    from raytune_ft.recipe import Recipe
+    from raytune_ft.recipe.recipe import Recipe
     from raytune_ft.train.common import WorkerLog
 
     client, exp, uri = mlflow_store
@@ -322,7 +322,7 @@ def test_a_kernel_failing_on_one_rank_is_off_on_every_rank():
 
 
 def test_recipe_field_defaults_to_check_and_is_validated():
-    from raytune_ft.recipe import Recipe, RecipeError, apply_overrides, validate
+    from raytune_ft.recipe.recipe import Recipe, RecipeError, apply_overrides, validate
 
     assert Recipe().train.kernels == "check"
     assert apply_overrides(Recipe(), ["train.kernels=strict"]).train.kernels == "strict"

@@ -17,17 +17,17 @@ import pytest
 from mlflow import MlflowClient
 
 from raytune_ft.cli import _job_recipe
-from raytune_ft.lease import LEASE_FILE
-from raytune_ft.lifecycle import END_BOUND_S
+from raytune_ft.storage.lease import LEASE_FILE
+from raytune_ft.driver.lifecycle import END_BOUND_S
 from tests.conftest import REPO, env_with_path
 
 # a driver as run() is up to its fit: the lifecycle holds the run folder and opens the MLflow run, then waits
 DRIVER = textwrap.dedent("""
     import json, sys, time
-    from raytune_ft import storage
+    from raytune_ft.storage import fs as storage
     from raytune_ft.cli import _job_recipe
-    from raytune_ft.endings import ending_line, exit_code
-    from raytune_ft.lifecycle import RunLifecycle
+    from raytune_ft.driver.endings import ending_line, exit_code
+    from raytune_ft.driver.lifecycle import RunLifecycle
     recipe = _job_recipe("qwen27b_b300", True, json.loads(sys.argv[1]))
     try:
         with RunLifecycle(recipe, local=True) as life:
@@ -103,7 +103,7 @@ def test_a_signal_while_the_run_still_opens_ends_the_run_the_opener_opens(tmp_pa
     """The run ends while its opener's process is still importing MLflow to reopen an earlier attempt's run:
     the opener was terminated 2 s later, and a run it had created or reopened to RUNNING stayed RUNNING. Now
     the opener ends the run it opens, within the bound."""
-    from raytune_ft.tracking import end_run, start_run
+    from raytune_ft.tracking.mlflow_run import end_run, start_run
 
     recipe = _recipe(tmp_path)
     end_run(recipe, start_run(recipe), status="KILLED")   # an earlier attempt's: the opener reopens it
@@ -153,8 +153,8 @@ def test_call_within_returns_raises_or_gives_up_within_its_bound():
 def test_a_returned_runs_reads_of_a_store_that_does_not_answer_are_bounded(tmp_path, mlflow_server, capsys):
     """After fit, the driver reads the run's metrics back (train.save_final=false) and logs its plots: with
     the tracking server stopped (SIGSTOP), each gives up within its bound and says so; the summary goes on."""
-    from raytune_ft import run as run_module
-    from raytune_ft.tracking import mlflow_metric_name, start_run
+    from raytune_ft.driver import run as run_module
+    from raytune_ft.tracking.mlflow_run import mlflow_metric_name, start_run
 
     # the server is the session's: a run name of this test's own
     recipe = _recipe(tmp_path, f"tracking.tracking_uri={mlflow_server.uri}",
@@ -176,9 +176,9 @@ def test_a_returned_runs_reads_of_a_store_that_does_not_answer_are_bounded(tmp_p
 @pytest.mark.slow          # two opener processes
 @pytest.mark.timeout(120)
 def test_a_return_finishes_the_run_and_an_error_fails_it(tmp_path):
-    from raytune_ft import storage
-    from raytune_ft.endings import ending_line
-    from raytune_ft.lifecycle import RunLifecycle
+    from raytune_ft.storage import fs as storage
+    from raytune_ft.driver.endings import ending_line
+    from raytune_ft.driver.lifecycle import RunLifecycle
 
     recipe = _recipe(tmp_path)
     client = MlflowClient(recipe.tracking_uri)
@@ -235,8 +235,7 @@ def test_ctrl_c_on_a_local_job_says_one_line_and_the_same_command_resumes(tmp_pa
 def _interrupt_and_resume(tmp_path) -> None:
     import re
 
-    from raytune_ft import storage
-
+    from raytune_ft.storage import fs as storage
     overrides = [f"tracking.storage_path={tmp_path / 'runs'}", "train.max_steps=8", "train.checkpoint_every=3"]
     recipe = _recipe(tmp_path, *overrides[1:])
     folder = os.path.join(recipe.tracking.storage_path, recipe.tracking.run_name)

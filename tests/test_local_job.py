@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from raytune_ft.tracking import startup_from_params
+from raytune_ft.tracking.mlflow_run import startup_from_params
 from tests.conftest import local_job_recipe, train_state
 
 

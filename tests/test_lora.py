@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from raytune_ft.recipe_sections import FSDP2_LORA_TARGETS
+from raytune_ft.recipe.sections import FSDP2_LORA_TARGETS
 from tests.lora_helpers import blocks, build, ids, loop_logits, one_rank_group, recipe, train_step
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -16,13 +16,13 @@ import textwrap
 
 import pytest
 
-from raytune_ft.recipe import Recipe
+from raytune_ft.recipe.recipe import Recipe
 from tests.conftest import REPO, env_with_path
 
 
 WORKER = textwrap.dedent("""
     import io, json, sys
-    from raytune_ft.recipe import recipe_from_dict
+    from raytune_ft.recipe.recipe import recipe_from_dict
     from raytune_ft.train.common import WorkerLog
     recipe = recipe_from_dict(json.loads(sys.argv[1]))
     out = io.StringIO()
@@ -102,9 +102,9 @@ def test_a_hung_tracking_server_costs_a_checkpoint_report_at_most_the_stated_bou
 
     from mlflow import MlflowClient
 
-    from raytune_ft import tracking
+    from raytune_ft.tracking import mlflow_run as tracking
     from raytune_ft.train.common import WorkerLog
-    from raytune_ft.train.mlflow_sender import REPORT_WAIT_S
+    from raytune_ft.tracking.sender import REPORT_WAIT_S
 
     recipe = Recipe()
     recipe.tracking.storage_path = str(tmp_path / "runs")
@@ -157,7 +157,7 @@ def _stopped_sender(recipe, run_id, said: list):
     so the pipe to it fills. The sender's own process, a real one, is what is stopped."""
     import signal
 
-    from raytune_ft.train.mlflow_sender import MlflowSender
+    from raytune_ft.tracking.sender import MlflowSender
 
     sender = MlflowSender(recipe.tracking_uri, run_id, said.append)
     os.kill(sender.pid, signal.SIGSTOP)
@@ -243,7 +243,7 @@ def _closing_in_a_thread(sender, timeout: float):
 
 @pytest.mark.timeout(120)
 def test_calls_beyond_the_senders_queue_are_dropped_and_said(tmp_path, monkeypatch):
-    from raytune_ft.train import mlflow_sender
+    from raytune_ft.tracking import sender as mlflow_sender
 
     monkeypatch.setattr(mlflow_sender, "QUEUE_CALLS", 20, raising=False)
     recipe, run_id = _never_reached(tmp_path)

@@ -12,7 +12,7 @@ from raytune_ft.models.build import (decoder_layers, load_causal_lm, load_pretra
 from raytune_ft.models.gated_delta import packed_forward_kwargs
 from raytune_ft.models.tiny import (ASSETS, CHATML_TEMPLATE, build_tokenizer_files, local_tokenizer,
                                     real_config, tiny_config)
-from raytune_ft.recipe import ModelConfig
+from raytune_ft.recipe.recipe import ModelConfig
 
 CHAT = [
     {"role": "system", "content": "Be brief."},

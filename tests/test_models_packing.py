@@ -18,7 +18,7 @@ from raytune_ft.models.gated_delta import (enable_packing, is_packing_enabled, p
                                            segment_causal_conv1d, segment_gated_delta_rule)
 from raytune_ft.models.loss import chunked_cross_entropy
 from tests.loss_helpers import enable_chunked_loss
-from raytune_ft.recipe import ModelConfig
+from raytune_ft.recipe.recipe import ModelConfig
 
 # Lengths cross the gated-delta-net's 64-token chunk and include a one-token conversation.
 LENS = [23, 70, 1, 9, 41]

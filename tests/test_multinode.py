@@ -28,8 +28,7 @@ def trained_past_the_checkpoint(client: MlflowClient, fs, run_dir: str, seen: di
     """The kill's condition: the run's MLflow history has a loss of a step after the newest checkpoint Ray
     registered, so the restart trains a step the killed attempt logged (what the two losses of one step are
     compared on). `seen` gets that checkpoint's step and the steps logged."""
-    from raytune_ft import storage
-
+    from raytune_ft.storage import fs as storage
     run_id: list[str] = []      # looked up once: the kill's poll then reads the history only
 
     def ready() -> bool:
@@ -73,7 +72,7 @@ def two_node_run(mlflow_server, s3_server):
     import ray.train.v2.api  # noqa: F401
 
     from raytune_ft.cli import resolve
-    from raytune_ft.run import run
+    from raytune_ft.driver.run import run
 
     fs, bucket = s3_server.filesystem(), s3_server.bucket()
     storage = f"s3://{bucket}/mn_runs"
@@ -124,8 +123,7 @@ def two_node_run(mlflow_server, s3_server):
 def test_two_workers_on_two_nodes_train_checkpoint_and_resume(two_node_run):
     import psutil
 
-    from raytune_ft import storage
-
+    from raytune_ft.storage import fs as storage
     out = two_node_run
     fs = out["fs"]
     assert len(out["nodes"]) == 2
@@ -173,8 +171,8 @@ def test_more_nodes_by_scaling_with_a_file_tracking_store_stop_before_ray_starts
     import ray
 
     from raytune_ft.cli import resolve
-    from raytune_ft.recipe import RecipeError, check_tracking_store, nodes_of
-    from raytune_ft.run import run
+    from raytune_ft.recipe.recipe import RecipeError, check_tracking_store, nodes_of
+    from raytune_ft.driver.run import run
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     job = _job()
@@ -197,8 +195,8 @@ def test_a_two_node_cluster_with_a_file_tracking_store_stops_before_the_run_open
     from ray.cluster_utils import Cluster
 
     from raytune_ft.cli import resolve
-    from raytune_ft.recipe import RecipeError
-    from raytune_ft.run import run
+    from raytune_ft.recipe.recipe import RecipeError
+    from raytune_ft.driver.run import run
 
     job = _job()
     recipe = resolve(job.recipe, job.local, local=True, overrides=[
@@ -224,7 +222,7 @@ def test_a_two_node_cluster_with_a_file_tracking_store_stops_before_the_run_open
 ])
 def test_bad_scaling_fails_before_ray_naming_the_field(override, field):
     from raytune_ft.cli import resolve
-    from raytune_ft.recipe import RecipeError
+    from raytune_ft.recipe.recipe import RecipeError
 
     job = _job()
     with pytest.raises(RecipeError, match=field.replace(".", r"\.")):

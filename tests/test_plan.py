@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytune_ft.plan import GiB, memory_plan
-from raytune_ft.recipe import DataConfig, ModelConfig, Recipe, ScalingConfig, TrainConfig, apply_overrides
-from raytune_ft.shapes import KNOWN_SHAPES, ModelShape
+from raytune_ft.planning.plan import GiB, memory_plan
+from raytune_ft.recipe.recipe import DataConfig, ModelConfig, Recipe, ScalingConfig, TrainConfig, apply_overrides
+from raytune_ft.planning.shapes import KNOWN_SHAPES, ModelShape
 
 JOBS = Path(__file__).resolve().parents[1] / "jobs"
 
@@ -118,7 +118,7 @@ def test_fsdp2_lora_plan_freezes_the_base_and_keeps_the_activations():
     two = memory_plan(apply_overrides(job("qwen27b_lora").recipe(), ["scaling.num_workers=2"]), gpu="H200")
     assert two.component("params") == P * 2 / 2 and two.component("optimizer") == trainable * 8 / 2
     # its checkpoints hold the adapters and their AdamW states, its final export the merged model
-    from raytune_ft.storage_plan import storage_plan
+    from raytune_ft.planning.disk import storage_plan
 
     store = storage_plan(job("qwen27b_lora").recipe())
     assert [name for name, _, _ in store.parts] == ["adapter", "optimizer", "train state"]
@@ -152,7 +152,7 @@ def test_activation_checkpointing_modes_order():
 
 
 def test_27b_time_estimate_uses_ultrachat_and_the_mfu_flops():
-    from raytune_ft.hardware import flops_per_block
+    from raytune_ft.planning.hardware import flops_per_block
     from raytune_ft.models.tiny import real_config
 
     plan = memory_plan(job("qwen27b_b300").recipe())
@@ -313,7 +313,7 @@ def test_a_lora_linear_backward_holds_two_more_input_gradients_than_a_frozen_one
 
 
 def test_the_b300_plan_states_its_margin_and_the_projection_labels_its_inputs():
-    from raytune_ft.projection import plan_extras, project
+    from raytune_ft.planning.projection import plan_extras, project
 
     recipe = job("qwen27b_b300").recipe()
     plan = memory_plan(recipe)

@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from raytune_ft.plots import LOSS_PNG, THROUGHPUT_PNG, run_history, write_run_plots
-from raytune_ft.recipe import Recipe
+from raytune_ft.tracking.plots import LOSS_PNG, THROUGHPUT_PNG, run_history, write_run_plots
+from raytune_ft.recipe.recipe import Recipe
 from raytune_ft.train.common import WorkerLog, plain
 from tests.conftest import REPO
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from raytune_ft.recipe import Recipe, RecipeError, apply_overrides
+from raytune_ft.recipe.recipe import Recipe, RecipeError, apply_overrides
 
 
 @pytest.mark.parametrize("setting, suggestion", [("train.lrr=1", "did you mean train.lr?"),

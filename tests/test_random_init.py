@@ -7,7 +7,7 @@ import torch.multiprocessing as mp
 
 from raytune_ft.models.build import load_causal_lm, random_init_
 from raytune_ft.models.tiny import real_config
-from raytune_ft.recipe import ModelConfig, Recipe, RecipeError, validate
+from raytune_ft.recipe.recipe import ModelConfig, Recipe, RecipeError, validate
 from tests.conftest import FIXTURES, spawned_gloo_rank
 from tests.mlflow_server import free_port
 
@@ -185,7 +185,7 @@ def test_save_final_false_needs_registry_off():
 
 
 def test_relative_local_paths_reach_workers_as_absolute(tmp_path, monkeypatch):
-    from raytune_ft.recipe import absolute_local_paths
+    from raytune_ft.recipe.recipe import absolute_local_paths
 
     (tmp_path / "tok").mkdir()
     (tmp_path / "t.jinja").write_text("{{ messages }}")

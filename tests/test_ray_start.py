@@ -25,7 +25,7 @@ def _no_shared_ray_beside_a_child_ray(request):
 # each, ~10 s apiece on 2 cores, where one per test made five.
 JOB_RAY = """
 import sys, time, psutil
-from raytune_ft.start_ahead import ensure_ray, start_train_helpers
+from raytune_ft.driver.start_ahead import ensure_ray, start_train_helpers
 local, settings = sys.argv[1] == "local", sys.argv[2:]
 ensure_ray(local=local)
 time.sleep(6)
@@ -38,7 +38,7 @@ if local:
     start_train_helpers()
     actor = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
     print("coordinator", ray.get(actor.__ray_ready__.remote(), timeout=60), flush=True)
-from raytune_ft.train.launch import build_datasets, tokenize_processes
+from raytune_ft.driver.launch import build_datasets, tokenize_processes
 from tests.conftest import local_job_recipe
 r = local_job_recipe(settings)
 r.data.source = "builtin:chat:3000"
@@ -100,7 +100,7 @@ def test_the_held_out_split_is_built_only_when_evaluation_or_samples_read_it(ray
     """The local recipe holds out rows; its held-out dataset is built (and handed to the trainer, whose
     controller and workers set it up) only when evaluation or sample prompts read it. The training split is
     the same rows either way."""
-    from raytune_ft.train.launch import build_datasets
+    from raytune_ft.driver.launch import build_datasets
     from tests.conftest import local_job_recipe
 
     sets = ["data.source=builtin:chat:200"]
@@ -122,7 +122,7 @@ def test_the_datasets_carry_the_tokenizer_settings_not_the_tokenizer(ray_local):
 
     from raytune_ft.data.pipeline import build_dataset
     from raytune_ft.models.build import tokenizer_for
-    from raytune_ft.train.launch import build_datasets
+    from raytune_ft.driver.launch import build_datasets
     from tests.conftest import local_job_recipe
 
     r = local_job_recipe([])
@@ -216,7 +216,7 @@ def test_a_tokenizing_process_loads_the_class_the_driver_chose_without_torch(fix
 # the driver's work beside Ray's start, in a fresh process: whether it imported torch, and the class carried
 DRIVER_PREPARES = """
 import json, sys
-from raytune_ft.start_ahead import prepare_driver
+from raytune_ft.driver.start_ahead import prepare_driver
 from raytune_ft.models.tokenizer import TokenizerOf
 from tests.conftest import local_job_recipe
 r = local_job_recipe(sys.argv[1:])

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from raytune_ft.recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict, validate
+from raytune_ft.recipe.recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict, validate
 from tests.conftest import REPO
 
 BAD = [

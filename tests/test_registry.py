@@ -25,7 +25,7 @@ from tests.mlflow_server import StubHttpServer, StubRequest, json_reply, make_ti
 from raytune_ft import registry
 from raytune_ft.cli import cli_register
 from raytune_ft.env import redact, scoped_env
-from raytune_ft.recipe import RegistryConfig
+from raytune_ft.recipe.recipe import RegistryConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from raytune_ft import registry, storage
+from raytune_ft import registry
+
+from raytune_ft.storage import fs as storage
 from tests.mlflow_server import make_tiny_qwen2_checkpoint
 
 

@@ -12,10 +12,10 @@ import pytest
 from mlflow import MlflowClient
 
 from raytune_ft.cli import _job_recipe
-from raytune_ft.endings import Stopped, ending_line, exit_code, sigterm_raises
-from raytune_ft.lease import LEASE_FILE
-from raytune_ft.recipe import RecipeError
-from raytune_ft.tracking import FINAL_CHECKPOINT_TAG, end_run, start_run
+from raytune_ft.driver.endings import Stopped, ending_line, exit_code, sigterm_raises
+from raytune_ft.storage.lease import LEASE_FILE
+from raytune_ft.recipe.recipe import RecipeError
+from raytune_ft.tracking.mlflow_run import FINAL_CHECKPOINT_TAG, end_run, start_run
 
 
 def _recipe(tmp_path, *overrides):
@@ -29,7 +29,7 @@ def _run_folder(recipe):
 def test_unreachable_hub_stops_in_one_line_before_ray_and_gives_the_lease_back(tmp_path, monkeypatch):
     import ray
 
-    from raytune_ft.run import run
+    from raytune_ft.driver.run import run
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("RAYTUNE_HF_ROOT", raising=False)
@@ -46,7 +46,7 @@ def test_unreachable_hub_stops_in_one_line_before_ray_and_gives_the_lease_back(t
 def test_gpu_recipe_on_a_machine_without_gpus_stops_in_one_line(tmp_path, monkeypatch):
     import ray
 
-    from raytune_ft.run import run
+    from raytune_ft.driver.run import run
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")     # this machine's GPUs, if any, hidden from the run
     recipe = _recipe(tmp_path, "scaling.use_gpu=true", "scaling.backend=auto")
@@ -57,7 +57,7 @@ def test_gpu_recipe_on_a_machine_without_gpus_stops_in_one_line(tmp_path, monkey
 
 
 def test_cluster_without_the_cpus_the_run_needs_stops_instead_of_hanging(tmp_path):
-    from raytune_ft.preflight import check_resources
+    from raytune_ft.driver.preflight import check_resources
 
     recipe = _recipe(tmp_path)          # the --local job: 2 workers of 1 CPU, Ray Data's tasks beside them
     with pytest.raises(RecipeError, match="needs 2.75 CPUs at once .* has 2"):
@@ -67,8 +67,8 @@ def test_cluster_without_the_cpus_the_run_needs_stops_instead_of_hanging(tmp_pat
 
 
 def test_preflight_counts_the_tokenizing_processes_as_launch_does(tmp_path):
-    from raytune_ft.preflight import tokenize_processes as ours
-    from raytune_ft.train.launch import tokenize_processes
+    from raytune_ft.driver.preflight import tokenize_processes as ours
+    from raytune_ft.driver.launch import tokenize_processes
 
     for extra in ([], ["data.tokenize_workers=5"], ["scaling.num_workers=1"]):
         recipe = _recipe(tmp_path, *extra)
@@ -76,7 +76,7 @@ def test_preflight_counts_the_tokenizing_processes_as_launch_does(tmp_path):
 
 
 def test_a_run_folder_in_rays_package_copy_is_refused(tmp_path):
-    from raytune_ft.run import run
+    from raytune_ft.driver.run import run
 
     pkg = tmp_path / "session_1" / "runtime_resources" / "working_dir_files" / "_ray_pkg_abc"
     pkg.mkdir(parents=True)
@@ -106,7 +106,7 @@ def test_sigterm_raises_stopped_and_exits_143():
 def test_an_ending_says_how_the_run_ended_and_how_to_resume(exc, status, ended_by, line):
     """Ctrl-C and `ray job stop` (SIGTERM) are the user's choice: one line, "interrupted", KILLED with
     raytune.ended_by=interrupt; an error is FAILED with its type and says to fix the cause."""
-    from raytune_ft.endings import ending_text, mlflow_ending
+    from raytune_ft.driver.endings import ending_text, mlflow_ending
 
     got_status, tags = mlflow_ending(exc)
     assert (got_status, tags["raytune.ended_by"]) == (status, ended_by) and "\n" not in tags["raytune.error"]
@@ -119,8 +119,8 @@ def test_an_ending_closes_the_run_with_its_reason_through_the_opener(tmp_path):
     """The lifecycle's ending on a real opener process and run folder: the MLflow run KILLED with its reason,
     the line from the run's last logged step and the folder's latest checkpoint, the lease given back; the
     run resumed and finished carries nothing of the ending."""
-    from raytune_ft import storage
-    from raytune_ft.lifecycle import RunLifecycle
+    from raytune_ft.storage import fs as storage
+    from raytune_ft.driver.lifecycle import RunLifecycle
 
     recipe = _recipe(tmp_path)
     folder = _run_folder(recipe)
@@ -150,7 +150,7 @@ def test_an_ending_closes_the_run_with_its_reason_through_the_opener(tmp_path):
 def test_a_finished_run_resubmitted_answers_without_ray_and_leaves_its_mlflow_run_alone(tmp_path, capsys):
     import ray
 
-    from raytune_ft.run import run
+    from raytune_ft.driver.run import run
 
     recipe = _recipe(tmp_path)
     run_id = start_run(recipe)
@@ -189,7 +189,7 @@ def test_attempts_sharing_a_first_step_log_their_start_up_under_names_of_their_o
     from raytune_ft.train.common import WorkerLog
     from mlflow.entities import Param
 
-    from raytune_ft.tracking import startup_from_params, startup_params
+    from raytune_ft.tracking.mlflow_run import startup_from_params, startup_params
 
     recipe = _recipe(tmp_path)
     run_id = start_run(recipe)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import mlflow
 
-from raytune_ft.run import RUNS_VIEW, RunSummary
+from raytune_ft.driver.run import RUNS_VIEW, RunSummary
 
 
 def test_the_summary_links_the_experiments_runs_tab_of_the_installed_mlflow_ui():

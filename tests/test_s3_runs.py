@@ -53,7 +53,7 @@ import time
 
 import pytest
 
-from raytune_ft import storage
+from raytune_ft.storage import fs as storage
 from raytune_ft.env import scoped_env
 from tests.conftest import run_with_fault
 from tests.faults import RUNTIME_ENV, fault_plan
@@ -147,7 +147,7 @@ def s3_ray(s3_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def s3_runs(s3_server, s3_ray):
-    from raytune_ft.run import run
+    from raytune_ft.driver.run import run
 
     work = s3_ray
     bucket = s3_server.bucket()

@@ -40,7 +40,7 @@ def assert_trained_without_a_checkpoint(run_dir: str, steps: int, lr_metric: str
 @pytest.mark.timeout(600)
 def test_save_final_false_trains_and_writes_no_checkpoint_in_the_trl_loop(ray_local, tmp_path):
     from raytune_ft.cli import _job_recipe
-    from raytune_ft.run import run
+    from raytune_ft.driver.run import run
 
     recipe = _job_recipe("qwen3_4b_full", True, [
         f"tracking.storage_path={tmp_path}", "tracking.run_name=nosave", "train.max_steps=4",

@@ -64,7 +64,7 @@ def test_tokens_appear_in_no_log_param_artifact_or_checkpoint(job_with_secrets):
 def test_worker_environment_forwards_no_credentials(monkeypatch):
     """Tokens reach workers through the nodes' own environment, never through Ray's runtime_env
     (which Ray records in its job and train-run state and shows on the dashboard)."""
-    from raytune_ft.train.launch import _worker_env
+    from raytune_ft.driver.launch import _worker_env
 
     for k in SECRET_VARS:
         monkeypatch.setenv(k, "sk-should-not-be-forwarded")
@@ -106,7 +106,7 @@ def test_remote_code_in_a_model_folder_runs_only_when_the_recipe_allows_it(tmp_p
     """))
     script = textwrap.dedent(f"""
         import sys
-        from raytune_ft.recipe import ModelConfig
+        from raytune_ft.recipe.recipe import ModelConfig
         from raytune_ft.models.build import text_config_for
         trust = sys.argv[1] == "1"
         try:
@@ -132,8 +132,8 @@ def test_redaction_survives_another_thread_changing_the_environment(monkeypatch)
     import threading
 
     from raytune_ft.env import redact, secret_values
-    from raytune_ft.recipe import Recipe
-    from raytune_ft.tracking import flat_params
+    from raytune_ft.recipe.recipe import Recipe
+    from raytune_ft.tracking.mlflow_run import flat_params
 
     token = f"sk-planted-{secrets.token_hex(12)}"
     monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", token)
@@ -173,8 +173,8 @@ def test_uri_credentials_are_masked_in_params_and_public_uris(monkeypatch):
     """A token in a query string, an S3 key pair in a storage path's userinfo or query, a bare token as the
     user name: the params of the MLflow run and the public form of each URI carry none of them."""
     from raytune_ft.env import public_uri, redact
-    from raytune_ft.recipe import Recipe
-    from raytune_ft.tracking import flat_params
+    from raytune_ft.recipe.recipe import Recipe
+    from raytune_ft.tracking.mlflow_run import flat_params
 
     planted = {name: f"{name}-{secrets.token_hex(10)}" for name in ("token", "password", "secret_key", "sig", "git")}
     recipe = Recipe()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from raytune_ft.recipe import Recipe, TrainConfig, validate
+from raytune_ft.recipe.recipe import Recipe, TrainConfig, validate
 from tests.conftest import train_state
 from tests.test_fsdp_loop import tiny_recipe
 
@@ -172,7 +172,7 @@ def _fsdp_recipe(storage, name: str, source: str, **train) -> Recipe:
 
 
 def _fit(recipe: Recipe) -> tuple[dict, dict]:
-    from raytune_ft.train.launch import build_trainer
+    from raytune_ft.driver.launch import build_trainer
 
     result = build_trainer(recipe).fit()
     return result, {rank: train_state(result.checkpoint.path, rank) for rank in range(recipe.scaling.num_workers)}
@@ -288,7 +288,7 @@ def test_resume_inside_the_second_epoch_matches_an_uninterrupted_run(two_epochs)
 # ---------------------------------------------------------------- MFU: the peak it is relative to
 
 def test_progress_line_names_the_peak_its_mfu_is_relative_to():
-    from raytune_ft.hardware import mfu_metrics
+    from raytune_ft.planning.hardware import mfu_metrics
     from raytune_ft.train.common import WorkerLog
 
     m = {"step": 3, "loss": 1.0, "tokens_per_s": 1.0, **mfu_metrics(0.4 * 989e12, "NVIDIA H200")}

@@ -23,7 +23,7 @@ def _openers() -> list[psutil.Process]:
     out = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if any("raytune_ft.run_opening" in part for part in child.cmdline()):
+            if any("raytune_ft.tracking.opening" in part for part in child.cmdline()):
                 out.append(child)
         except psutil.Error:
             pass
@@ -45,7 +45,7 @@ def test_a_key_value_store_that_cannot_be_written_fails_the_handoff_at_once(tmp_
     instead of rank 0 waiting for an id that never comes (await_run_id's 600 s)."""
     import ray
 
-    from raytune_ft.run_opening import RunIdHandoff, RunIdHandoffError, RunOpening
+    from raytune_ft.tracking.opening import RunIdHandoff, RunIdHandoffError, RunOpening
 
     assert not ray.is_initialized()
     with RunOpening(_recipe(tmp_path)) as opening:
@@ -59,7 +59,7 @@ def test_a_key_value_store_that_cannot_be_written_fails_the_handoff_at_once(tmp_
 
 @pytest.mark.timeout(120)
 def test_closing_an_opening_still_running_ends_its_process(tmp_path, own_tempdir):
-    from raytune_ft.run_opening import RunOpening
+    from raytune_ft.tracking.opening import RunOpening
 
     opening = RunOpening(_recipe(tmp_path))
     assert not opening.done() and len(_openers()) == 1
@@ -74,10 +74,10 @@ def test_a_run_failing_early_leaves_no_opening_process_or_file(tmp_path, own_tem
     """`run()` failing right after the MLflow run began to open (here Ray's start, made to fail: Ray cannot
     be made to fail to start for real in a test) leaves no opening process and no RUNNING run, and gives the
     run folder's lease back."""
-    from raytune_ft import start_ahead
-    from raytune_ft.lease import LEASE_FILE
-    from raytune_ft.recipe import RecipeError
-    from raytune_ft.run import run
+    from raytune_ft.driver import start_ahead
+    from raytune_ft.storage.lease import LEASE_FILE
+    from raytune_ft.recipe.recipe import RecipeError
+    from raytune_ft.driver.run import run
 
     def ray_does_not_start(local):
         raise RecipeError("Ray did not start")
@@ -104,14 +104,15 @@ def test_the_run_id_reaches_rank_0_one_way():
 
     root = Path(raytune_ft.__file__).parent
     assert not [p for p in root.rglob("*.py") if "RAYTUNE_MLFLOW_RUN_ID" in p.read_text()]
-    tree = ast.parse((root / "run.py").read_text())
+    tree = ast.parse((root / "driver" / "run.py").read_text())
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "build_trainer"]
     assert len(calls) == 1 and {k.arg for k in calls[0].keywords} >= {"mlflow_run_key"}
     # no second path: no trainer built with an id, no worker reading one from its config or a module global
     import inspect
 
-    from raytune_ft.train import common, launch
+    from raytune_ft.train import common
+    from raytune_ft.driver import launch
 
     assert "mlflow_run_id" not in inspect.signature(launch.build_trainer).parameters
     assert not hasattr(common, "mlflow_run_of") and not hasattr(common, "_run_key")
-    assert "mlflow_run_id" not in (root / "train" / "launch.py").read_text()
+    assert "mlflow_run_id" not in (root / "driver" / "launch.py").read_text()

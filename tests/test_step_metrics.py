@@ -19,7 +19,7 @@ def _history(recipe, run_id: str, key: str) -> list[tuple[int, float]]:
 
 
 def _window(steps: list[int], device_name: str | None) -> tuple[list[dict], dict]:
-    from raytune_ft.hardware import mfu_metrics
+    from raytune_ft.planning.hardware import mfu_metrics
 
     points = [{"step": s, "loss": 3.0 - 0.1 * s, "lr": 1e-4 * s, "grad_norm": 0.5 + s} for s in steps]
     window = {**points[-1], "tokens_per_s": 1234.0, "tokens": 99 * steps[-1],
@@ -153,7 +153,7 @@ def test_first_step_prints_one_breakdown_line_and_logs_it(mlflow_run):
     log.flush(240)
     from mlflow import MlflowClient
 
-    from raytune_ft.tracking import startup_from_params
+    from raytune_ft.tracking.mlflow_run import startup_from_params
 
     params = MlflowClient(recipe.tracking_uri).get_run(run_id).data.params
     assert startup_from_params(params) == pytest.approx({k[len("startup/"):]: v for k, v in first.items()}, abs=1e-3)

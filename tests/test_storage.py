@@ -1,4 +1,4 @@
-"""raytune_ft.storage and the per-rank DCP reader against a real S3 server (SeaweedFS on loopback) and local folders."""
+"""raytune_ft.storage.fs and the per-rank DCP reader against a real S3 server (SeaweedFS on loopback) and local folders."""
 from __future__ import annotations
 
 import errno
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from raytune_ft import storage
-from raytune_ft.storage_plan import storage_plan
+from raytune_ft.storage import fs as storage
+from raytune_ft.planning.disk import storage_plan
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -294,7 +294,6 @@ def test_dcp_resume_reads_only_own_shards_from_s3(s3_env, tmp_path):
 
 def test_plan_command_and_dry_run_print_the_storage_plan(capsys):
     from raytune_ft import cli
-
     assert cli.main(["plan", "qwen27b_b300"]) == 0
     out = capsys.readouterr().out
     assert "storage      per checkpoint 322.8 GB" in out and "peak 1.0 TB" in out and "final export 53.8 GB" in out
@@ -326,7 +325,7 @@ def test_runs_command_lists_runs_on_s3(s3_env, capsys):
     from dataclasses import asdict
 
     from raytune_ft import cli
-    from raytune_ft.run import RunSummary
+    from raytune_ft.driver.run import RunSummary
 
     root = f"s3://{s3_env.bucket()}/team/runs"
     st = storage.resolve(root)
@@ -342,8 +341,7 @@ def test_runs_command_lists_runs_on_s3(s3_env, capsys):
     line = capsys.readouterr().out.splitlines()[1]
     assert "on-s3" in line and "main.default.m v3" in line and "2.5000" in line
     # a run still training on S3 has neither summary nor MLflow store there: its lease says who runs it
-    from raytune_ft import lease
-
+    from raytune_ft.storage import lease
     with lease.hold(st, st.path("in-flight"), settle_s=0) as held:
         assert cli.main(["runs", "--storage", root, "--json"]) == 0
     rows = {r["run_name"]: r for r in json.loads(capsys.readouterr().out)}
@@ -356,8 +354,7 @@ def test_a_run_folder_has_one_owner_at_a_time(where, monkeypatch):
     import subprocess
     import time
 
-    from raytune_ft import lease
-
+    from raytune_ft.storage import lease
     run = where.path("leased")
     # the driver of `ray job submit` gets its submission id from Ray in this variable
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"metadata": {"job_submission_id": "raysubmit_A1"}}))
@@ -413,7 +410,9 @@ def test_a_run_folder_has_one_owner_at_a_time(where, monkeypatch):
 def test_a_job_on_a_run_folder_another_job_holds_exits_2_before_ray_starts(tmp_path, capsys):
     import ray
 
-    from raytune_ft import cli, lease
+    from raytune_ft import cli
+
+    from raytune_ft.storage import lease
     from raytune_ft.console import quiet_env
     from raytune_ft.env import scoped_env
 
@@ -453,8 +452,7 @@ def test_a_lease_being_refreshed_is_never_read_half_written(tmp_path):
     import threading
     import time
 
-    from raytune_ft import lease
-
+    from raytune_ft.storage import lease
     st = storage.resolve(str(tmp_path / "runs"), create=True)
     run = st.path("leased")
     held = lease.Lease.acquire(st, run, settle_s=0)
@@ -484,8 +482,7 @@ def test_giving_the_lease_back_to_object_storage_that_does_not_answer_is_bounded
     import signal
     import time
 
-    from raytune_ft import lease
-
+    from raytune_ft.storage import lease
     st = storage.resolve(f"s3://{s3_env.bucket()}/team/runs", create=True)
     held = lease.hold(st, st.path("hung"), settle_s=0)
     os.killpg(s3_env.proc.pid, signal.SIGSTOP)

@@ -76,7 +76,7 @@ def test_unreachable_s3_endpoint_stops_the_job_in_seconds(s3_env, isolated, caps
 @pytest.mark.timeout(120)
 def test_usable_s3_storage_passes_and_the_probe_leaves_nothing(s3_env, tmp_path):
     from raytune_ft.cli import _job_recipe
-    from raytune_ft.storage_check import check_storage
+    from raytune_ft.storage.check import check_storage
 
     bucket = s3_env.bucket()
     check_storage(_job_recipe("qwen27b_b300", True, [f"tracking.storage_path=s3://{bucket}/runs"]))
@@ -89,7 +89,8 @@ def test_a_server_error_that_says_try_again_is_tried_again(s3_env, monkeypatch):
     tries again instead of failing the job. The real server takes every request; only the first write is
     made to fail here with S3's wording (a server cannot be told to fail once), and the write that
     follows goes to the real server."""
-    from raytune_ft import storage, storage_check
+    from raytune_ft.storage import fs as storage
+    from raytune_ft.storage import check as storage_check
     from raytune_ft.cli import _job_recipe
 
     real_write, calls = storage.write_bytes, []

@@ -3,18 +3,17 @@ over 450 lines. Imports are read with `ast` (no module is imported), at any dept
 counts; one under `if TYPE_CHECKING:` does not). Importing `a.b.c` also imports the packages `a.b` and
 `a`, so those count as imported too, except the importer's own packages (already being imported).
 
-Layers, lowest first (a module imports only its own layer or lower ones):
-  1 base       typed_values, env, console, hardware, storage, storage_errors, compat, channel: values, the
-               environment, printing, the machine, where files live, the libraries' internals, a child
-               process to talk to; nothing of the project above them
-  2 parts      recipe, recipe_sections, tracking, run_opening, lease, shapes, data.*, models.*: the typed recipe
-               and the pieces a run is made of (data pipeline, model build, the MLflow store, the run's lease)
-  3 library    train.* (but train.launch), registry.*: the training loops, checkpoints, registration
-  4 driver     plan, plan_lora, projection, storage_plan, storage_check, endings, preflight, plots, runs_table,
-               train.launch: what the
-               launching process checks, starts and reports around one fit
-  5 run        start_ahead, lifecycle, run: one run, top-down
-  6 entry      cli: the command line
+Layers, lowest first (a module imports only its own layer or lower ones), by folder:
+  1 base       env, console, compat, channel, recipe.values: the process environment, printing, the
+               libraries' internals, a child process to talk to, the recipe's value checks and RecipeError
+  2 storage    storage.*: the run's filesystem, its checks and errors, the run folder's lease
+  3 parts      data.*, models.*: the data path and the model build
+  4 recipe     recipe.recipe, recipe.sections: the typed recipe (its data section checks its sources)
+  5 tracking   tracking.*: the MLflow run, rank 0's sender, plots, the runs table
+  6 planning   planning.*: shapes, GPU specs and FLOPs, the memory plan, the disk a run needs, the projection
+  7 library    train.*, registry.*: the training loops, checkpoints, registration
+  8 driver     driver.*: one run, top-down (checks before Ray, lifecycle, launch, ending)
+  9 entry      cli: the command line
 A new top-level module has to be placed here (the test names it).
 """
 from __future__ import annotations
@@ -26,13 +25,15 @@ PKG = Path(__file__).resolve().parents[1] / "raytune_ft"
 MAX_LINES = 450
 
 LAYERS = {
-    1: {"typed_values", "env", "console", "hardware", "storage", "storage_errors", "compat", "channel"},
-    2: {"recipe", "recipe_sections", "tracking", "run_opening", "lease", "shapes", "data", "models"},
-    3: {"train", "registry"},
-    4: {"plan", "plan_lora", "projection", "storage_plan", "storage_check", "endings", "preflight", "plots", "runs_table",
-        "train.launch"},
-    5: {"start_ahead", "lifecycle", "run"},
-    6: {"cli"},
+    1: {"env", "console", "compat", "channel", "recipe", "recipe.values"},
+    2: {"storage"},
+    3: {"data", "models"},
+    4: {"recipe.recipe", "recipe.sections"},
+    5: {"tracking"},
+    6: {"planning"},
+    7: {"train", "registry"},
+    8: {"driver"},
+    9: {"cli"},
 }
 
 
@@ -152,8 +153,8 @@ def test_no_module_imports_a_layer_above_its_own():
 def test_the_low_layers_never_import_the_run():
     """The rule the layers exist for, spelled out: data, models and registry know nothing of a run."""
     graph = import_graph()
-    top = {"raytune_ft.run", "raytune_ft.cli", "raytune_ft.train.launch", "raytune_ft.start_ahead",
-           "raytune_ft.lifecycle"}
+    top = {"raytune_ft.driver.run", "raytune_ft.cli", "raytune_ft.driver.launch", "raytune_ft.driver.start_ahead",
+           "raytune_ft.driver.lifecycle"}
     low = [m for m in graph if m.startswith(("raytune_ft.data", "raytune_ft.models", "raytune_ft.registry"))]
     assert len(low) > 15
     assert not {(m, d) for m in low for d in graph[m] if d in top}

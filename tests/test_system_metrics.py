@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from raytune_ft.recipe import Recipe, RecipeError, apply_overrides, validate
+from raytune_ft.recipe.recipe import Recipe, RecipeError, apply_overrides, validate
 from raytune_ft.train.common import WorkerLog
 from raytune_ft.train.system_metrics import NodeMonitor, start_for_node, wanted
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from raytune_ft.models import tokenizer as tokmod
-from raytune_ft.recipe import Recipe
+from raytune_ft.recipe.recipe import Recipe
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import pytest
 from mlflow import MlflowClient
 
 from raytune_ft.cli import _job_recipe
-from raytune_ft.recipe import RecipeError
-from raytune_ft.tracking import end_run, start_run
+from raytune_ft.recipe.recipe import RecipeError
+from raytune_ft.tracking.mlflow_run import end_run, start_run
 
 
 def _recipe(tmp_path, *overrides):
@@ -56,8 +56,8 @@ def test_the_driver_opens_the_run_in_a_process_of_its_own_with_start_runs_answer
     import subprocess
     import sys
 
-    from raytune_ft.run_opening import RunOpening
-    from raytune_ft.tracking import FinishedRunError
+    from raytune_ft.tracking.opening import RunOpening
+    from raytune_ft.tracking.mlflow_run import FinishedRunError
 
     run_id, client = _finished(tmp_path)
     with RunOpening(_recipe(tmp_path)) as opening:
@@ -70,7 +70,7 @@ def test_the_driver_opens_the_run_in_a_process_of_its_own_with_start_runs_answer
     assert run_id in str(caught.value)
     assert [r.info.run_id for r in _runs(client)] == [run_id]
 
-    code = ("import json, sys; from raytune_ft.cli import _job_recipe; from raytune_ft.run_opening import RunOpening; "
+    code = ("import json, sys; from raytune_ft.cli import _job_recipe; from raytune_ft.tracking.opening import RunOpening; "
             f"r = _job_recipe('qwen27b_b300', True, ['tracking.storage_path={tmp_path / 'fresh'}']); "
             "o = RunOpening(r); rid = o.result(); o.close(); print(json.dumps([rid, 'mlflow' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -89,7 +89,7 @@ def test_a_run_still_opening_reaches_rank_0_through_rays_key_value_store(tmp_pat
     import ray
     from ray.experimental.internal_kv import _internal_kv_get
 
-    from raytune_ft.run_opening import RUN_KEY_NAMESPACE, RunIdHandoff, RunNotOpened, RunOpening, await_run_id
+    from raytune_ft.tracking.opening import RUN_KEY_NAMESPACE, RunIdHandoff, RunNotOpened, RunOpening, await_run_id
 
     @ray.remote(num_cpus=0.1, max_retries=0)
     def rank_0(key):

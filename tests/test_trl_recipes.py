@@ -27,7 +27,7 @@ FIXTURE = "data/capybara_ldjnr_first16.jsonl"
 
 def _run(job: str, storage, overrides: list[str]):
     from raytune_ft.cli import _job_recipe
-    from raytune_ft.run import run
+    from raytune_ft.driver.run import run
 
     recipe = _job_recipe(job, True, [f"tracking.storage_path={storage}", *overrides])
     return recipe, run(recipe, local=True)

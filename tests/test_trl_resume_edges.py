@@ -71,7 +71,7 @@ EPOCH_TWO = ("train.epochs=2", "train.log_every=1", *COUNTED)     # tests/test_s
 def _run_with_fault(recipe, spec: str | None, **more: str):
     """run(recipe, local=True) with the fault hook set to `spec` (and the faults `more`) for this run: (result,
     None) or (None, the exception the run ended with)."""
-    from raytune_ft.run import run
+    from raytune_ft.driver.run import run
 
     with fault_plan(**({"kill_at_step": spec, **more} if spec else {})):
         try:
@@ -106,8 +106,7 @@ def _checkpoint_of_step(recipe, step: int) -> str:
     """The run's kept Ray checkpoint of optimizer step `step` reported during training (not the final one)."""
     import pyarrow.fs as pafs
 
-    from raytune_ft import storage
-
+    from raytune_ft.storage import fs as storage
     run_dir = f"{recipe.tracking.storage_path}/{recipe.tracking.run_name}"
     reported = storage.reported_checkpoints(pafs.LocalFileSystem(), run_dir)
     names = [n for n in reported.kept if reported.metrics[n].get("step") == step and not reported.metrics[n].get("done")]
@@ -155,7 +154,7 @@ def test_best_checkpoint_of_an_earlier_attempt_is_loaded_at_the_end_on_two_worke
     recipe, best = _finished(runs, "best")
     assert best.steps == 4 and recipe.scaling.num_workers == 2
     params = MlflowClient(recipe.tracking_uri).get_run(best.mlflow_run_id).data.params
-    from raytune_ft.tracking import startup_by_attempt
+    from raytune_ft.tracking.mlflow_run import startup_by_attempt
 
     attempts = set(startup_by_attempt(params))
     assert len(attempts) >= 2, f"no second attempt: the kill never happened ({sorted(attempts)})"

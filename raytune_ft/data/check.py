@@ -16,7 +16,7 @@ from raytune_ft.data.precheck import check_sources
 from raytune_ft.data.reading import iter_raw_rows
 from raytune_ft.data.rows import _unwrap, held_out_row, render_or_reason
 from raytune_ft.data.specs import SourceSpec, source_specs
-from raytune_ft.typed_values import RecipeError
+from raytune_ft.recipe.values import RecipeError
 
 DEFAULT_ROWS = 5000
 

@@ -159,7 +159,6 @@ def _train_controller_env() -> dict:
     Ray Data's split coordinator and the tokenizing tasks inherit. The job's defaults are in the environment
     already (train/launch.start_tokenizing: env.ray_train_defaults)."""
     from raytune_ft import compat
-
     env_vars_to_propagate, warn_env_var, warn_default = compat.RAY_TRAIN_CONSTANTS.load()
     env_vars = env_vars_to_propagate()
     env_vars.setdefault(warn_env_var, warn_default)

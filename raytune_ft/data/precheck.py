@@ -12,7 +12,7 @@ from raytune_ft.data.reading import head_rows, hf_repo, iter_raw_rows, source_fi
 from raytune_ft.data.rows import _split_bucket, too_many_skipped
 from raytune_ft.data.sources import describe_formats
 from raytune_ft.data.specs import SourceSpec, source_specs
-from raytune_ft.typed_values import RecipeError
+from raytune_ft.recipe.values import RecipeError
 
 HEAD_ROWS = 64
 READ_WHOLE_BYTES = 64 << 20      # a local source up to this size is read whole for the held-out carve

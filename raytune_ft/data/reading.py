@@ -74,8 +74,7 @@ def source_files(spec: SourceSpec, split: str, *, held_out: bool = False) -> tup
     if spec.kind == "remote":
         import pyarrow.fs as pafs
 
-        from raytune_ft import storage
-
+        from raytune_ft.storage import fs as storage
         st = storage.resolve(spec.source)
         info = st.fs.get_file_info(st.root)
         if info.type == pafs.FileType.File:

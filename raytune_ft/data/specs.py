@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytune_ft.data.sources import FIELD_NAMES, FORMATS, ROLES
-from raytune_ft.typed_values import RecipeError
+from raytune_ft.recipe.values import RecipeError
 
 DATA_EXTENSIONS = (".jsonl", ".json", ".parquet")
 COMPRESSED = (".gz", ".bz2", ".zst", ".lz4")
@@ -158,8 +158,7 @@ def _check_spec(spec: SourceSpec, where: str) -> None:
         except ValueError as e:
             raise RecipeError(f"{where}.source: {e}") from None
     elif spec.kind == "remote":
-        from raytune_ft import storage
-
+        from raytune_ft.storage import fs as storage
         try:
             storage.resolve(src)
         except ValueError as e:

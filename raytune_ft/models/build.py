@@ -188,7 +188,6 @@ def _local_view(param: torch.Tensor):
         DTensor = ()
     if isinstance(param, DTensor):
         from raytune_ft import compat
-
         shape, offset = compat.TORCH_DTENSOR_OFFSETS.load()(param.shape, param.device_mesh, param.placements)
         return param.to_local(), tuple(offset), tuple(shape)
     return param, (0,) * param.dim(), tuple(param.shape)

@@ -349,7 +349,6 @@ def enable_packing(model: torch.nn.Module, attn_implementation: str | None = ATT
     if attn_implementation is not None:
         register_varlen_attention()
         from raytune_ft import compat
-
         if compat.attn_implementation(model.config) != attn_implementation:
             model.set_attn_implementation(attn_implementation)
     n = 0

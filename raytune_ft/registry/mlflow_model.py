@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 from raytune_ft import compat
 from raytune_ft.env import NO_RUN_URL_PRINT, redact, redact_exception, scoped_env
-from raytune_ft.recipe import RecipeError, validate_registry_name
+from raytune_ft.recipe.recipe import RecipeError, validate_registry_name
 from raytune_ft.registry.base import (CHAT_TASK, CHECKPOINT_TAG, STATUS_TAG, RegistrationError, RegistrationResult,
                                       checkpoint_id, logger)
 from raytune_ft.registry.outcome import clear_failure_record, read_failure_record

@@ -13,7 +13,7 @@ import os
 import shlex
 from pathlib import Path
 
-from raytune_ft import storage
+from raytune_ft.storage import fs as storage
 from raytune_ft.env import public_uri, redact, redact_exception, scoped_env
 from raytune_ft.registry.base import FAILURE_FILE, STATUS_TAG, RegistrationOutcome, checkpoint_id, logger
 

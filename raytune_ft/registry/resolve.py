@@ -51,8 +51,7 @@ def _files_to_fetch(rel_paths: list[str]) -> set[str]:
 @contextlib.contextmanager
 def local_checkpoint(checkpoint_path: str | os.PathLike) -> Iterator[Path]:
     """The checkpoint as a local folder: itself, or for a URI a temporary copy of what registration reads."""
-    from raytune_ft import storage
-
+    from raytune_ft.storage import fs as storage
     if not storage.is_uri(str(checkpoint_path)) or str(checkpoint_path).startswith("file://"):
         yield Path(str(checkpoint_path).removeprefix("file://"))
         return

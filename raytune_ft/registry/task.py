@@ -11,7 +11,7 @@ import functools
 from typing import Any
 
 from raytune_ft.env import redact_exception
-from raytune_ft.recipe import RegistryConfig
+from raytune_ft.recipe.recipe import RegistryConfig
 from raytune_ft.registry.base import RegistrationError, RegistrationOutcome, RegistrationResult, logger
 from raytune_ft.registry.mlflow_model import register_checkpoint
 from raytune_ft.registry.outcome import record_failure

@@ -23,8 +23,6 @@ from typing import Optional
 from ray.train.backend import Backend, BackendConfig
 
 from raytune_ft import compat
-
-
 def _import_ray_torch_backend() -> None:
     try:
         import ray.train.torch.config  # noqa: F401

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from raytune_ft.data.packing import DataCounters, padding_block
-from raytune_ft.recipe import Recipe
+from raytune_ft.recipe.recipe import Recipe
 from raytune_ft.train.lending import lend, step_extent, steps_for
 
 _STACKED = ("input_ids", "labels", "position_ids", "seq_idx")

@@ -30,8 +30,7 @@ def write_train_state(directory: str, rank: int, train_state: dict) -> None:
 def read_train_state(fs: pafs.FileSystem, directory: str, rank: int) -> dict:
     """This rank's train state in a checkpoint (both loops); a clear error where the checkpoint has none
     for this rank: starting one rank over while the others resume would desynchronise them."""
-    from raytune_ft import storage
-
+    from raytune_ft.storage import fs as storage
     state = storage.read_json(fs, train_state_path(directory, rank))
     if state is None:
         raise RuntimeError(f"checkpoint {directory} has no train state for rank {rank}: it was written by a run "
@@ -46,8 +45,7 @@ def write_meta(directory: str, meta: dict) -> None:
 
 def read_meta_at(fs: pafs.FileSystem, directory: str) -> dict:
     """The checkpoint's meta file read where the checkpoint lies ({} when it has none)."""
-    from raytune_ft import storage
-
+    from raytune_ft.storage import fs as storage
     return storage.read_json(fs, f"{directory.rstrip('/')}/{META_FILE}", default={}) or {}
 
 

@@ -19,7 +19,9 @@ import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 
-from raytune_ft import lease, storage
+from raytune_ft.storage import lease
+
+from raytune_ft.storage import fs as storage
 from raytune_ft.env import redact_exception
 from raytune_ft.train import hooks
 

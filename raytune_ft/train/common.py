@@ -8,9 +8,9 @@ import time
 from typing import Sequence
 
 from raytune_ft import compat
-from raytune_ft.recipe import Recipe, TrainConfig, recipe_from_dict
+from raytune_ft.recipe.recipe import Recipe, TrainConfig, recipe_from_dict
 from raytune_ft.train.job_attempts import attempt_of_job, workers_asked_at
-from raytune_ft.tracking import attempt_id, mlflow_metric_name, startup_params
+from raytune_ft.tracking.mlflow_run import attempt_id, mlflow_metric_name, startup_params
 
 
 def recipe_from_config(config: dict) -> Recipe:
@@ -258,7 +258,7 @@ class WorkerLog:
         """`run_id`: the MLflow run rank 0 logs to, or `run_key`: where rank 0 waits for it in Ray's key-value
         store (run_opening.await_run_id) and each node's system metrics find it; neither: no tracking."""
         if rank == 0 and run_key and not run_id:
-            from raytune_ft.run_opening import await_run_id
+            from raytune_ft.tracking.opening import await_run_id
 
             run_id = await_run_id(run_key)
         self.rank = rank
@@ -272,7 +272,7 @@ class WorkerLog:
         if rank == 0 and job_start:
             self.startup.attempt = attempt_of_job(recipe.tracking.run_name, job_start)
         if rank == 0 and run_id:
-            from raytune_ft.train.mlflow_sender import MlflowSender
+            from raytune_ft.tracking.sender import MlflowSender
 
             self._sender = MlflowSender(recipe.tracking_uri, run_id, self.info)
             self.set_tag("raytune.gpu", _gpu_description(recipe.scaling.num_workers))

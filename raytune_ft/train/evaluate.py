@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from raytune_ft.data.packing import DataCounters, padding_block
 from raytune_ft.env import redact_exception
-from raytune_ft.recipe import Recipe
+from raytune_ft.recipe.recipe import Recipe
 from raytune_ft.train.batch import StepBatch
 from raytune_ft.train.probe import probe_uncompiled
 from raytune_ft.train.state import EvaluationState

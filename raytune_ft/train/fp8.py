@@ -25,14 +25,11 @@ from typing import Callable
 import torch
 from torch import nn
 
+from raytune_ft.planning.shapes import FP8_MIN_DIM, fp8_linear_filter_dims
+
 PRECISIONS = ("bf16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise", "mxfp8")
 
-# Float8 matmuls need every dimension a multiple of 16 (MXFP8: of its 32-element scaling block).
-# Below FP8_MIN_DIM on either side a projection gains less from float8 than its casts cost (torchao's
-# own tables put the break-even near 1k x 1k on Hopper); the 27B's gated-delta-net gates
-# (5120 -> 48) are the case this skips.
-FP8_MIN_DIM = 512
 
 
 def fp8_support_error(device: torch.device, recipe: str) -> str | None:
@@ -78,14 +75,6 @@ def fp8_linear_filter(recipe: str = "tensorwise", min_dim: int = FP8_MIN_DIM) ->
         return fp8_linear_filter_dims(in_f, out_f, recipe, min_dim)
 
     return keep
-
-
-def fp8_linear_filter_dims(in_features: int, out_features: int, recipe: str = "tensorwise",
-                           min_dim: int = FP8_MIN_DIM) -> bool:
-    """The filter's rule on a linear's shape (also what the memory plan counts as converted)."""
-    multiple = 32 if recipe == "mxfp8" else 16
-    return (in_features % multiple == 0 and out_features % multiple == 0
-            and min(in_features, out_features) >= min_dim)
 
 
 def fp8_config(recipe: str):
@@ -236,7 +225,6 @@ def plain_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def _unwrap(t):
     from raytune_ft import compat
-
     while _is_wrapper(t):
         t = compat.torchao_inner_tensor(t)
     return t
@@ -249,7 +237,6 @@ def _is_wrapper(t) -> bool:
     if t is None or "torchao" not in sys.modules:
         return False
     from raytune_ft import compat
-
     return isinstance(t, compat.torchao_weight_wrappers())
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from raytune_ft.console import libraries_to_file, library_log
 from raytune_ft.data.packing import DataCounters
-from raytune_ft.recipe import Recipe
+from raytune_ft.recipe.recipe import Recipe
 from raytune_ft.train import checkpoint as ckpt_io
 from raytune_ft.train import ckpt_storage, jit_cache
 from raytune_ft.train.checkpointer import Checkpointer, async_enabled
@@ -310,7 +310,7 @@ class _Window:
 
     def __init__(self, device: torch.device, model_config, world: int, progress: Progress,
                  adapter_params: int | None = None):
-        from raytune_ft.hardware import mfu_basis
+        from raytune_ft.planning.hardware import mfu_basis
 
         self.device, self.model_config, self.world = device, model_config, world
         self.adapter_params = adapter_params
@@ -330,7 +330,7 @@ class _Window:
         self.tokens, self.flops, self.t0 = 0, 0.0, time.perf_counter()
 
     def add(self, step: int, loss_sum, denom, grad_norm, lr: float, micro_batches: list[StepBatch]) -> None:
-        from raytune_ft.hardware import flops_per_block
+        from raytune_ft.planning.hardware import flops_per_block
 
         self.bad |= ~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)
         self.pending.append((step, loss_sum, denom, grad_norm, lr))
@@ -341,7 +341,7 @@ class _Window:
     def close(self, progress: Progress, rank: int) -> dict:
         """Host sync: all-reduce the window's losses and tokens (a collective), stop on a non-finite
         value, append the steps to `progress.history`, and return the window's metrics."""
-        from raytune_ft.hardware import mfu_metrics
+        from raytune_ft.planning.hardware import mfu_metrics
 
         dt = max(time.perf_counter() - self.t0, 1e-9)
         if self.pending:

@@ -10,7 +10,7 @@ import time
 import torch
 from torch import nn
 
-from raytune_ft.recipe import Recipe
+from raytune_ft.recipe.recipe import Recipe
 from raytune_ft.train.common import WorkerLog
 
 

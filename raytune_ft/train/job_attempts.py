@@ -4,7 +4,6 @@ diagnoses of the start-up breakdown (train/common.StartupClock); outside Ray the
 from __future__ import annotations
 
 from raytune_ft import compat
-
 _NAMESPACE = "raytune_ft"
 
 

@@ -18,7 +18,7 @@ import math
 import torch
 from torch import nn
 
-from raytune_ft.recipe_sections import FSDP2_LORA_TARGETS
+from raytune_ft.recipe.sections import FSDP2_LORA_TARGETS
 
 
 class LoraLinear(nn.Module):

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import torch
 
 from raytune_ft.models.layout import BaseLayout, base_layout
-from raytune_ft.recipe import Recipe
+from raytune_ft.recipe.recipe import Recipe
 from raytune_ft.train.checkpoint import export_hf_folder, gathered_state
 from raytune_ft.train.lora import lora_modules, targets_of
 

@@ -85,7 +85,6 @@ def weights_gathered(model) -> Iterator[bool]:
     """Inside it, `model`'s FSDP2 modules keep their weights gathered after a forward, where they fit
     (`fits_gathered`); on leaving, each is resharded and gets back its own setting. Yields whether they do."""
     from raytune_ft import compat
-
     modules = fsdp_modules(model)
     if not modules or not fits_gathered(model):
         yield False

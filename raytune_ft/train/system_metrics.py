@@ -87,7 +87,7 @@ def start_for_node(recipe, rank: int, run_id: str | None, run_key: str | None,
         monitor.give_run(run_id)
     else:
         def wait() -> None:
-            from raytune_ft.run_opening import await_run_id
+            from raytune_ft.tracking.opening import await_run_id
 
             try:
                 monitor.give_run(await_run_id(run_key))

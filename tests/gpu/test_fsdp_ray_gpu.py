@@ -43,7 +43,7 @@ def _recipe(storage, run_name: str, ngpu: int):
 def gpu_runs(tmp_path_factory):
     import ray
 
-    from raytune_ft.run import run
+    from raytune_ft.driver.run import run
 
     ngpu = torch.cuda.device_count()
     storage = tmp_path_factory.mktemp("gpu_runs")

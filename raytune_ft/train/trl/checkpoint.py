@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 
-from raytune_ft.recipe import Recipe
+from raytune_ft.recipe.recipe import Recipe
 from raytune_ft.train.batch import schedule_settings
 from raytune_ft.train.checkpoint import read_train_state, write_meta, write_train_state
 from raytune_ft.train.common import WorkerLog
@@ -98,8 +98,7 @@ def restore_hf_checkpoint(out_dir: str, rank: int, log: WorkerLog) -> tuple[str 
     Returns the folder and this rank's train state (None, None: start from scratch)."""
     import ray.train
 
-    from raytune_ft import storage
-
+    from raytune_ft.storage import fs as storage
     ckpt = ray.train.get_checkpoint()
     if ckpt is None:
         return None, None
@@ -158,7 +157,7 @@ def point_at_best(dst: str, out_dir: str, step: int, rank: int, lora: bool, log:
 
 def _best_in_storage(step: int, lora: bool) -> str | None:
     """The model folder (hf/ or adapter/) of the run's kept checkpoint of optimizer step `step`."""
-    from raytune_ft import storage
+    from raytune_ft.storage import fs as storage
     from raytune_ft.train.ckpt_storage import run_location
 
     fs, run_path = run_location()
@@ -173,7 +172,7 @@ def _best_in_storage(step: int, lora: bool) -> str | None:
 def fetch_best(source: str, local: str) -> bool:
     """Copy the best checkpoint's model files from the run's storage into `local` (once); whether they
     are there (Ray may have deleted that checkpoint since the attempt started)."""
-    from raytune_ft import storage
+    from raytune_ft.storage import fs as storage
     from raytune_ft.train.ckpt_storage import run_location
 
     if not has_weights(local):

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import torch
 
 from raytune_ft.data.packing import DataCounters, padding_block
-from raytune_ft.recipe import Recipe
+from raytune_ft.recipe.recipe import Recipe
 from raytune_ft.train.batch import StepFeed, real_seq_lens, worker_blocks
 
 
@@ -56,7 +56,7 @@ class RankBlocks(torch.utils.data.IterableDataset):
         return self._feed.fingerprint if self._feed is not None else self._resume[1]
 
     def _pass(self) -> Iterator[dict]:
-        from raytune_ft.hardware import flops_per_block
+        from raytune_ft.planning.hardware import flops_per_block
 
         skip, fingerprint = self._resume if self._passes == 0 else (0, None)
         if self._passes:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from raytune_ft.data.packing import DataCounters
-from raytune_ft.recipe import Recipe
+from raytune_ft.recipe.recipe import Recipe
 from raytune_ft.train.batch import collate_blocks, count_run_steps, run_schedule_steps, worker_blocks
 from raytune_ft.train.common import WorkerLog, recipe_from_config
 from raytune_ft.train.state import TrainState

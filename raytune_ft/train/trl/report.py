@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from raytune_ft.recipe import Recipe
+from raytune_ft.recipe.recipe import Recipe
 from raytune_ft.train import hooks
 from raytune_ft.train.common import WorkerLog
 from raytune_ft.train.state import Progress, TrainState
@@ -48,7 +48,7 @@ class Throughput:
     time spent evaluating and checkpointing left out."""
 
     def __init__(self, ctx: ReportContext):
-        from raytune_ft.hardware import current_device_name
+        from raytune_ft.planning.hardware import current_device_name
 
         self.ctx = ctx
         self.on_cuda = torch.cuda.is_available() and ctx.recipe.scaling.use_gpu
@@ -56,7 +56,7 @@ class Throughput:
         self.window = None             # (time, paused seconds, tokens, flops) at the last train log
 
     def start(self) -> None:
-        from raytune_ft.hardware import mfu_basis
+        from raytune_ft.planning.hardware import mfu_basis
 
         self.window = self._now()
         self.ctx.log.mfu_basis(mfu_basis(self.device_name))
@@ -67,7 +67,7 @@ class Throughput:
 
     def since_last(self) -> dict[str, float]:
         """The window's figures, and a new window. A collective: every rank calls it at the same log."""
-        from raytune_ft.hardware import mfu_metrics
+        from raytune_ft.planning.hardware import mfu_metrics
 
         (t, paused, tokens, flops), now = self.window, self._now()
         blocks, world = self.ctx.blocks, self.ctx.world

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from raytune_ft import compat
-from raytune_ft.recipe import Recipe, TrainConfig
+from raytune_ft.recipe.recipe import Recipe, TrainConfig
 from raytune_ft.train.batch import collate_blocks
 from raytune_ft.train.ckpt_storage import SaveGuard
 from raytune_ft.train.common import lr_at

@@ -26,8 +26,7 @@ from typing import Callable
 
 import pyarrow.fs as pafs
 
-from raytune_ft import storage
-
+from raytune_ft.storage import fs as storage
 LEASE_FILE = "raytune_lease.json"
 # how often the driver refreshes the heartbeat, and how old a heartbeat makes a lease free to take over
 HEARTBEAT_ENV, STALE_ENV = "RAYTUNE_LEASE_HEARTBEAT_S", "RAYTUNE_LEASE_STALE_S"

@@ -7,9 +7,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from raytune_ft.env import process_start, public_uri, redact_exception
-from raytune_ft.recipe import Recipe, absolute_local_paths, check_tracking_store, nodes_of, validate
-from raytune_ft.lifecycle import RunLifecycle
-from raytune_ft.start_ahead import local_cpus
+from raytune_ft.recipe.recipe import Recipe, absolute_local_paths, check_tracking_store, nodes_of, validate
+from raytune_ft.driver.lifecycle import RunLifecycle
+from raytune_ft.driver.start_ahead import local_cpus
 
 
 # `mlflow ui`'s page of an experiment's training runs (its routes are behind a # in MLflow 3's UI)
@@ -92,7 +92,7 @@ def merged_data_counters(checkpoint_dir: str, fs=None) -> dict:
     """Every rank's data counters of a checkpoint, read where it lies (`fs`: its filesystem, default local)."""
     import pyarrow.fs as pafs
 
-    from raytune_ft import storage
+    from raytune_ft.storage import fs as storage
     from raytune_ft.data.packing import DataCounters
 
     fs = fs or pafs.LocalFileSystem()
@@ -125,8 +125,8 @@ def _write_plots(recipe: Recipe, st, run_path: str, ckpt, run_id: str, last_step
 def _make_plots(recipe: Recipe, st, run_path: str, ckpt, run_id: str, last_step: int) -> list[str]:
     import tempfile
 
-    from raytune_ft import storage
-    from raytune_ft.plots import plot_finished_run
+    from raytune_ft.storage import fs as storage
+    from raytune_ft.tracking.plots import plot_finished_run
 
     with tempfile.TemporaryDirectory(prefix="raytune_plots_") as tmp:
         src = os.path.join(tmp, "checkpoint")
@@ -179,7 +179,7 @@ def _last_logged_metrics(recipe: Recipe, run_id: str, timeout_s: float = READ_BA
     def read() -> dict:
         from mlflow import MlflowClient
 
-        from raytune_ft.tracking import loop_metric_name, mlflow_metric_name, startup_from_params
+        from raytune_ft.tracking.mlflow_run import loop_metric_name, mlflow_metric_name, startup_from_params
 
         client = MlflowClient(tracking_uri=recipe.tracking_uri)
         run = client.get_run(run_id)
@@ -218,8 +218,9 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
 
 def _validate(recipe: Recipe):
     """The checks that need neither Ray nor the MLflow run: the run's storage and its folder."""
-    from raytune_ft import preflight, storage
-    from raytune_ft.storage_check import check_storage
+    from raytune_ft.driver import preflight
+    from raytune_ft.storage import fs as storage
+    from raytune_ft.storage.check import check_storage
 
     # every local path absolute here, once: Ray workers resolve nothing against their own folders
     validate(absolute_local_paths(recipe))
@@ -236,8 +237,7 @@ def _validate(recipe: Recipe):
 def _check_before_ray(recipe: Recipe, *, local: bool, joins: bool) -> list[str]:
     """The data sources (their notes returned), and the resources of a Ray this job starts (a cluster joined:
     RunLifecycle.start_ray)."""
-    from raytune_ft import preflight
-
+    from raytune_ft.driver import preflight
     notes = preflight.check_data_source(recipe)
     if not joins:   # the Ray this job starts: what ensure_ray gives it
         preflight.check_resources(recipe, {"CPU": local_cpus(local) or os.cpu_count() or 1,
@@ -249,7 +249,7 @@ def _check_before_ray(recipe: Recipe, *, local: bool, joins: bool) -> list[str]:
 def _fit(recipe: Recipe, life: RunLifecycle):
     """Ray Train's result and the MLflow run's id. An error no retry can fix (storage full, ...) is said in
     plain words, not as Ray's wrapping of it; the lifecycle ends the MLflow run with it."""
-    from raytune_ft.train.launch import build_trainer, unfixable_error
+    from raytune_ft.driver.launch import build_trainer, unfixable_error
 
     datasets = life.datasets()
     trainer = build_trainer(recipe, mlflow_run_key=life.run_key(), lease_token=life.lease.token,
@@ -268,8 +268,7 @@ def _fit(recipe: Recipe, life: RunLifecycle):
 def _summarize(recipe: Recipe, result, run_id: str, st, run_path: str) -> tuple[RunSummary, dict, str | None]:
     """The run's summary from Ray Train's result and its final checkpoint's small files (plots made); the
     checkpoint's meta and URI."""
-    from raytune_ft import storage
-
+    from raytune_ft.storage import fs as storage
     ckpt = result.checkpoint
     metrics = result.metrics or {}
     if not recipe.train.save_final:
@@ -298,7 +297,7 @@ def _summarize(recipe: Recipe, result, run_id: str, st, run_path: str) -> tuple[
 
 
 def _run(recipe: Recipe, life: RunLifecycle, *, register: bool | None) -> RunSummary:
-    from raytune_ft import preflight
+    from raytune_ft.driver import preflight
 
     # validate
     st, run_path = _validate(recipe)
@@ -326,8 +325,9 @@ def _register_and_close(recipe: Recipe, summary: RunSummary, meta: dict, ckpt_ur
     the outcome and the data's params (data/report.data_params), write summary.json."""
     from raytune_ft.data.report import data_params
 
-    from raytune_ft import storage, tracking
+    from raytune_ft.storage import fs as storage
 
+    from raytune_ft.tracking import mlflow_run as tracking
     run_id, data = summary.mlflow_run_id, summary.data
     # a run that ended without its final checkpoint (train.save_final=false) is resumed by a re-submit
     status_tags = {"raytune.status": "trained", "raytune.checkpoint": ckpt_uri or "",

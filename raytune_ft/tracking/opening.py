@@ -9,8 +9,8 @@ import pickle
 
 from raytune_ft import compat
 from raytune_ft.env import redact
-from raytune_ft.recipe import Recipe, RecipeError
-from raytune_ft.tracking import end_run, start_run
+from raytune_ft.recipe.recipe import Recipe, RecipeError
+from raytune_ft.tracking.mlflow_run import end_run, start_run
 
 # how long RunOpening.end waits for its process to end the run (the store's answer included) before it kills it
 END_WAIT_S = 10.0
@@ -32,7 +32,7 @@ class RunOpening:
         self._answer: dict | None = None
         self._ended: dict | None = None
         self._closed = False
-        self._channel = Channel("raytune_ft.run_opening", "serve", on_message=self._answered, name="run-opener")
+        self._channel = Channel("raytune_ft.tracking.opening", "serve", on_message=self._answered, name="run-opener")
         self._channel.send({"recipe": json.loads(json.dumps(recipe.to_dict(), default=str))})
 
     def _answered(self, msg: dict) -> None:
@@ -205,7 +205,7 @@ def _pickled(e: BaseException) -> str:
 def serve(child) -> None:
     """RunOpening's process (channel.Channel's child): the recipe from the first message, the run id (or the
     error, pickled) answered; then an `end` message ends that run, answered `ended` with its id."""
-    from raytune_ft.recipe import recipe_from_dict
+    from raytune_ft.recipe.recipe import recipe_from_dict
 
     messages = child.messages()
     first = next(messages, None)
@@ -231,7 +231,7 @@ def _end(recipe: Recipe, run_id: str | None, how: dict) -> dict:
     try:
         import mlflow
 
-        from raytune_ft.tracking import mlflow_metric_name
+        from raytune_ft.tracking.mlflow_run import mlflow_metric_name
 
         client = mlflow.MlflowClient(recipe.tracking_uri)
         history = client.get_metric_history(run_id, mlflow_metric_name("loss"))

@@ -1,6 +1,6 @@
 """The failures of a full or size-limited storage turned into errors that name the storage and say what
 to do (`StorageFullError` via `disk_full_error`, `FileTooLargeError` via `too_large_error`).
-`raytune_ft.storage` re-exports every name here."""
+`raytune_ft.storage.fs` re-exports every name here."""
 from __future__ import annotations
 
 import errno

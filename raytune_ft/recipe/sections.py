@@ -1,5 +1,5 @@
 """The recipe's sections (model, data, train, scaling, tracking, registry): typed fields with their
-defaults, each section checking its own fields. `raytune_ft.recipe` puts them together into a `Recipe`
+defaults, each section checking its own fields. `raytune_ft.recipe.recipe` puts them together into a `Recipe`
 and re-exports them; import them from there."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from raytune_ft.typed_values import RecipeError, check_range
+from raytune_ft.recipe.values import RecipeError, check_range
 
 _UC_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from raytune_ft.recipe import Recipe, RecipeError
+from raytune_ft.recipe.recipe import Recipe, RecipeError
 
 # Ray's folder of the packages it unpacks for a job (`--working-dir`): deleted with the Ray session
 _RAY_PACKAGES = "runtime_resources"
@@ -65,7 +65,9 @@ def probe_remote(spec, where: str) -> None:
     deadline and timeouts: listed once, a failure said as the checkpoint storage's is (storage_check)."""
     import pyarrow.fs as pafs
 
-    from raytune_ft import storage, storage_check
+    from raytune_ft.storage import fs as storage
+
+    from raytune_ft.storage import check as storage_check
     from raytune_ft.channel import NoAnswer, call_within
     from raytune_ft.env import public_uri
 
@@ -102,7 +104,7 @@ def _check_hub(src: str, revision: str | None) -> None:
 
         HfApi().dataset_info(repo, revision=revision, timeout=15)
     except Exception as e:  # noqa: BLE001 - any failure to reach it is said in one line
-        from raytune_ft.endings import one_line
+        from raytune_ft.driver.endings import one_line
 
         raise RecipeError(f"data.source: {src} cannot be read from the Hugging Face hub ({one_line(e, 300)})") from None
 
@@ -121,7 +123,6 @@ def cpus_needed(recipe: Recipe) -> float:
 def local_gpus() -> int:
     """GPUs Ray would find on this machine (CUDA_VISIBLE_DEVICES respected)."""
     from raytune_ft import compat
-
     manager = compat.RAY_ACCELERATORS.load()("GPU")
     visible = manager.get_current_process_visible_accelerator_ids()
     return len(visible) if visible is not None else manager.get_current_node_num_accelerators()
@@ -155,14 +156,13 @@ def finished_run_summary(recipe: Recipe, st, run_path: str, register: bool) -> d
     """The summary a finished run left in its folder, when a re-submit of it has nothing to do: the store
     holds the run as finished with its final checkpoint, with the same training settings (else
     FinishedRunError), and registered under this recipe's name when registering. None: the run goes on."""
-    from raytune_ft import storage
-
+    from raytune_ft.storage import fs as storage
     summary = storage.read_json(st.fs, f"{run_path.rstrip('/')}/summary.json")
     if not summary or summary.get("status") not in ("registered", "trained"):
         return None
     if register and (summary["status"] != "registered" or summary.get("registered_name") != recipe.registry.name):
         return None     # the run registers (again, or under another name): that needs Ray
-    from raytune_ft.tracking import finished_run_id
+    from raytune_ft.tracking.mlflow_run import finished_run_id
 
     run_id = finished_run_id(recipe)
     if run_id is None or summary.get("mlflow_run_id") not in (None, run_id):

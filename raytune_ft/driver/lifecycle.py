@@ -10,7 +10,7 @@ import sys
 import time
 
 from raytune_ft.env import process_start
-from raytune_ft.recipe import Recipe, check_tracking_store
+from raytune_ft.recipe.recipe import Recipe, check_tracking_store
 
 # the most the ending takes: the MLflow run ended by the opener's process (run_opening.END_WAIT_S), its process
 # and the handed-over key gone, the lease given back
@@ -60,7 +60,7 @@ class RunLifecycle:
     def _hold_signals(self) -> None:
         """SIGTERM raises endings.Stopped in the main thread (ray.init puts in a handler that exits the process
         instead); SIGINT raises KeyboardInterrupt, as Python's own handler does."""
-        from raytune_ft.endings import raise_stopped
+        from raytune_ft.driver.endings import raise_stopped
 
         if self._signals:
             signal.signal(signal.SIGTERM, raise_stopped)
@@ -70,8 +70,7 @@ class RunLifecycle:
     def hold_folder(self, st, run_path: str):
         """Take the run folder's lease (one job per run folder: a second one stops here, before Ray starts, an
         MLflow run opens or a checkpoint is touched); given back at the end."""
-        from raytune_ft import lease
-
+        from raytune_ft.storage import lease
         self.storage, self.run_path = st, run_path
         self.lease = self._held.enter_context(lease.hold(st, run_path))
         return self.lease
@@ -80,7 +79,7 @@ class RunLifecycle:
     def start(self, t0: float) -> None:
         """The driver's imports and tokenizer in a thread (start_ahead.prepare_driver) and, on a Ray this job
         starts (one node: the node check cannot fail), the MLflow run's opening."""
-        from raytune_ft.start_ahead import prepare_driver
+        from raytune_ft.driver.start_ahead import prepare_driver
 
         self.marks["driver"], self.job_start = t0, min(self.job_start, t0)
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raytune-start")
@@ -91,7 +90,7 @@ class RunLifecycle:
 
     def open_run(self) -> None:
         """Open the MLflow run ahead, in a process of its own (run_opening.RunOpening)."""
-        from raytune_ft.run_opening import RunOpening
+        from raytune_ft.tracking.opening import RunOpening
 
         # entered last, so given back first: the ending (__exit__) ends its run before it is closed
         self.opened = self._held.enter_context(RunOpening(self.recipe))
@@ -99,8 +98,8 @@ class RunLifecycle:
     # 3. Ray
     def start_ray(self) -> None:
         """Ray up (started or joined) and checked; the MLflow run opening; the driver's imports done."""
-        from raytune_ft import preflight
-        from raytune_ft.start_ahead import ensure_ray, start_train_helpers, submitted_at
+        from raytune_ft.driver import preflight
+        from raytune_ft.driver.start_ahead import ensure_ray, start_train_helpers, submitted_at
 
         ensure_ray(self.local)
         self._hold_signals()
@@ -117,14 +116,14 @@ class RunLifecycle:
             self.open_run()
         start_train_helpers()
         self._prepared.result()
-        from raytune_ft.train.launch import start_tokenizing
+        from raytune_ft.driver.launch import start_tokenizing
 
         # beside Ray Train's start, with the tokenizer loaded (the driver's choice of class) by the first read
         start_tokenizing(self.recipe)
 
     def datasets(self):
         """The datasets, built while the MLflow run opens in its own process."""
-        from raytune_ft.train.launch import build_datasets
+        from raytune_ft.driver.launch import build_datasets
 
         out = build_datasets(self.recipe)
         self.marks["datasets"] = time.time()
@@ -133,7 +132,7 @@ class RunLifecycle:
     def run_key(self) -> str:
         """Where rank 0 finds the run id: handed over once the run is open (at once if it is; a run that
         failed to open and is done raises here, in the driver)."""
-        from raytune_ft.run_opening import RunIdHandoff
+        from raytune_ft.tracking.opening import RunIdHandoff
 
         if self.opened.done():
             self.opened.result()
@@ -172,7 +171,7 @@ class RunLifecycle:
         """End the MLflow run FINISHED with the job's outcome: tags, metrics, JSON files and params (the data's,
         data/report.data_params), all through the opener's process, within its bound; the run's experiment
         id, None where the store did not answer (said)."""
-        from raytune_ft.run_opening import END_WAIT_S
+        from raytune_ft.tracking.opening import END_WAIT_S
 
         answer = self.opened.end("FINISHED", tags, timeout=END_WAIT_S, metrics=metrics,
                                  json_artifacts=json_artifacts, params=params)
@@ -201,14 +200,13 @@ class RunLifecycle:
     def _end(self, exc: BaseException) -> None:
         """The MLflow run ended with `exc`'s reason, and the line said on `exc` (not for an error found before
         the run was anyone's: the CLI prints it alone)."""
-        from raytune_ft import endings
-
+        from raytune_ft.driver import endings
         answer = {}
         if self.opened is not None:
             status, tags = endings.mlflow_ending(exc)
             answer = self.opened.end(status, tags)
             if not answer:
-                from raytune_ft.run_opening import END_WAIT_S
+                from raytune_ft.tracking.opening import END_WAIT_S
 
                 print(f"[raytune_ft] the MLflow run did not end within {END_WAIT_S:.0f} s (its opener or the tracking "
                       "store did not answer): its opener is stopped; a re-submit reopens a run it left RUNNING")

@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 from raytune_ft.env import NO_RUN_URL_PRINT, redact, scoped_env
-from raytune_ft.recipe import Recipe, RecipeError
+from raytune_ft.recipe.recipe import Recipe, RecipeError
 
 # the settings that decide which weights a run trains: a finished run re-submitted with one of these
 # changed would hand back (and register) weights these settings never produced
@@ -250,7 +250,7 @@ def keep_tracking_db(recipe: Recipe, st, run_path: str) -> None:
     uri = recipe.tracking_uri
     if not st.remote or not uri.startswith("sqlite:///") or recipe.tracking.tracking_uri:
         return
-    from raytune_ft import storage
+    from raytune_ft.storage import fs as storage
     from raytune_ft.env import redact_exception
 
     try:

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from raytune_ft import hardware
-from raytune_ft.recipe import Recipe
+from raytune_ft.planning import hardware
+from raytune_ft.recipe.recipe import Recipe
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ class ModelShape:
                 if not targets or "all-linear" in targets or name in targets}
 
     def flops_per_token(self, mean_conversation_tokens: float) -> float:
-        """Training FLOPs per token (raytune_ft.hardware's method) over conversations of the mean length."""
+        """Training FLOPs per token (raytune_ft.planning.hardware's method) over conversations of the mean length."""
         matmul = self.total_params - (0 if self.tied else self.embedding_params)   # the input embedding is a lookup
         return hardware.flops_per_token(matmul, self.n_full_attention * self.heads * self.head_dim,
                                         mean_conversation_tokens)
@@ -198,3 +198,18 @@ def model_shape(recipe: Recipe) -> tuple[ModelShape, str]:
         return KNOWN_SHAPES[key], "table of known shapes (shapes.py)"
     raise ValueError(f"model.name: no shape known for {recipe.model.name!r} (known: {', '.join(KNOWN_SHAPES)}, "
                      "or a local folder with config.json)")
+
+
+# Float8 matmuls need every dimension a multiple of 16 (MXFP8: of its 32-element scaling block).
+# Below FP8_MIN_DIM on either side a projection gains less from float8 than its casts cost (torchao's
+# own tables put the break-even near 1k x 1k on Hopper); the 27B's gated-delta-net gates
+# (5120 -> 48) are the case this skips.
+FP8_MIN_DIM = 512
+
+
+def fp8_linear_filter_dims(in_features: int, out_features: int, recipe: str = "tensorwise",
+                           min_dim: int = FP8_MIN_DIM) -> bool:
+    """Whether float8 converts a linear of this shape (train/fp8.py's filter; the memory plan counts the same)."""
+    multiple = 32 if recipe == "mxfp8" else 16
+    return (in_features % multiple == 0 and out_features % multiple == 0
+            and min(in_features, out_features) >= min_dim)

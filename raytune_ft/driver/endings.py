@@ -59,7 +59,7 @@ def one_line(exc: BaseException, limit: int = 1000) -> str:
 def before_the_run(exc: BaseException) -> bool:
     """Whether `exc` stopped the job before the run was anyone's (a recipe, storage or lease error found by
     the checks): the CLI prints it alone, exit code 2."""
-    from raytune_ft.recipe import RecipeError
+    from raytune_ft.recipe.recipe import RecipeError
 
     return isinstance(exc, RecipeError) or type(exc).__name__ in ("StorageAccessError", "RunFolderInUse")
 
@@ -98,7 +98,7 @@ def ending_text(exc: BaseException, step: int | None, checkpoint: int | None) ->
 def checkpoint_step(st, run_path: str) -> int | None:
     """The step of the run folder's latest reported checkpoint (None: none, or unreadable)."""
     try:
-        from raytune_ft import storage
+        from raytune_ft.storage import fs as storage
         from raytune_ft.train.checkpoint_meta import read_meta_at
 
         fs, base = st.fs, run_path.rstrip("/")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raytune_ft.hardware import GiB, gpu_spec
+from raytune_ft.planning.hardware import GiB, gpu_spec
 
 # `python -m bench gpu shape` at 64 layers (bench/RESULTS.md, "The 27B at its real depth"); None until measured
 MEASURED_64: dict | None = {

@@ -145,7 +145,7 @@ def run_history(checkpoint_dir: str | None, tracking_uri: str | None = None,
         try:
             import mlflow
 
-            from raytune_ft.tracking import mlflow_metric_name
+            from raytune_ft.tracking.mlflow_run import mlflow_metric_name
 
             client = mlflow.MlflowClient(tracking_uri)
             if not any("tokens_per_s" in h for h in history):

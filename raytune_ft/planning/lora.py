@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from raytune_ft.shapes import ModelShape
+from raytune_ft.planning.shapes import ModelShape
 
 # of the frozen base's bytes per GPU: the smallest round fraction that puts the plan over both measured
 # LoRA peaks (tests/test_plan.py holds it there)

@@ -117,7 +117,7 @@ class MlflowSender:
     def _start(self):
         from raytune_ft.channel import Channel
 
-        channel = Channel("raytune_ft.train.mlflow_sender", "serve", on_message=self._answered,
+        channel = Channel("raytune_ft.tracking.sender", "serve", on_message=self._answered,
                           on_exit=self._exited, max_queued=QUEUE_CALLS, name="mlflow-sender")
         channel.send(self._first)
         return channel

@@ -12,8 +12,8 @@ import os
 
 from raytune_ft import compat
 from raytune_ft.env import ray_train_defaults
-from raytune_ft.lease import RunFolderInUse
-from raytune_ft.recipe import Recipe, absolute_local_paths, recipe_from_dict
+from raytune_ft.storage.lease import RunFolderInUse
+from raytune_ft.recipe.recipe import Recipe, absolute_local_paths, recipe_from_dict
 from raytune_ft.train.job_attempts import note_workers_asked, workers_asked_key
 
 WorkerGroupCallback = compat.RAY_WORKER_GROUP_CALLBACK.load()
@@ -37,9 +37,9 @@ def _worker_env() -> dict[str, str]:
 def unfixable_error(exc: BaseException | None) -> BaseException | None:
     """The error in `exc` (a worker's, however Ray wrapped it) that a retry cannot fix, or None."""
     from raytune_ft.models.kernel_check import KernelCheckError
-    from raytune_ft.storage import FileTooLargeError, StorageFullError
+    from raytune_ft.storage.fs import FileTooLargeError, StorageFullError
     from raytune_ft.train.batch import DataOrderChanged
-    from raytune_ft.typed_values import RecipeError
+    from raytune_ft.recipe.values import RecipeError
 
     unfixable = (StorageFullError, FileTooLargeError, RecipeError, DataOrderChanged, KernelCheckError,
                  RunFolderInUse)
@@ -204,7 +204,7 @@ def build_trainer(recipe: Recipe, *, mlflow_run_key: str | None = None, blocks_b
     scaling = ray.train.ScalingConfig(
         num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,
         placement_strategy=s.placement_strategy, accelerator_type=s.accelerator_type)
-    from raytune_ft import storage
+    from raytune_ft.storage import fs as storage
 
     # one filesystem object for Ray and the loops: S3's endpoint travels with it, its keys do not
     st = storage.for_recipe(recipe, create=True)

@@ -17,8 +17,7 @@ def find_runs(storages: list[str]) -> list[dict]:
     else from its MLflow store, else from the lease of a job that holds it."""
     import pyarrow.fs as pafs
 
-    from raytune_ft import storage as st_mod
-
+    from raytune_ft.storage import fs as st_mod
     rows: list[dict] = []
     for where in storages:
         try:
@@ -42,8 +41,7 @@ def _run_row(st, run_path: str, name: str) -> dict | None:
 
     import pyarrow.fs as pafs
 
-    from raytune_ft import storage as st_mod
-
+    from raytune_ft.storage import fs as st_mod
     uri = st.uri(run_path)
     files = {f: st.fs.get_file_info(f"{run_path}/{f}") for f in ("summary.json", "mlflow.db")}
     found = {f: i for f, i in files.items() if i.type == pafs.FileType.File}
@@ -63,8 +61,7 @@ def _run_row(st, run_path: str, name: str) -> dict | None:
         with tempfile.TemporaryDirectory(prefix="raytune_runs_") as tmp:   # sqlite reads a local file only
             st_mod.download(st.fs, f"{run_path}/mlflow.db", tmp)
             return _run_from_mlflow(os.path.join(tmp, "mlflow.db"), name, uri, when)
-    from raytune_ft import lease
-
+    from raytune_ft.storage import lease
     held = lease.read(st.fs, run_path)        # a run on object storage keeps its MLflow store elsewhere
     if held is not None:
         age = max(0.0, _dt.datetime.now().timestamp() - held.heartbeat)
@@ -79,7 +76,7 @@ def _run_from_mlflow(db_path: str, name: str, uri: str, when: float) -> dict:
     try:
         import mlflow
 
-        from raytune_ft.tracking import mlflow_metric_name
+        from raytune_ft.tracking.mlflow_run import mlflow_metric_name
 
         loss_key = mlflow_metric_name("loss")
         client = mlflow.MlflowClient("sqlite:///" + os.path.abspath(db_path))

@@ -6,7 +6,7 @@ import os
 import sys
 
 from raytune_ft import compat
-from raytune_ft.recipe import Recipe
+from raytune_ft.recipe.recipe import Recipe
 
 
 def local_cpus(local: bool) -> int | None:
@@ -62,7 +62,7 @@ def submitted_at() -> float | None:
     """When Ray accepted this job's submission (epoch seconds), for a driver started by `ray job submit`
     and connected to its cluster; else None. The time between it and this process's start (Ray's job
     supervisor, the working directory's upload and unpacking, the job's process) is part of the wait."""
-    from raytune_ft.lease import job_id
+    from raytune_ft.storage.lease import job_id
 
     submission = job_id()
     if not submission:

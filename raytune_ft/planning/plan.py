@@ -31,7 +31,7 @@ cut to 16 layers). A plan "fits" when the total is within the GPU's memory
 less a margin (default 10%) for the CUDA context, NCCL buffers and allocator fragmentation.
 
 The time model: tokens of one pass / (tokens/s per GPU x GPUs), tokens/s per GPU = MFU x bf16 peak /
-training FLOPs per token, peaks and FLOPs from `raytune_ft.hardware` (the datasheet dense bf16 peak and the
+training FLOPs per token, peaks and FLOPs from `raytune_ft.planning.hardware` (the datasheet dense bf16 peak and the
 FLOPs the loops count for MFU). Evaluation and samples (FSDP2 loop) are forward passes only, a third of
 the training FLOPs per token at the same MFU: the held-out tokens spread over the GPUs; the samples'
 forwards (no KV cache: each new token a forward over the prompt and the tokens so far) the same on every
@@ -42,10 +42,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from raytune_ft.hardware import GPUS, GiB, GpuSpec, gpu_spec
-from raytune_ft.plan_lora import lora_fsdp2_lines, lora_layer_params, lora_state_lines
-from raytune_ft.recipe import Recipe
-from raytune_ft.shapes import ModelShape, model_shape
+from raytune_ft.planning.hardware import GPUS, GiB, GpuSpec, gpu_spec
+from raytune_ft.planning.lora import lora_fsdp2_lines, lora_layer_params, lora_state_lines
+from raytune_ft.recipe.recipe import Recipe
+from raytune_ft.planning.shapes import ModelShape, model_shape
 
 
 # ------------------------------------------------------------------ GPUs
@@ -343,7 +343,7 @@ def memory_plan(recipe: Recipe, *, gpu: str | None = None, tokens_per_s_per_gpu:
         f"{tokens_mb:,} tokens x {_fmt_count(kept + recompute)} elements x {compute_b} B ({how})")
 
     if t.loop == "fsdp2" and t.precision == "fp8":
-        from raytune_ft.train.fp8 import fp8_linear_filter_dims
+        from raytune_ft.planning.shapes import fp8_linear_filter_dims
 
         conv = [(i, o) for k in set(shape.layer_types) for i, o in shape.linears(k).values()
                 if fp8_linear_filter_dims(i, o, t.fp8_recipe)]
@@ -437,7 +437,7 @@ def _plan_eval_and_samples(plan: Plan, recipe: Recipe, train_size: DatasetSize |
     n = t.sample_count()
     if n != 0:
         if n is None:
-            from raytune_ft.train.sampling import read_prompt_file
+            from raytune_ft.data.prompts import read_prompt_file
 
             n, prompt_len, what = len(read_prompt_file(str(t.sample_prompts))), PROMPT_FILE_TOKENS, "file prompts"
         else:

@@ -13,9 +13,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from raytune_ft.recipe_sections import (DataConfig, ModelConfig, RegistryConfig, ScalingConfig, TrackingConfig,
+from raytune_ft.recipe.sections import (DataConfig, ModelConfig, RegistryConfig, ScalingConfig, TrackingConfig,
                                        TrainConfig, validate_registry_name)
-from raytune_ft.typed_values import RecipeError, check_value, coerce, did_you_mean
+from raytune_ft.recipe.values import RecipeError, check_value, coerce, did_you_mean
 
 __all__ = ["RecipeError", "Recipe", "ModelConfig", "DataConfig", "TrainConfig", "ScalingConfig", "TrackingConfig",
            "RegistryConfig", "validate", "apply_overrides", "recipe_from_dict", "absolute_local_paths",

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 
 import pyarrow.fs as pafs
 
-from raytune_ft import storage
+from raytune_ft.storage import fs as storage
 from raytune_ft.env import public_uri, redact
 
 if TYPE_CHECKING:
-    from raytune_ft.recipe import Recipe
+    from raytune_ft.recipe.recipe import Recipe
 
 # what the AWS SDK (and so pyarrow) reads from the environment to reach and sign in to S3
 AWS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",

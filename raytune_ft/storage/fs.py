@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable
 
 import pyarrow.fs as pafs
 
-from raytune_ft.storage_errors import (FileTooLargeError, StorageFullError, disk_full_error,  # noqa: F401
+from raytune_ft.storage.errors import (FileTooLargeError, StorageFullError, disk_full_error,  # noqa: F401
                                        fmt_bytes, is_disk_full, too_large_error)
 
 # Ray Train V2 (ray/train/v2/_internal/constants.py): the checkpoint manager's record of every

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from raytune_ft.storage import fmt_bytes
+from raytune_ft.storage.fs import fmt_bytes
 
 if TYPE_CHECKING:
-    from raytune_ft.recipe import Recipe
+    from raytune_ft.recipe.recipe import Recipe
 
 
 @dataclass
@@ -56,7 +56,7 @@ def _count(n: float) -> str:
 def storage_plan(recipe: "Recipe", shape: Any | None = None) -> StoragePlan:
     """The storage plan of `recipe` (`shape`: a plan.ModelShape, else read from the recipe's model)."""
     if shape is None:
-        from raytune_ft.plan import model_shape
+        from raytune_ft.planning.plan import model_shape
 
         shape, _ = model_shape(recipe)
     t, s = recipe.train, recipe.scaling
