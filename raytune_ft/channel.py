@@ -190,6 +190,39 @@ class NoAnswer(TimeoutError):
     """A call given to `call_within` did not return within its bound."""
 
 
+class Deadline:
+    """One bound shared by the parts of a sequence (a run's ending): each part waits for what is left of it,
+    so their sum cannot pass the bound however slowly each part answers."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.end = time.monotonic() + seconds
+
+    def left(self, at_most: float | None = None) -> float:
+        """Seconds left (never negative), capped at `at_most` (a part's own limit)."""
+        left = max(0.0, self.end - time.monotonic())
+        return left if at_most is None else min(left, at_most)
+
+    @property
+    def passed(self) -> bool:
+        return time.monotonic() >= self.end
+
+
+# set once a call_within gave up on a call: its thread may still wait in a library (pyarrow's S3 client, an HTTP
+# request) whose exit handlers wait for it too
+_ABANDONED = threading.Event()
+
+
+def exit_if_abandoned(code: int) -> None:
+    """Exit now with `code`, skipping the interpreter's exit handlers, where a call was given up on: pyarrow's S3
+    finalizer waits for a request to a store that stopped answering, which would hold the exit past the
+    ending's bound. Otherwise return (the caller exits as usual)."""
+    if _ABANDONED.is_set():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def call_within(seconds: float, what: str, fn: Callable, *args, **kwargs):
     """`fn(*args, **kwargs)` in a daemon thread, waited for `seconds` at most: its result, its exception
     raised here, or NoAnswer naming `what` (the thread is left behind, and the process does not wait for it
@@ -206,6 +239,7 @@ def call_within(seconds: float, what: str, fn: Callable, *args, **kwargs):
     worker.start()
     worker.join(seconds)
     if worker.is_alive():
+        _ABANDONED.set()
         raise NoAnswer(f"{what}: no answer within {seconds:g} s")
     if "error" in out:
         raise out["error"]

@@ -126,6 +126,9 @@ def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = No
 
             print(redact_exception(e, with_traceback=True), file=sys.stderr)
         print(f"[raytune_ft] {line}", file=sys.stderr, flush=True)
+        from raytune_ft.channel import exit_if_abandoned
+
+        exit_if_abandoned(exit_code(e))    # a store that stopped answering does not hold the exit
         return exit_code(e)
     print("\n".join(summary.lines()), flush=True)
     return 0 if summary.status != "trained_not_registered" else 3

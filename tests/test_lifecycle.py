@@ -20,6 +20,7 @@ from raytune_ft.cli import _job_recipe
 from raytune_ft.storage.lease import LEASE_FILE
 from raytune_ft.driver.lifecycle import END_BOUND_S
 from tests.conftest import REPO, env_with_path
+from tests.s3_server import s3_server  # noqa: F401 (a fixture)
 
 # a driver as run() is up to its fit: the lifecycle holds the run folder and opens the MLflow run, then waits
 DRIVER = textwrap.dedent("""
@@ -39,6 +40,8 @@ DRIVER = textwrap.dedent("""
             time.sleep(600)
     except BaseException as e:
         print("LINE", ending_line(e), flush=True)
+        from raytune_ft.channel import exit_if_abandoned
+        exit_if_abandoned(exit_code(e))    # as cli.job_main does
         sys.exit(exit_code(e))
 """)
 
@@ -47,11 +50,11 @@ def _recipe(tmp_path, *overrides):
     return _job_recipe("qwen27b_b300", True, [f"tracking.storage_path={tmp_path / 'runs'}", *overrides])
 
 
-def _driver(tmp_path, wait: str, *overrides) -> tuple[subprocess.Popen, dict]:
+def _driver(tmp_path, wait: str, *overrides, env: dict | None = None) -> tuple[subprocess.Popen, dict]:
     """The driver started, and what it printed up to READY (its run id under "RUN" where it waited for it)."""
     args = [f"tracking.storage_path={tmp_path / 'runs'}", *overrides]
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(args), wait], cwd=REPO,
-                            env=env_with_path(REPO), stdout=subprocess.PIPE, text=True)
+                            env={**env_with_path(REPO), **(env or {})}, stdout=subprocess.PIPE, text=True)
     said = {}
     for line in proc.stdout:
         key, _, value = line.strip().partition(" ")
@@ -131,6 +134,54 @@ def test_a_tracking_store_that_does_not_answer_ends_within_the_bound(tmp_path, m
     assert got == 143 and seconds < END_BOUND_S, (got, seconds)
     assert line.startswith("interrupted")
     assert _lease_gone(recipe) and not [p for p in children if p.is_running()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_ending_keeps_its_bound_with_the_tracking_server_and_the_object_store_both_stopped(
+        tmp_path, mlflow_server, s3_server):
+    """Issue 58 item 3: the run is open on a real `mlflow server`, its folder and lease on a real S3 server; both
+    stop answering (SIGSTOP), then SIGTERM: every part of the ending (the MLflow end, the checkpoint's step, the
+    opener's close, the lease, the run key) draws on one deadline, so the driver exits within END_BOUND_S + 1 s
+    though each part alone would wait longer."""
+    bucket = s3_server.bucket()
+    sets = [f"tracking.tracking_uri={mlflow_server.uri}", f"tracking.storage_path=s3://{bucket}/runs"]
+    proc, said = _driver(tmp_path, "opened", *sets, env=s3_server.env())
+    assert said.get("RUN")
+    os.killpg(mlflow_server.proc.pid, signal.SIGSTOP)
+    os.killpg(s3_server.proc.pid, signal.SIGSTOP)
+    try:
+        got, seconds, line, children = _ended(proc, signal.SIGTERM)
+    finally:
+        os.killpg(s3_server.proc.pid, signal.SIGCONT)
+        os.killpg(mlflow_server.proc.pid, signal.SIGCONT)
+    assert got == 143 and seconds < END_BOUND_S + 1, (got, seconds)
+    assert line.startswith("interrupted")
+    assert not [p for p in children if p.is_running()]
+
+
+def test_a_deadline_shares_its_bound_and_a_lease_is_given_back_once(tmp_path):
+    """The ending's parts take what is left of one deadline; the lease's second release (the context manager's,
+    after the ending's) neither waits nor touches storage."""
+    from raytune_ft.channel import Deadline
+    from raytune_ft.storage import fs as storage
+    from raytune_ft.storage.lease import hold
+
+    d = Deadline(0.3)
+    assert 0.2 < d.left() <= 0.3 and d.left(0.1) == 0.1 and not d.passed
+    time.sleep(0.35)
+    assert d.left() == 0.0 and d.left(5) == 0.0 and d.passed
+    st = storage.resolve(str(tmp_path / "runs"))
+    lease = hold(st, st.root + "/run")
+    path = os.path.join(tmp_path, "runs", "run", LEASE_FILE)
+    assert os.path.exists(path)
+    record = open(path).read()
+    lease.release()
+    assert not os.path.exists(path)
+    open(path, "w").write(record)      # this job's own lease again: a second release must not touch it
+    t0 = time.monotonic()
+    lease.release()
+    assert os.path.exists(path) and time.monotonic() - t0 < 0.05
 
 
 def test_call_within_returns_raises_or_gives_up_within_its_bound():

@@ -81,9 +81,12 @@ def mlflow_ending(exc: BaseException) -> tuple[str, dict[str, str]]:
 
 
 def ending_text(exc: BaseException, step: int | None, checkpoint: int | None) -> str:
-    """The one line that says where the run stopped (`step`: the last one logged) and how to resume
+    """The one line that says where the run stopped (`step`: the last one logged, or the checkpoint's where the
+    tracking store received fewer) and how to resume
     (`checkpoint`: the latest checkpoint's step)."""
     what = "interrupted" if interrupted(exc) else "failed"
+    if checkpoint is not None and (step is None or step < checkpoint):
+        step = checkpoint           # the workers reached at least their checkpoint, whatever the store received
     where = f" at step {step}" if step is not None else " before the first step" if checkpoint is None else ""
     cause = "" if interrupted(exc) else f" ({one_line(exc, 300)})"
     if checkpoint is not None:

@@ -12,9 +12,16 @@ import time
 from raytune_ft.env import process_start
 from raytune_ft.recipe.recipe import Recipe, check_tracking_store
 
-# the most the ending takes: the MLflow run ended by the opener's process (run_opening.END_WAIT_S), its process
-# and the handed-over key gone, the lease given back
+# the most the ending takes, all parts together (one channel.Deadline): the MLflow run ended by the opener's
+# process (at most tracking.opening.END_WAIT_S of it), the checkpoint's step read, the opener's process
+# closed, the lease given back, the handed-over key deleted; each part's own cap below
 END_BOUND_S = 15.0
+CKPT_READ_S = 2.0
+CLOSE_WAIT_S = 2.0
+RELEASE_WAIT_S = 3.0
+KEY_WAIT_S = 2.0
+# a run whose opening is still under way when the driver needs its id (after fit): the most it waits
+RUN_ID_WAIT_S = 120.0
 
 
 class RunLifecycle:
@@ -48,6 +55,7 @@ class RunLifecycle:
         self.marks: dict = {}
         self.job_start = process_start() or time.time()
         self._held = contextlib.ExitStack()
+        self._handoff = None              # tracking.opening.RunIdHandoff
         self._prepared = None
         self._signals: dict = {}
 
@@ -136,9 +144,9 @@ class RunLifecycle:
 
         if self.opened.done():
             self.opened.result()
-        handoff = self._held.enter_context(RunIdHandoff(self.opened, self.lease.token))
+        self._handoff = self._held.enter_context(RunIdHandoff(self.opened, self.lease.token))
         self.marks["tracking"] = time.time()
-        return handoff.key
+        return self._handoff.key
 
     def fit(self, trainer):
         """`trainer.fit()`, run in a thread of its own while the main thread waits: Ray Train takes SIGINT in
@@ -163,8 +171,9 @@ class RunLifecycle:
         return outcome["result"]
 
     def run_id(self) -> str:
-        """The MLflow run's id, waiting for it to open; its error (FinishedRunError, the store's) raised."""
-        return self.opened.result()
+        """The MLflow run's id, waiting at most RUN_ID_WAIT_S for it to open; its error (FinishedRunError, the
+        store's, or a TimeoutError) raised."""
+        return self.opened.result(RUN_ID_WAIT_S)
 
     # 4. the end of a job that returned
     def finish(self, tags: dict, metrics: dict, json_artifacts: dict | None, params: dict | None = None) -> str | None:
@@ -181,38 +190,50 @@ class RunLifecycle:
         return answer.get("experiment_id")
 
     def __exit__(self, kind, exc, tb) -> None:
+        from raytune_ft.channel import Deadline
+
         for s in self._signals:      # the ending is not cut short; the handlers before the run come back last
             signal.signal(s, signal.SIG_IGN)
+        deadline = Deadline(END_BOUND_S)     # every part below waits for what is left of it, no more
         try:
             if exc is not None:
-                self._end(exc)
+                self._end(exc, deadline)
             if self.opened is not None:   # first: a handoff still waiting for the run id stops waiting
-                self.opened.close()
+                self.opened.close(deadline.left(CLOSE_WAIT_S))
             if self.lease is not None:    # before anything that may wait on a Ray gone with the driver's group
-                self.lease.release()
+                self.lease.release(deadline.left(RELEASE_WAIT_S))
+            if self._handoff is not None:
+                self._handoff.close(deadline.left(KEY_WAIT_S))
         finally:
             try:
-                self._held.close()     # the handed-over key, the opener's process, the threads, the lease
+                self._held.close()     # what is left: each part above is closed already (a second close is free)
             finally:
                 for s, handler in self._signals.items():
                     signal.signal(s, handler)
 
-    def _end(self, exc: BaseException) -> None:
+    def _end(self, exc: BaseException, deadline) -> None:
         """The MLflow run ended with `exc`'s reason, and the line said on `exc` (not for an error found before
         the run was anyone's: the CLI prints it alone)."""
+        from raytune_ft.channel import NoAnswer, call_within
         from raytune_ft.driver import endings
+        from raytune_ft.tracking.opening import END_WAIT_S
+
         answer = {}
         if self.opened is not None:
             status, tags = endings.mlflow_ending(exc)
-            answer = self.opened.end(status, tags)
+            answer = self.opened.end(status, tags, timeout=deadline.left(END_WAIT_S))
             if not answer:
-                from raytune_ft.tracking.opening import END_WAIT_S
-
                 print(f"[raytune_ft] the MLflow run did not end within {END_WAIT_S:.0f} s (its opener or the tracking "
                       "store did not answer): its opener is stopped; a re-submit reopens a run it left RUNNING")
         if endings.before_the_run(exc):
             return
-        ckpt = endings.checkpoint_step(self.storage, self.run_path) if self.storage is not None else None
+        ckpt = None
+        if self.storage is not None:
+            try:
+                ckpt = call_within(deadline.left(CKPT_READ_S), "checkpoint read", endings.checkpoint_step,
+                                   self.storage, self.run_path)
+            except NoAnswer:         # a storage that does not answer: the line goes without the step
+                pass
         with contextlib.suppress(AttributeError):   # the CLI prints it (`ending_line`)
             exc.raytune_ending = endings.ending_text(exc, answer.get("step"), ckpt)
 

@@ -119,6 +119,7 @@ class Lease:
         self.fs, self.run_path, self.uri, self.record, self.log = fs, run_path.rstrip("/"), uri, record, log
         self.lost_to: LeaseRecord | None = None
         self._stop = threading.Event()
+        self._released = False
         self._thread: threading.Thread | None = None
 
     @property
@@ -192,6 +193,9 @@ class Lease:
         storage that does not answer the file is left behind (said), goes stale and is taken over."""
         from raytune_ft.channel import call_within
 
+        if self._released:           # given back once: the ending's and the context manager's release are one
+            return
+        self._released = True
         deadline = time.monotonic() + timeout_s
         self._stop.set()
         if self._thread is not None:   # a beat under way on a storage that hangs is left to its thread

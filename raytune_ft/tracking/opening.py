@@ -14,6 +14,8 @@ from raytune_ft.tracking.mlflow_run import end_run, start_run
 
 # how long RunOpening.end waits for its process to end the run (the store's answer included) before it kills it
 END_WAIT_S = 10.0
+# the most anything waits for the run to open (the handoff's thread, a caller giving no bound)
+OPEN_WAIT_S = 600.0
 
 
 class RunOpening:
@@ -52,7 +54,8 @@ class RunOpening:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """start_run's error, waiting for it (up to `timeout` s: None, however long the store takes)."""
-        self._channel.wait(lambda: self._answer is not None, timeout if timeout is not None else 1e9)
+        timeout = OPEN_WAIT_S if timeout is None else timeout
+        self._channel.wait(lambda: self._answer is not None, timeout)
         if self._answer is None:
             if self._closed:
                 return RuntimeError("opening the MLflow run was abandoned: the run ended first")
@@ -76,13 +79,17 @@ class RunOpening:
         `json_artifacts`) once it is open, within `timeout` s. Its answer: `ended` (the run's id; None where
         the run did not open, was not RUNNING, or the store failed), `experiment_id`, `step` (the last step of
         the loss curve); {} where the store did not answer in time."""
+        self._ended = None           # a second end is answered by its own outcome, never by the first's
         if not self._channel.send({"end": {"status": status, "tags": tags, **more}}):
             return {}
         self._channel.wait(lambda: self._ended is not None, timeout)
         return self._ended or {}
 
     def close(self, timeout: float = 2.0) -> None:
-        """End the process: it exits once done with what it was sent, or is killed after `timeout` s."""
+        """End the process: it exits once done with what it was sent, or is killed after `timeout` s; a second
+        close does nothing."""
+        if self._closed:
+            return
         self._closed = True
         self._channel.close(timeout)
 
@@ -132,6 +139,7 @@ class RunIdHandoff:
         self.key = f"mlflow_run/{token}"
         self._opened = opened
         self._thread = None
+        self._closed = False
         if opened.done():
             put_run_id(self.key, self._value())
             return
@@ -155,12 +163,21 @@ class RunIdHandoff:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self, timeout: float = 4.0) -> None:
+        """Delete the key, within `timeout` s in all (the hand-over's thread given half); a second close does
+        nothing."""
         import contextlib
-
         import threading
+        import time
 
+        if self._closed:
+            return
+        self._closed = True
+        end = time.monotonic() + timeout
         if self._thread is not None:
-            self._thread.join(timeout=2.0)
+            self._thread.join(timeout=timeout / 2)
 
         def delete() -> None:
             with contextlib.suppress(Exception):  # the job's Ray may be gone already
@@ -171,7 +188,7 @@ class RunIdHandoff:
         # a Ray whose processes a Ctrl-C ended with the driver's would hold the deletion for its reconnect time
         deleting = threading.Thread(target=delete, name="raytune-run-key", daemon=True)
         deleting.start()
-        deleting.join(timeout=2.0)
+        deleting.join(timeout=max(0.0, end - time.monotonic()))
 
 
 def await_run_id(key: str, timeout_s: float = 600.0, poll_s: float = 0.2) -> str:
