@@ -258,3 +258,53 @@ def test_calls_beyond_the_senders_queue_are_dropped_and_said(tmp_path, monkeypat
         dropped = re.fullmatch(r"MLflow: (\d+) call\(s\) were dropped while the sender was behind", said[-1])
         assert lost and dropped, said
         assert int(lost[1]) + int(dropped[1]) == 60 and 19 <= int(lost[1]) < 60, said
+
+
+@pytest.mark.slow          # a sender process and a real sqlite store
+@pytest.mark.timeout(120)
+def test_calls_made_before_the_run_opens_wait_in_the_sender_and_are_made_once_its_id_comes(mlflow_run):
+    """Issue 58 item 3: rank 0 builds and steps while the driver's run opens; its calls wait (bounded) in the
+    sender's process and are made, in order, once `give_run` hands the id over."""
+    from mlflow import MlflowClient
+
+    from raytune_ft.tracking.sender import MlflowSender
+
+    recipe, run_id = mlflow_run
+    said: list[str] = []
+    sender = MlflowSender(recipe.tracking_uri, None, said.append)
+    try:
+        for step in (1, 2, 3):
+            sender.call("log_batch", "MLflow metric logging failed ({error})",
+                        metrics=[["train/loss", float(step), 0, step]])
+        assert not sender.flush(1.0), "calls were made before the run had an id"
+        sender.give_run(run_id)
+        assert sender.flush(60), said
+    finally:
+        sender.close(30)
+    history = MlflowClient(recipe.tracking_uri).get_metric_history(run_id, "train/loss")
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    assert not [s for s in said if "failed" in s], said
+
+
+@pytest.mark.slow          # a sender process and a real sqlite store
+@pytest.mark.timeout(120)
+def test_the_checkpoints_history_fills_the_steps_a_tracking_outage_kept_from_the_run(mlflow_run):
+    """Issue 58 item 3: the store received steps 1-3 of 6 (an outage dropped the rest); the next contact (a
+    resume, the end of the run: WorkerLog.backfill with the checkpoint's history) logs steps 4-6 of every
+    curve, and steps 1-3 are not logged twice."""
+    from mlflow import MlflowClient
+
+    from raytune_ft.train.common import WorkerLog
+
+    recipe, run_id = mlflow_run
+    recipe.tracking.system_metrics = "off"
+    client = MlflowClient(recipe.tracking_uri)
+    for step in (1, 2, 3):
+        client.log_metric(run_id, "train/loss", 10.0 + step, step=step)
+    history = [{"step": s, "loss": 10.0 + s, "lr": 1e-5 * s, "grad_norm": 0.5} for s in range(1, 7)]
+    log = WorkerLog(0, recipe, run_id=run_id, stream=io.StringIO())
+    log.backfill(history)
+    log.close()
+    loss = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/loss"))
+    assert loss == [(s, 10.0 + s) for s in range(1, 7)]
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/lr")) == list(range(1, 7))

@@ -54,6 +54,8 @@ class _Calls:
         elif op == "log_batch":
             self.client.log_batch(self.run_id, metrics=[Metric(*m) for m in args.get("metrics", ())],
                                   params=[Param(*p) for p in args.get("params", ())])
+        elif op == "backfill":
+            self.backfill(args["metrics"])
         elif op == "log_table":
             from raytune_ft.env import scoped_env
 
@@ -63,6 +65,18 @@ class _Calls:
                 self.client.log_table(self.run_id, args["data"], args["artifact_file"])
         else:
             raise ValueError(f"unknown MLflow call {op!r}")
+
+
+    def backfill(self, metrics: list) -> None:
+        """Log the points of `metrics` ([name, value, timestamp, step]) the run does not hold yet: the steps a
+        tracking outage kept from the store, from the checkpoint's history."""
+        from mlflow.entities import Metric
+
+        held = {name: {m.step for m in self.client.get_metric_history(self.run_id, name)}
+                for name in {m[0] for m in metrics}}
+        missing = [Metric(*m) for m in metrics if m[3] not in held[m[0]]]
+        for i in range(0, len(missing), 1000):          # MLflow's limit per batch
+            self.client.log_batch(self.run_id, metrics=missing[i:i + 1000])
 
 
 def _open_calls(tracking_uri: str, run_id: str, say: Callable[[str], None]) -> _Calls | None:
@@ -81,28 +95,46 @@ def _failure(fail: str, e: BaseException) -> str:
 
 
 def serve(child) -> None:
-    """The sender process (channel.Channel's child): the run from the first message, then one call per
-    message, each answered `done` once made or failed."""
+    """The sender process (channel.Channel's child): the tracking URI (and the run, where known) from the first
+    message, then one call per message, each answered `done` once made or failed. Calls that come before the
+    run's id (a `run_id` message, once the driver's run is open) wait here, in order, QUEUE_CALLS at most."""
     messages = child.messages()
     first = next(messages, None)
     if first is None:          # the worker went before it said which run
         return
-    calls = _open_calls(first["tracking_uri"], first["run_id"], lambda text: child.answer(say=text))
+    say = lambda text: child.answer(say=text)  # noqa: E731
+    uri, calls, waiting = first["tracking_uri"], None, []
+    known = first.get("run_id") is not None
+    if known:
+        calls = _open_calls(uri, first["run_id"], say)
     for msg in messages:
-        if calls is not None:
-            try:
-                calls.make(msg["op"], msg.get("args", {}))
-            except Exception as e:  # noqa: BLE001 - reported in the caller's words; the next calls are made
-                child.answer(say=_failure(msg.get("fail", "MLflow call failed ({error})"), e))
-        child.answer(done=msg["n"])
+        if "op" not in msg:               # the run's id, handed over once the run is open
+            calls, known = _open_calls(uri, msg["run_id"], say), True
+            for held in waiting:
+                _make(child, calls, held)
+            waiting = []
+        elif not known and len(waiting) < QUEUE_CALLS:
+            waiting.append(msg)
+        else:
+            _make(child, calls, msg)
+
+
+def _make(child, calls: "_Calls | None", msg: dict) -> None:
+    if calls is not None:
+        try:
+            calls.make(msg["op"], msg.get("args", {}))
+        except Exception as e:  # noqa: BLE001 - reported in the caller's words; the next calls are made
+            child.answer(say=_failure(msg.get("fail", "MLflow call failed ({error})"), e))
+    child.answer(done=msg["n"])
 
 
 class MlflowSender:
     """Rank 0's MLflow calls on run `run_id`, made in order by a child process (see the module's doc).
     `say` reports a failed call, calls lost or dropped, or tracking switched off, in the worker's log; it
-    may be called from the channel's threads."""
+    may be called from the channel's threads. `run_id` None: the calls wait in the process until `give_run`
+    hands the id over (the loop builds and steps meanwhile)."""
 
-    def __init__(self, tracking_uri: str, run_id: str, say: Callable[[str], None]):
+    def __init__(self, tracking_uri: str, run_id: str | None, say: Callable[[str], None]):
         self._say = say
         self._first = {"tracking_uri": tracking_uri, "run_id": run_id}
         self._cond = threading.Condition()
@@ -121,6 +153,13 @@ class MlflowSender:
                           on_exit=self._exited, max_queued=QUEUE_CALLS, name="mlflow-sender")
         channel.send(self._first)
         return channel
+
+    def give_run(self, run_id: str) -> None:
+        """The run's id, once the driver's run is open: the calls held for it are made, in order."""
+        with self._cond:
+            self._first["run_id"] = run_id       # a process started after this gets it first
+            self._stuck_at = None                # the held calls are made now: a flush waits for them again
+            self._channel.send({"run_id": run_id})
 
     @property
     def pid(self) -> int | None:

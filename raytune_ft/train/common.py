@@ -255,12 +255,9 @@ class WorkerLog:
 
     def __init__(self, rank: int, recipe: Recipe, run_id: str | None = None, stream=None,
                  job_start: float | None = None, startup_marks: dict | None = None, run_key: str | None = None):
-        """`run_id`: the MLflow run rank 0 logs to, or `run_key`: where rank 0 waits for it in Ray's key-value
-        store (run_opening.await_run_id) and each node's system metrics find it; neither: no tracking."""
-        if rank == 0 and run_key and not run_id:
-            from raytune_ft.tracking.opening import await_run_id
-
-            run_id = await_run_id(run_key)
+        """`run_id`: the MLflow run rank 0 logs to, or `run_key`: where a thread of rank 0 waits for it in Ray's
+        key-value store (tracking.opening.await_run_id) while the loop builds and steps, its calls held by the
+        sender meanwhile, and where each node's system metrics find it; neither: no tracking."""
         self.rank = rank
         self.recipe = recipe
         asked = workers_asked_at(recipe.tracking.run_name, job_start) if job_start else None
@@ -268,17 +265,42 @@ class WorkerLog:
         self._stream = stream
         self._live = False           # a redrawn progress line is on screen (terminal only)
         self._sender = None          # rank 0's MLflow calls, made by a process of their own
+        self._not_opened: BaseException | None = None   # the driver's run did not open (raised in the loop)
         self.attempt_id = attempt_id()   # this attempt's start-up params are named after it
         if rank == 0 and job_start:
             self.startup.attempt = attempt_of_job(recipe.tracking.run_name, job_start)
-        if rank == 0 and run_id:
+        if rank == 0 and (run_id or run_key):
             from raytune_ft.tracking.sender import MlflowSender
 
             self._sender = MlflowSender(recipe.tracking_uri, run_id, self.info)
+            if not run_id:
+                self._await_run(run_key)
             self.set_tag("raytune.gpu", _gpu_description(recipe.scaling.num_workers))
         from raytune_ft.train.system_metrics import start_for_node
 
         self._system = start_for_node(recipe, rank, run_id, run_key, self.info)
+
+    def _await_run(self, run_key: str) -> None:
+        """A thread that hands the run's id to the sender once the driver's run is open; where it did not open,
+        the loop raises the driver's words at its next logged step (`check_tracking`)."""
+        import threading
+
+        sender = self._sender
+
+        def wait() -> None:
+            from raytune_ft.tracking.opening import await_run_id
+
+            try:
+                sender.give_run(await_run_id(run_key))
+            except Exception as e:  # noqa: BLE001 - RunNotOpened: raised in the loop's thread
+                self._not_opened = e
+
+        threading.Thread(target=wait, name="raytune-run-id", daemon=True).start()
+
+    def check_tracking(self) -> None:
+        """Raise the driver's words where its MLflow run did not open (rank 0; a no-op otherwise)."""
+        if self._not_opened is not None:
+            raise self._not_opened
 
     @classmethod
     def of_worker(cls, rank: int, recipe: Recipe, config: dict) -> "WorkerLog":
@@ -343,6 +365,7 @@ class WorkerLog:
         step's own figures since the last log (see `log_metrics`)."""
         if self.rank != 0:
             return
+        self.check_tracking()
         line = f"[raytune_ft] {self.progress_line(m, total_steps, elapsed)}"
         if self._is_terminal():
             # redraw in place: carriage return, the line, clear to the end of the line
@@ -391,6 +414,18 @@ class WorkerLog:
         for i in range(0, len(metrics), 1000):          # MLflow's limit per batch
             self._sender.call("log_batch", "MLflow metric logging failed ({error}); training goes on",
                               metrics=metrics[i:i + 1000])
+
+    def backfill(self, history: Sequence[dict]) -> None:
+        """Rank 0: the points of `history` (the checkpoint's per-step loss, lr, grad norm) that the MLflow run
+        lacks are logged: what a tracking outage kept from the store reaches it at the next contact (a resume,
+        the end of the run)."""
+        if self._sender is None or not history:
+            return
+        ts = int(time.time() * 1000)
+        metrics = [[mlflow_metric_name(k), float(v), ts, int(s["step"])] for s in history
+                   for k, v in s.items() if k != "step" and _is_number(v)]
+        self._sender.call("backfill", "MLflow: the steps missing from the run were not logged ({error})",
+                          metrics=metrics)
 
     def first_step_done(self, step: int, device) -> dict:
         """At the end of this attempt's first optimizer step (every rank): the start-up breakdown, printed

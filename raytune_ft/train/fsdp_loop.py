@@ -243,6 +243,7 @@ def _resume_state(state: TrainState, rank: int, log: WorkerLog) -> TrainState:
     state.progress.resumed(state.step)
     log.info(f"resumed from checkpoint at step {state.step} ({state.data.blocks_consumed} blocks consumed "
              f"on rank {rank})")
+    log.backfill(state.progress.history)    # steps an outage of the tracking store kept from the run
     return state
 
 
@@ -410,4 +411,5 @@ def _finish(a: _Attempt, step: int, last_metrics: dict) -> None:
         # the summary reads the end of the run from MLflow; the last step's own points are there already
         log.log_metrics(final, step, skip=("loss", "lr", "grad_norm"))
         report(final)
+    log.backfill(history)      # what the store missed during this attempt, now that it may answer
     log.close()
