@@ -256,3 +256,20 @@ def test_private_names_of_the_libraries_are_imported_in_compat_only():
              if name != "raytune_ft.compat" and name not in NOT_YET_MOVED and (hits := private_imports(path))}
     assert not found, "\n".join(f"{name}: {hits}" for name, hits in found.items())
     assert private_imports(modules()["raytune_ft.compat"]) == []   # compat imports them by name, at use
+
+
+def test_run_reads_top_down_each_step_once_and_holds_nothing_before_its_checks():
+    """Issue 58 item 2: `_run` (what `run()` does inside its lifecycle) calls each step of a run once, in the
+    order a run happens: validate, every check before Ray (storage and tracking in _validate, a finished run,
+    the data and resources), then hold the folder, open tracking, start Ray, fit, summarize, register and
+    close. A check after the hold would leave a refused run holding its folder."""
+    steps = ["_validate", "finished_run_summary", "_check_before_ray", "hold_folder", "start", "start_ray", "_fit",
+             "_summarize", "_register_and_close"]
+    body = _function("raytune_ft.driver.run", "_run")
+    calls = sorted((n.lineno, n.col_offset, n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id)
+                   for n in ast.walk(body) if isinstance(n, ast.Call)
+                   and isinstance(n.func, (ast.Attribute, ast.Name)))
+    assert [name for _, _, name in calls if name in steps] == steps
+    run = _function("raytune_ft.driver.run", "run")
+    assert [n.func.id for n in ast.walk(run) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+            and n.func.id.startswith("_")] == ["_run"]

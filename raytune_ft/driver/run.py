@@ -297,25 +297,28 @@ def _summarize(recipe: Recipe, result, run_id: str, st, run_path: str) -> tuple[
 
 
 def _run(recipe: Recipe, life: RunLifecycle, *, register: bool | None) -> RunSummary:
+    """One pass, in the order a run happens; each step once. Everything that can refuse the run is checked
+    before anything is held: a refused run holds no lease, opens no MLflow run and starts no Ray."""
     from raytune_ft.driver import preflight
 
-    # validate
-    st, run_path = _validate(recipe)
-    life.hold_folder(st, run_path)
     t0 = time.time()
+    # validate, and check everything before Ray: storage, tracking store, data, resources
+    st, run_path = _validate(recipe)
     do_register = recipe.registry.enabled if register is None else register
     finished = preflight.finished_run_summary(recipe, st, run_path, do_register)
-    if finished is not None:   # nothing to train or register: Ray is not started, the MLflow run not touched
+    if finished is not None:   # nothing to train or register: nothing is held, Ray is not started
         known = {k: v for k, v in finished.items() if k in RunSummary.__dataclass_fields__}
         return RunSummary(**{**known, "seconds": time.time() - min(process_start() or t0, t0)})
     data_notes = _check_before_ray(recipe, local=life.local, joins=life.joins)
-    # open the run, with Ray started beside it
+    # hold the run folder, open the MLflow run, start Ray beside it
+    life.hold_folder(st, run_path)
     life.start(t0)
     life.start_ray()
     # fit
     result, run_id = _fit(recipe, life)
+    # end: the summary from the final checkpoint
     summary, meta, ckpt_uri = _summarize(recipe, result, run_id, st, run_path)
-    # register
+    # register, close the MLflow run, write summary.json
     return _register_and_close(recipe, summary, meta, ckpt_uri, do_register, st, run_path, life, data_notes)
 
 
