@@ -11,20 +11,25 @@ weight gradients (the "fsdp gathered" line) covers the backward's transient grad
 layer's fp32 gradients are the adapters' only:
   lora backward       the recomputed layer's backward holds, per adapted linear, the adapter path's
                       input gradient beside the base's and their sum: 2 x tokens x the widest linear
-                      input (the MLP's down_proj) in the compute dtype (measured on CPU, bench/NOTES.md).
+                      input (the MLP's down_proj) in the compute dtype (measured on CPU).
   lora allowance      a calibration, not a cause: a fraction (LORA_ALLOWANCE) of the frozen base's
                       bytes that the measured LoRA peaks held beyond every line above; the term was
-                      not identified on CPU (bench/NOTES.md, "LoRA memory plan: what it left out").
+                      not identified on CPU; planning/data/measured.json names the runs it was fitted on.
 """
 from __future__ import annotations
 
 from typing import Callable
 
+from raytune_ft.planning.measured import figure
 from raytune_ft.planning.shapes import ModelShape
 
-# of the frozen base's bytes per GPU: the smallest round fraction that puts the plan over both measured
-# LoRA peaks (tests/test_plan.py holds it there)
-LORA_ALLOWANCE = 0.12
+# of the frozen base's bytes per GPU, calibrated (planning/data/measured.json names the runs it was fitted on)
+LORA_ALLOWANCE = figure("lora_allowance")["values"]["fraction_of_frozen_base"]
+
+
+def _fitted_on() -> str:
+    runs = figure("lora_allowance")["fitted_on"]
+    return " and ".join(f"{r['values']['figures.peak_gib']} GiB at {r['layers']} layers x {r['seq']:,} tokens" for r in runs)
 
 
 def lora_state_lines(shape: ModelShape, train_cfg, compute_b: int, shard: int,
@@ -60,6 +65,6 @@ def lora_fsdp2_lines(shape: ModelShape, train_cfg, tokens: int, compute_b: int, 
          f"2 x {tokens:,} tokens x {widest:,} (widest adapted input) x {compute_b} B: the adapter path's input "
          "gradient and the summed one, beside the base's, in the recomputed layer's backward"),
         ("lora allowance", LORA_ALLOWANCE * base_bytes,
-         f"{LORA_ALLOWANCE:.0%} of the frozen base's {base_bytes / 2**30:.2f} GiB: calibrated on the measured LoRA peaks, "
-         "cause not identified (bench/NOTES.md)"),
+         f"{LORA_ALLOWANCE:.0%} of the frozen base's {base_bytes / 2**30:.2f} GiB: a calibrated term (fitted on "
+         f"{_fitted_on()}), its cause not identified"),
     ]

@@ -24,16 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raytune_ft.planning.hardware import GiB, gpu_spec
+from raytune_ft.planning.measured import figure, measured_64
 
-# `python -m bench gpu shape` at 64 layers (bench/RESULTS.md, "The 27B at its real depth"); None until measured
-MEASURED_64: dict | None = {
-    "gpu": "H100", "layers": 64, "hidden": 5120, "ranks": 8, "seq": 32768, "master": "bf16",
-    "s_per_step": 13.291, "tok_s_per_rank": 2475, "mfu": 0.3887, "mfu_with_gdn": 0.3915, "peak_gib": 64.16,
-    "date": "2026-12-06", "command": "python -m bench gpu shape --steps 10", "build_s": 87.2, "compile_s": 31.6,
-    "checkpoint": {"held_s": 10.81, "write_s": 35.15, "bytes": 20_178_408_756, "gib": 18.79},
-}
-# bench/data_pipeline.py: render + mask + pack on one pinned core (bench/RESULTS.md, 2026-11-29)
-DATA_TOK_S_PER_CORE = 496_876.0
+# the measured inputs, each with its bench record (planning/data/measured.json; tests/test_measured.py)
+MEASURED_64: dict | None = measured_64()
+DATA_TOK_S_PER_CORE = float(figure("data_tok_s_per_core")["values"]["tok_s"])
 # NVIDIA HGX B300: fifth-generation NVLink, 1.8 TB/s per GPU in both directions together
 NVLINK_GB_S = 900.0
 # the seed's own figure for one pass of the recipe on 8xB300
