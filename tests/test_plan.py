@@ -75,13 +75,10 @@ def _rendered_gib(text: str) -> dict[str, float]:
 
 
 def test_27b_on_8_b300_fits_and_components_add_up():
+    """The plan's shape on the recipe's target: its lines add up to the printed total and it fits. Its figures
+    are held to measured peaks below (an 8xB300 node has not been measured: no test restates its arithmetic)."""
     plan = memory_plan(job("qwen27b_b300").recipe())
-    P = 26_895_998_464
     assert plan.gpu.name == "B300" and plan.shard == 8 and plan.fits
-    # fp32 master weights sharded 8 ways: 4 B params, 4 B grads, 2 x 4 B AdamW states per parameter
-    assert plan.component("params") == P * 4 / 8
-    assert plan.component("grads") == P * 4 / 8
-    assert plan.component("optimizer") == P * 8 / 8
     assert {l.name for l in plan.lines} >= {"params", "grads", "optimizer", "fsdp gathered", "activations", "loss"}
     assert plan.total_bytes == pytest.approx(sum(l.bytes for l in plan.lines))
     assert plan.total_bytes < plan.budget_bytes < 288e9

@@ -120,7 +120,7 @@ def test_float8_weights_are_dequantised_once_per_probe(process_group, monkeypatc
     assert all(torch.equal(a, b) for a, b in zip(kept, per_forward))
 
 
-def test_the_gathered_size_counts_every_parameter_and_a_bf16_copy_of_float8_weights():
+def test_the_gathered_size_of_a_plain_module_is_its_parameters_bytes():
     lin = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16, bias=False))
     assert probe.gathered_bytes(lin) == (64 * 32 + 32 + 32 * 16) * 4     # no FSDP2 module: no all-gather buffers
     assert probe.fits_gathered(lin)          # no process group: this rank decides alone
