@@ -35,11 +35,11 @@ def ray_head(tmp_path_factory):
     token = temp / "auth_token"
     token.write_text(secrets.token_hex(32))
     # PYTHONDONTWRITEBYTECODE: as container images often set it (the job keeps its own bytecode, below)
-    # RAY_JOB_STOP_WAIT_TIME_S: `ray job stop` kills a job 3 s after its SIGTERM by default; the job's ending
-    # takes up to lifecycle.END_BOUND_S, which a loaded test host may need
+    # RAY_JOB_STOP_WAIT_TIME_S is left at Ray's default (3 s from SIGTERM to SIGKILL): the ending must fit it
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), PYTHONDONTWRITEBYTECODE="1",
-               PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", RAY_JOB_STOP_WAIT_TIME_S="15")
+               PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_JOB_STOP_WAIT_TIME_S", None)
     start = subprocess.run(
         [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=8", "--disable-usage-stats",
