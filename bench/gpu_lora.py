@@ -61,7 +61,7 @@ def _with_plan(part, gpu: str | None):
 
 def parts(kit) -> list:
     """The runs of `bench gpu lora` (each a gpu_kit.Part)."""
-    from bench.gpu_kit import throughput_figures
+    from bench.figures import throughput_figures
 
     part = kit.o.part
     if part not in ("all", "pair", "real"):

@@ -273,3 +273,20 @@ def test_run_reads_top_down_each_step_once_and_holds_nothing_before_its_checks()
     run = _function("raytune_ft.driver.run", "run")
     assert [n.func.id for n in ast.walk(run) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
             and n.func.id.startswith("_")] == ["_run"]
+
+
+def test_bench_has_no_import_circle():
+    """Issue 58 item 1: the bench's modules import each other in one direction (gpu_kit and gpu_lora read their
+    figures from bench/figures.py, not from each other)."""
+    root = PKG.parent / "bench"
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.glob("*.py")):
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "bench":
+                deps |= {node.module} if node.module != "bench" else {f"bench.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("bench.")}
+        graph[f"bench.{path.stem}"] = deps - {f"bench.{path.stem}"}
+    assert len(graph) > 10 and graph["bench.gpu_lora"]
+    assert find_cycle(graph) is None, f"import cycle in bench/: {' -> '.join(find_cycle(graph))}"
