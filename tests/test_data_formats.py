@@ -122,12 +122,12 @@ def test_a_small_file_holds_out_at_least_one_row_and_at_most_validation_max_rows
         _, text, count = check_sources(data)
         assert count == held and f"{held} of 32 rows" in text
         lines = path.read_text().splitlines()
-        kw = dict(validation_fraction=data.validation_fraction, seed=data.seed)
+        from raytune_ft.data.rows import Carve
         from raytune_ft.models.tokenizer import tokenizer_for
 
         tok = tokenizer_for(Recipe().model.__class__(local_tiny=True))
-        val = tokenize_rows(lines, tok, keep="validation", **kw)["input_ids"]
-        train = tokenize_rows(lines, tok, keep="train", **kw)["input_ids"]
+        val = tokenize_rows(lines, tok, carve=Carve("validation", data.validation_fraction, data.seed))["input_ids"]
+        train = tokenize_rows(lines, tok, carve=Carve("train", data.validation_fraction, data.seed))["input_ids"]
         assert len(val) == held and len(train) == 32 - held
         assert not {tuple(v) for v in val} & {tuple(t) for t in train}
 

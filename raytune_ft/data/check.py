@@ -5,16 +5,18 @@ blocks, their packing efficiency and padding share, and the held-out set; a leng
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from raytune_ft.data.held_out import held_out_keys, split_plan
 from raytune_ft.data.packing import DataCounters, pack_blocks
 from raytune_ft.data.precheck import check_sources
 from raytune_ft.data.reading import iter_raw_rows
-from raytune_ft.data.rows import _unwrap, held_out_row, render_or_reason
+from raytune_ft.data.rows import _unwrap, render_or_reason
 from raytune_ft.data.specs import SourceSpec, source_specs
 from raytune_ft.recipe.values import RecipeError
 
@@ -59,12 +61,13 @@ class SourceReport:
         return out
 
 
-def _report(spec: SourceSpec, fmt: str, data, tokenizer, limit: int) -> SourceReport:
-    from raytune_ft.data.pipeline import _split_plan, adapter_of
+def _report(spec: SourceSpec, fmt: str, data, tokenizer, limit: int, keys: frozenset) -> SourceReport:
+    from raytune_ft.data.pipeline import adapter_of
 
     adapter, rep = adapter_of(spec), SourceReport(spec.name, fmt, spec.weight if data.sources else None)
     kwargs = dict(data.template_kwargs)
-    fraction = _split_plan(spec, data, "train")[2]     # the rows training skips are the held-out ones
+    # the rows training leaves to the held-out set, and those with a held-out row's content (`keys`)
+    carve = dataclasses.replace(split_plan(spec, data, "train")[1], held_out=keys)
     examples = []
     for raw in iter_raw_rows(spec, spec.split, seed=data.seed):
         if rep.rows >= limit:
@@ -72,9 +75,12 @@ def _report(spec: SourceSpec, fmt: str, data, tokenizer, limit: int) -> SourceRe
         rep.rows += 1
         row = _unwrap(raw)
         messages, reason = adapter(row)
-        if held_out_row(messages, row, fraction, data.seed):
+        place = carve.place(messages, row)
+        if place is None:
             rep.held_out += 1
             continue
+        if place:
+            messages, reason = None, place
         ids, mask, reason = render_or_reason(tokenizer, messages, reason, kwargs)
         if reason:
             rep.skipped[reason] = rep.skipped.get(reason, 0) + 1
@@ -129,7 +135,8 @@ def data_check(recipe, *, limit: int = DEFAULT_ROWS, png: str | None = None) -> 
         raise RecipeError(f"model.tokenizer: the tokenizer of {recipe.model.tokenizer or recipe.model.name} cannot "
                           f"be loaded here ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
                           "--set model.tokenizer=PATH names a local one, --local uses the tiny model's") from None
-    reports = [_report(spec, c.format, data, tokenizer, limit) for spec, c in zip(source_specs(data), checks)]
+    keys = held_out_keys(data)
+    reports = [_report(spec, c.format, data, tokenizer, limit, keys) for spec, c in zip(source_specs(data), checks)]
     lines = [line for r in reports for line in r.lines(data, limit)]
     lines.append(f"held-out set       {held if data.validation_fraction or data.validation_split or data.sources else 'none'}")
     rows = sum(r.rows - r.held_out for r in reports)

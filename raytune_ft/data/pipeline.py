@@ -31,6 +31,7 @@ summed across workers by `gather_counters`.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -38,11 +39,12 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from raytune_ft.data.held_out import evaluating, held_out_keys, split_plan
 from raytune_ft.data.packing import DataCounters, pack_blocks
 from raytune_ft.data.reading import BUILTIN_DEFAULT_ROWS, HF_ROOT_ENV, read_source, resolve_hf_parquet  # noqa: F401
-from raytune_ft.data.rows import SkipCheck, TooManySkipped, _split_bucket, adapt_rows, tokenize_rows  # noqa: F401
+from raytune_ft.data.rows import Carve, SkipCheck, TooManySkipped, _split_bucket, adapt_rows, tokenize_rows  # noqa: F401
 from raytune_ft.data.sources import Adapter
-from raytune_ft.data.specs import SourceSpec, source_specs
+from raytune_ft.data.specs import SourceSpec, adapter_of, source_specs  # noqa: F401
 
 __all__ = ["DataCounters", "build_dataset", "iter_blocks", "read_rows", "gather_counters",
            "train_data_config", "resolve_hf_parquet", "HF_ROOT_ENV"]
@@ -126,23 +128,20 @@ def _cancelled_quietly() -> None:
     sys.unraisablehook = hook
 
 
-def _map_fn(tok_ref: _TokenizerRef, adapter: Adapter, template_kwargs: dict, fraction: float, keep: str,
-            seed: int, source: int = 0):
+def _map_fn(tok_ref: _TokenizerRef, adapter: Adapter, template_kwargs: dict, carve: Carve, source: int = 0):
     def fn(batch):
         _cancelled_quietly()
         return _columns(tokenize_rows(batch.to_pylist(), tok_ref.get(), adapter=adapter,
-                                      template_kwargs=template_kwargs, validation_fraction=fraction,
-                                      keep=keep, seed=seed, source=source))
+                                      template_kwargs=template_kwargs, carve=carve, source=source))
     return fn
 
 
-def _adapt_fn(adapter: Adapter, source: int, keep: str, fraction: float, seed: int, weight: float):
+def _adapt_fn(adapter: Adapter, source: int, carve: Carve, weight: float):
     import pyarrow as pa
 
     def fn(batch):
         _cancelled_quietly()
-        cols = adapt_rows(batch.to_pylist(), adapter, source=source, keep=keep, fraction=fraction, seed=seed,
-                          weight=weight)
+        cols = adapt_rows(batch.to_pylist(), adapter, source=source, carve=carve, weight=weight)
         return pa.table({"text": pa.array(cols["text"], type=pa.string()),
                          "skip_reason": pa.array(cols["skip_reason"], type=pa.string()),
                          "source": pa.array(cols["source"], type=pa.int32()),
@@ -183,15 +182,7 @@ def start_tokenizing_processes(tokenizer, processes: int, num_cpus: float) -> No
         task.remote(tokenizer)
 
 
-def _split_plan(spec: SourceSpec, data, split: str) -> tuple[str, str, float] | None:
-    """(the source's split to read, which rows to keep, the carve's fraction) for the `split` asked for;
-    None when the source gives no held-out rows."""
-    fraction = data.validation_fraction or 0.0
-    if split == "train":
-        return spec.split, "train", (0.0 if spec.validation_split else fraction)
-    if spec.validation_split:
-        return spec.validation_split, "all", 0.0
-    return (spec.split, "validation", fraction) if fraction > 0 else None
+_split_plan = split_plan      # the name data check reads it by
 
 
 def _read(spec: SourceSpec, data, source_split: str, held_out: bool):
@@ -215,6 +206,10 @@ def build_dataset(data, tokenizer, *, split: str = "train", chat_template: str |
     `weight` times; the training rows of all sources are then ordered by a seeded key (a sort: the first
     block waits for every source's rows to be read) and cut into blocks of a fixed row count, so the
     order and the ranks' shares are the same on every run. Lazy: nothing is read until the dataset is consumed.
+
+    Held-out rows (data/held_out.py): each source that evaluates gives its share of `data.validation_max_rows`,
+    taken after its carve. A training row with the content of a row a named held-out split evaluates is a
+    skipped row (`in_held_out`); those rows' content keys are read here, in this process, for "train".
     """
     from ray.data import TaskPoolStrategy
 
@@ -224,47 +219,50 @@ def build_dataset(data, tokenizer, *, split: str = "train", chat_template: str |
     tok = _TokenizerRef(tokenizer, chat_template)
     compute = dict(batch_format="pyarrow", batch_size=64, num_cpus=data.num_cpus_per_op, zero_copy_batch=True,
                    compute=TaskPoolStrategy(size=processes) if processes else None)
-    plans = [(i, spec, _split_plan(spec, data, split)) for i, spec in enumerate(specs)]
-    plans = [(i, spec, plan) for i, spec, plan in plans if plan is not None]
+    if split == "train":
+        keys, plans = held_out_keys(data), []
+        for i, spec in enumerate(specs):
+            source_split, carve = split_plan(spec, data, split)
+            plans.append((i, spec, (source_split, dataclasses.replace(carve, held_out=keys)), None))
+    else:
+        plans = [(i, spec, split_plan(spec, data, split), share) for i, spec, share in evaluating(data, specs)]
     if not plans:
         raise ValueError("no validation data: set data.validation_fraction or data.validation_split")
     if len(specs) == 1:
-        i, spec, (source_split, keep, fraction) = plans[0]
-        ds = _read(spec, data, source_split, split == "validation" and keep == "all")
+        i, spec, (source_split, carve), _ = plans[0]
+        ds = _read(spec, data, source_split, split == "validation" and spec.validation_split is not None)
         # at most `processes` tokenizing tasks at a time (Ray reuses their worker processes): left to itself Ray
         # Data runs one per `num_cpus_per_op` of free CPU, each a new process importing transformers and
         # loading the tokenizer, and they take the node's cores from the model build while nothing waits for
         # their rows but the first block (bench/NOTES.md, start-up)
-        ds = ds.map_batches(_map_fn(tok, adapter_of(spec), dict(data.template_kwargs), fraction, keep,
-                                    data.seed), **compute)
+        ds = ds.map_batches(_map_fn(tok, adapter_of(spec), dict(data.template_kwargs), carve), **compute)
     else:
-        parts = []
-        for i, spec, (source_split, keep, fraction) in plans:
-            raw = _read(spec, data, source_split, split == "validation" and keep == "all")
-            if split == "validation" and data.validation_max_rows is not None:   # each source its share
-                raw = raw.limit(max(1, data.validation_max_rows // len(plans)))
-            parts.append(raw.map_batches(_adapt_fn(adapter_of(spec), i, keep, fraction, data.seed,
-                                                   spec.weight if split == "train" else 1.0),
-                                         batch_format="pyarrow", batch_size=64, num_cpus=data.num_cpus_per_op))
-        ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
-        ds.context.execution_options.preserve_order = True
-        if split == "train":
-            # Ray's sort samples its range boundaries at random, so its blocks differ from run to run: the
-            # fixed-size blocks after it make the ranks' shares (and a resume's skipped blocks) the same
-            ds = ds.sort("mix_key").repartition(target_num_rows_per_block=64, strict=True)
-            if data.max_rows is not None:
-                ds = ds.limit(data.max_rows)
-        ds = ds.map_batches(_map_fn(tok, Adapter("messages"), dict(data.template_kwargs), 0.0, "all",
-                                    data.seed), **compute)
+        ds = _mixture(data, plans, split)
+        ds = ds.map_batches(_map_fn(tok, Adapter("messages"), dict(data.template_kwargs), Carve()), **compute)
     if split == "validation" and data.validation_max_rows is not None:
         # after the carve-out: the first N held-out rows, the same ones at every evaluation
         ds = ds.limit(data.validation_max_rows)
     return ds
 
 
-def adapter_of(spec: SourceSpec) -> Adapter:
-    """The row -> messages adapter of a source: its format, field and role names."""
-    return Adapter(spec.schema, spec.fields, spec.roles)
+def _mixture(data, plans: list, split: str):
+    """A mixture's sources read, turned into messages and carved, each a validation split's share after its
+    carve (`held_out.shares`); the training rows ordered by their seeded key, in blocks of a fixed row count."""
+    parts = []
+    for i, spec, (source_split, carve), share in plans:
+        raw = _read(spec, data, source_split, split == "validation" and spec.validation_split is not None)
+        part = raw.map_batches(_adapt_fn(adapter_of(spec), i, carve, spec.weight if split == "train" else 1.0),
+                               batch_format="pyarrow", batch_size=64, num_cpus=data.num_cpus_per_op)
+        parts.append(part.limit(share) if share is not None else part)
+    ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+    ds.context.execution_options.preserve_order = True
+    if split == "train":
+        # Ray's sort samples its range boundaries at random, so its blocks differ from run to run: the
+        # fixed-size blocks after it make the ranks' shares (and a resume's skipped blocks) the same
+        ds = ds.sort("mix_key").repartition(target_num_rows_per_block=64, strict=True)
+        if data.max_rows is not None:
+            ds = ds.limit(data.max_rows)
+    return ds
 
 
 # ---------------------------------------------------------------- worker side

@@ -1,6 +1,7 @@
 """The data checked in the driver before Ray starts: each source's splits exist, its first rows are in a format
-the adapters read, and the held-out set is settled (a small local source is read whole: at least one row held
-out, at most `validation_max_rows`, and its skipped share checked). Every failure is a RecipeError (exit 2).
+the adapters read, and the held-out set is settled (data/held_out.py: each source that evaluates holds out at
+least one row and at most its share of `validation_max_rows`; a small local source is read whole to settle its
+carve, and a single one's skipped share checked). Every failure is a RecipeError (exit 2).
 """
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import json
 import os
 from dataclasses import dataclass
 
+from raytune_ft.data.held_out import evaluating, named_split, source_fraction
 from raytune_ft.data.reading import head_rows, hf_repo, iter_raw_rows, source_files
-from raytune_ft.data.rows import _split_bucket, too_many_skipped
+from raytune_ft.data.rows import IN_HELD_OUT, _split_bucket, too_many_skipped
 from raytune_ft.data.sources import describe_formats
 from raytune_ft.data.specs import SourceSpec, source_specs
 from raytune_ft.recipe.values import RecipeError
@@ -87,19 +89,23 @@ def _local_bytes(spec: SourceSpec) -> int | None:
     return sum(os.path.getsize(f) for f in files)
 
 
-def settle_carve(data, spec: SourceSpec) -> tuple[str, int | None]:
-    """For a source read whole here: move `data.validation_fraction` (a threshold on the rows' content hash)
-    so that at least one row and at most `validation_max_rows` are held out, and stop on too many skipped
-    rows. Returns the held-out description and its row count (None: not counted here)."""
+def _where(data, i: int) -> str:
+    return f"data.sources[{i}]" if data.sources else "data"
+
+
+def settle_carve(data, i: int, spec: SourceSpec, share: int | None) -> tuple[str, int | None]:
+    """For a source read whole here: move its carve's fraction (a threshold on the rows' content hash; a
+    mixture source's own, `data.sources[i].validation_fraction`) so that at least one row and at most `share`
+    are held out, and stop on too many skipped rows (a single source's). Returns the held-out description and
+    its row count (None: not counted here)."""
     from raytune_ft.data.pipeline import adapter_of
     from raytune_ft.data.rows import _unwrap
 
-    f = data.validation_fraction
+    f = source_fraction(spec, data)
     size = _local_bytes(spec)
     if size is None or size > READ_WHOLE_BYTES:
         return (f"{f:.1%} of {spec.name}'s rows by content hash (seed {data.seed}), never trained on; "
-                f"evaluated: {'all' if data.validation_max_rows is None else f'the first {data.validation_max_rows}'}",
-                None)
+                f"evaluated: {'all' if share is None else f'at most {share} of them'}", None)
     adapter, buckets, reasons, n = adapter_of(spec), [], {}, 0
     for row in iter_raw_rows(spec, spec.split, seed=data.seed):
         if spec.max_rows is not None and n >= spec.max_rows:
@@ -110,41 +116,57 @@ def settle_carve(data, spec: SourceSpec) -> tuple[str, int | None]:
         if reason:
             reasons[reason] = reasons.get(reason, 0) + 1
         buckets.append(_split_bucket(messages if messages is not None else repr(raw), data.seed))
-    why = too_many_skipped(reasons, n, data.max_skip_fraction)
+    # a mixture's skipped share is the whole pass's: `data check` and the run say it
+    why = None if data.sources else too_many_skipped(reasons, n, data.max_skip_fraction)
     if why:
         raise RecipeError(f"data.max_skip_fraction: {spec.source}: {why}")
     if n < 2:
-        raise RecipeError(f"data.validation_fraction: {spec.source} has {n} row(s): too few to hold any out "
-                          "and train on the rest; set data.validation_fraction=0 and train.eval_every=0")
+        raise RecipeError(f"{_where(data, i)}: {spec.source} has {n} row(s): too few to hold any out and train on "
+                          "the rest; set data.validation_fraction=0 and train.eval_every=0")
     buckets.sort()
     want = sum(b < f for b in buckets)
-    cap = min(data.validation_max_rows or n - 1, n - 1)
-    held = min(max(want, 1), cap)
+    held = min(max(want, 1), min(share or n - 1, n - 1))
+    moved = f
     if held != want:            # the threshold between the held-th and the next smallest hash
-        data.validation_fraction = (buckets[held - 1] + buckets[held]) / 2
+        moved = (buckets[held - 1] + buckets[held]) / 2
+        if data.sources:
+            data.sources[i]["validation_fraction"] = moved
+        else:
+            data.validation_fraction = moved
     return (f"{held} of {n} rows of {spec.name} by content hash (seed {data.seed}; validation_fraction "
-            f"{f:g}{f' -> {data.validation_fraction:.6f}' if held != want else ''}), never trained on", held)
+            f"{f:g}{f' -> {moved:.6f}' if held != want else ''}), never trained on", held)
+
+
+def named_split_note(data, i: int, spec: SourceSpec, share: int | None) -> tuple[str, int]:
+    """A named held-out split's description and the rows evaluated; RecipeError when it has none."""
+    where = f"{_where(data, i)}.validation_split"
+    try:
+        split = named_split(spec, share, data.seed)
+    except (OSError, ValueError) as e:      # a hub or store split that cannot be listed or read
+        raise RecipeError(f"{where}: {spec.validation_split!r} of {spec.source} cannot be read "
+                          f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})") from None
+    if not split.rows:
+        raise RecipeError(f"{where}: {spec.validation_split!r} of {spec.source} has no rows to evaluate on")
+    rows = f"the first {split.rows} rows" if split.more else f"{split.rows} row{'s' * (split.rows != 1)}"
+    return (f"split {spec.validation_split} of {spec.name}, {rows}; training rows with the same content are "
+            f"skipped ({IN_HELD_OUT})", split.rows)
 
 
 def held_out_plan(data, specs: list[SourceSpec]) -> tuple[str, int | None]:
-    """Where the held-out rows come from, and how many (None: not known before they are read)."""
-    named = [s for s in specs if s.validation_split]
-    carved = [s for s in specs if not s.validation_split]
+    """Where the held-out rows come from, and how many are evaluated (None: not known before they are read):
+    each source that evaluates its share of `data.validation_max_rows`, taken after its carve."""
+    sources = evaluating(data, specs)
+    cap = data.validation_max_rows
+    if cap is not None and cap < len(sources):
+        raise RecipeError(f"data.validation_max_rows: {cap} held-out row(s) cannot give each of the {len(sources)} "
+                          f"sources that evaluate ({', '.join(s.name for _, s, _ in sources)}) one; set it to at "
+                          f"least {len(sources)}")
     parts, count = [], 0
-    for s in named:
-        parts.append(f"split {s.validation_split} of {s.name}"
-                     + (f" (the first {data.validation_max_rows} rows)" if data.validation_max_rows else ""))
-        count = None
-    if carved and data.validation_fraction:
-        if len(specs) == 1:
-            text, rows = settle_carve(data, carved[0])
-            parts.append(text)
-            count = rows if count is not None else None
-        else:
-            parts.append(f"{data.validation_fraction:.1%} of the rows of {', '.join(s.name for s in carved)} by "
-                         f"content hash (seed {data.seed}), never trained on")
-            count = None
-    return "; ".join(parts) or "none", count
+    for i, spec, share in sources:
+        text, rows = (named_split_note if spec.validation_split else settle_carve)(data, i, spec, share)
+        parts.append(text)
+        count = None if count is None or rows is None else count + rows
+    return "; ".join(parts) or "none", (count if sources else None)
 
 
 def check_sources(data, *, head: int = HEAD_ROWS) -> tuple[list[SourceCheck], str, int | None]:

@@ -14,13 +14,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from raytune_ft.data.sources import FIELD_NAMES, FORMATS, ROLES
+from raytune_ft.data.sources import FIELD_NAMES, FORMATS, ROLES, Adapter
 from raytune_ft.recipe.values import RecipeError
 
 DATA_EXTENSIONS = (".jsonl", ".json", ".parquet")
 COMPRESSED = (".gz", ".bz2", ".zst", ".lz4")
 SPEC_KEYS = ("source", "split", "revision", "schema", "fields", "roles", "weight", "max_rows",
-             "validation_split", "name")
+             "validation_split", "validation_fraction", "name")
 _SHARDED = re.compile(r"^(?P<split>.+?)-\d+-of-\d+")
 
 
@@ -36,11 +36,17 @@ class SourceSpec:
     weight: float = 1.0
     max_rows: int | None = None
     validation_split: str | None = None
+    validation_fraction: float | None = None     # a mixture source's own carve (None: data.validation_fraction)
     name: str = ""
 
     @property
     def kind(self) -> str:
         return source_kind(self.source)
+
+
+def adapter_of(spec: SourceSpec) -> Adapter:
+    """The row -> messages adapter of a source: its format, field and role names."""
+    return Adapter(spec.schema, spec.fields, spec.roles)
 
 
 def source_kind(src: str) -> str:
@@ -132,6 +138,9 @@ def check_specs(data) -> None:
         n = entry.get("max_rows")
         if n is not None and (not isinstance(n, int) or n < 1):
             raise RecipeError(f"{where}.max_rows: {n!r} is out of range (allowed: an integer >= 1)")
+        f = entry.get("validation_fraction")
+        if f is not None and (not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 <= f <= 0.5):
+            raise RecipeError(f"{where}.validation_fraction: {f!r} is out of range (allowed: >= 0 and <= 0.5)")
     for i, spec in enumerate(source_specs(data)):
         _check_spec(spec, f"data.sources[{i}]" if data.sources else "data")
 
