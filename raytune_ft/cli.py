@@ -54,11 +54,47 @@ def job_parser(prog: str, description: str | None = None, local_doc: str | None 
 
 
 def resolve(recipe_fn: RecipeFn, local_fn: LocalFn, *, local: bool, overrides: list[str]) -> Recipe:
-    """Build the job's recipe, apply --local and the --set overrides in that order, and validate it."""
+    """Build the job's recipe, apply --local and the --set overrides in that order, and validate it. The job's
+    split names follow a source the overrides give (data/specs.follow_source), said on stderr."""
+    from raytune_ft.data.specs import follow_source
+
     recipe = recipe_fn()
     if local:
         recipe = local_fn(recipe)
-    return validate(absolute_local_paths(apply_overrides(recipe, overrides)))
+    job_source = recipe.data.source
+    recipe = apply_overrides(recipe, overrides)
+    named = {key.split("=", 1)[0].strip().removeprefix("data.").split(".")[0] for key in overrides or []
+             if key.strip().startswith("data.")}
+    note = follow_source(recipe.data, job_source, named)
+    if note:
+        print(f"[raytune_ft] {note}", file=sys.stderr, flush=True)
+    return validate(absolute_local_paths(recipe))
+
+
+def resolved_view(recipe: Recipe) -> dict:
+    """The recipe as `--dry-run` prints it: what an empty or unset field means, said by name (the linears
+    LoRA adapts, the tracking store)."""
+    out = recipe.to_dict()
+    t = recipe.train
+    if t.lora_r and not t.lora_target_modules:
+        out["train"]["lora_target_modules"] = _lora_targets(recipe)
+    out["tracking"]["tracking_uri"] = recipe.tracking_uri
+    return out
+
+
+def _lora_targets(recipe: Recipe) -> list[str]:
+    """The names of the linears LoRA adapts when train.lora_target_modules names none: every linear of every
+    layer kind the model has (the FSDP2 loop's FSDP2_LORA_TARGETS among them; the TRL loop's all-linear)."""
+    from raytune_ft.planning.shapes import model_shape
+    from raytune_ft.recipe.sections import FSDP2_LORA_TARGETS
+
+    try:
+        shape, _ = model_shape(recipe)
+    except ValueError:      # a model the plan does not know: the names the loop looks for
+        return list(FSDP2_LORA_TARGETS) if recipe.train.loop == "fsdp2" else ["all-linear"]
+    names = [n for kind in dict.fromkeys(shape.layer_types) for n in shape.adapted_linears(kind, [])]
+    names = list(dict.fromkeys(names))
+    return [n for n in FSDP2_LORA_TARGETS if n in names] if recipe.train.loop == "fsdp2" else names
 
 
 def _print_plan(recipe: Recipe, **kwargs) -> None:
@@ -96,7 +132,7 @@ def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = No
         print(f"error: bad recipe: {redact(str(e))}", file=sys.stderr)
         return 2
     if args.dry_run:
-        print(redact(recipe.to_json()))   # a tracking URI may carry a password
+        print(redact(json.dumps(resolved_view(recipe), indent=2, default=str)))   # a tracking URI may carry a password
         _print_plan(recipe)
         return 0
     # Before Ray and the libraries are imported (some switches are read at import), so the driver, the

@@ -195,3 +195,32 @@ def check_held_out_split(spec: SourceSpec, files: list[str], root: str, where: s
         f"{where}.validation_split: {spec.validation_split!r} does not exist in {spec.source} ({have}). "
         f"Unset it (--set {where}.validation_split=none) to hold out data.validation_fraction (5% by default) "
         "of the rows by content hash, never trained on")
+
+
+HELD_OUT_SPLIT_NAMES = ("test", "validation")       # the hub's names of a held-out split
+
+
+def follow_source(data, job_source: str, named: set[str]) -> str | None:
+    """A job's split names belong to its own source (`job_source`): for another one (the user's `--set
+    data.source=...`), the names the user did not set (`named`: `split`, `validation_split`) follow it. A local
+    folder laid out as `train` plus `test` or `validation` trains on the one and holds out the other; any other
+    source keeps the job's held-out split only where it has one, else its held-out rows are carved by content
+    hash. Returns a line saying what changed (None: nothing)."""
+    if data.sources or data.mixture or data.source == job_source or "validation_split" in named \
+            or data.validation_split is None:
+        return None
+    path = os.path.expanduser(data.source.removeprefix("file://"))
+    local = source_kind(data.source) == "local" and os.path.isdir(path)
+    splits = set(splits_of(local_files(path), path)) if local else set()
+    job_split, job_held = data.split, data.validation_split
+    held = [s for s in HELD_OUT_SPLIT_NAMES if s in splits]
+    if "split" not in named and data.split not in splits and len(held) == 1 and splits == {"train", held[0]}:
+        data.split = "train"
+    if job_held in splits and job_held != data.split:
+        return None
+    data.validation_split = held[0] if len(held) == 1 and held[0] != data.split else None
+    took = (f"its split {data.validation_split}" if data.validation_split else
+            "data.validation_fraction of its rows by content hash")
+    trains = f", trained on its split {data.split}" if data.split != job_split else ""
+    return (f"data: the job's held-out split {job_held} is its own source's ({job_source}); {data.source} "
+            f"holds out {took}{trains}")
