@@ -80,24 +80,27 @@ def test_no_token_lost_or_duplicated(lengths, seq_len, window):
     for ids, labels in segs:
         conv = int(ids[0]) // 100_000 - 1
         got.setdefault(conv, []).append((ids, labels))
-    assert sorted(got) == list(range(len(lengths)))
+    # the pieces kept: a conversation that fits whole, else each piece with a supervised token after its first
+    kept = {conv: [s for s in range(0, n, seq_len) if n <= seq_len or examples[conv][1][s + 1:s + seq_len].any()]
+            for conv, n in enumerate(lengths)}
+    assert sorted(got) == [conv for conv, starts in kept.items() if starts]
     for conv, pieces in got.items():
         ids0, mask0 = examples[conv]
         pieces.sort(key=lambda p: int(p[0][0]))
         ids = np.concatenate([p[0] for p in pieces])
-        assert ids.tolist() == ids0.tolist()                      # every token once, in order
+        assert ids.tolist() == np.concatenate([ids0[s:s + seq_len] for s in kept[conv]]).tolist()   # once, in order
         want = np.where(mask0, ids0, IGNORE_INDEX)
         for ids_p, labels_p in pieces:                            # labels: mask, minus first token
             off = int(ids_p[0]) - (conv + 1) * 100_000
             exp = want[off:off + len(ids_p)].copy()
             exp[0] = IGNORE_INDEX
             assert labels_p.tolist() == exp.tolist()
-        n_pieces_expected = -(-lengths[conv] // seq_len)
-        assert len(pieces) == n_pieces_expected                  # cut only when longer than a block
+        assert len(pieces) == len(kept[conv])                    # cut only when longer than a block
     assert c.blocks == len(blocks)
-    assert c.real_tokens == sum(lengths)
+    assert c.real_tokens == sum(min(seq_len, n - s) for conv, n in enumerate(lengths) for s in kept[conv])
     assert c.real_tokens + c.padding_tokens == len(blocks) * seq_len
     assert c.conversations_split == sum(1 for n in lengths if n > seq_len)
+    assert c.pieces_unsupervised == sum(-(-n // seq_len) - len(kept[conv]) for conv, n in enumerate(lengths))
     assert c.supervised_tokens == sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in blocks)
 
 

@@ -29,8 +29,10 @@ mismatch, not silently on other blocks.
 Policy for a conversation longer than a block (`overlong`):
   "split" (default): cut it into `seq_len`-token pieces; each piece is packed as a conversation of its
           own (positions restart at 0, its first token's label is -100 since the piece cannot see the
-          previous one); later pieces keep their own loss. Counted in `conversations_split`.
-  "drop":  skip it, counted in `rows_skipped_by_reason["overlong"]`.
+          previous one); later pieces keep their own loss. Counted in `conversations_split`. Keeps the
+          pieces that hold an assistant token; a piece with none (a long prompt's first pieces) has
+          nothing to learn from and is not trained, counted in `pieces_unsupervised` (`overlong_pieces`).
+  "drop":  skip it, counted in `rows_skipped_by_reason["overlong"]`. Keeps none of it.
 """
 from __future__ import annotations
 
@@ -52,11 +54,13 @@ class DataCounters:
     rows_skipped_by_reason: dict[str, int] = field(default_factory=dict)
     conversations_packed: int = 0
     conversations_split: int = 0          # over-long conversations cut into block-sized pieces
+    pieces_unsupervised: int = 0          # pieces of those with no assistant token: not trained (module docstring)
     blocks: int = 0
     padding_tokens: int = 0
     real_tokens: int = 0
     supervised_tokens: int = 0            # labels != -100
     equalisation_padding_blocks: int = 0  # all-padding blocks a rank ran so every rank steps equally
+    blocks_unsupervised: int = 0          # blocks of steps with no supervised token on any rank: not trained
     # per source of a mixture (by its name): rows_read, rows_skipped_by_reason, conversations, tokens, blocks
     # (the blocks holding any of its conversations)
     by_source: dict[str, dict] = field(default_factory=dict)
@@ -193,6 +197,19 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
     return bins
 
 
+def overlong_pieces(mask: Sequence[bool], seq_len: int) -> tuple[int, int]:
+    """(pieces, pieces trained) of a conversation with assistant mask `mask` under overlong="split": cut
+    into `seq_len`-token pieces, a piece is trained when a token after its first is supervised."""
+    mask = np.asarray(mask, dtype=bool)
+    starts = range(0, len(mask), seq_len)
+    return len(starts), sum(_piece_trained(mask[s:s + seq_len]) for s in starts)
+
+
+def _piece_trained(mask: np.ndarray) -> bool:
+    # a piece's first token is never supervised: the piece cannot see the text before it
+    return bool(mask[1:].any())
+
+
 RAMP_FROM = 64      # the first packing window, in conversations (module docstring)
 
 
@@ -261,6 +278,9 @@ def pack_blocks(examples: Iterable[tuple], seq_len: int, *,
             c.conversations_split += 1
             for start in range(0, len(ids), seq_len):
                 piece = (ids[start:start + seq_len], mask[start:start + seq_len], tag)
+                if not _piece_trained(piece[1]):    # nothing to learn: a step of such pieces had a loss of 0
+                    c.pieces_unsupervised += 1
+                    continue
                 if len(piece[0]) == seq_len:
                     yield emit([piece])       # a full piece is a block of its own
                 else:

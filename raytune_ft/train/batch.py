@@ -148,6 +148,11 @@ class StepBatch:
         return cls(kwargs, labels, n_sup, int(sum(seq_lens)), seq_lens)
 
 
+def supervised(blocks: list[dict]) -> bool:
+    """Whether any of `blocks` holds a supervised token (as `StepBatch.n_supervised` counts them)."""
+    return any((b["labels"][1:] != -100).any() for b in blocks)
+
+
 def collate_blocks(blocks: list[dict]) -> dict[str, Any]:
     """A micro-batch of packed blocks -> one row in TRL's padding-free format.
 
@@ -229,17 +234,27 @@ class StepFeed:
 
     def next_blocks(self) -> list[dict] | None:
         """The next step's `per_step` blocks, or None once every rank is dry. A step in which some rank
-        is dry takes blocks lent by the others (`lending.lend`); only the pass's last one pads."""
-        drawn = got = self.replayed()._take(self.per_step)
-        fewest, most = step_extent(len(got), self.flag_device, self.group)
-        if most == 0:
-            return None
-        if fewest < self.per_step and dist.is_initialized():
-            drawn, got = lend(got, self._take, lambda: self._dry, per_step=self.per_step,
-                              device=self.flag_device, group=self.group)
-        self.blocks_consumed += len(drawn)
-        for b in drawn:
-            self.fingerprint = block_crc(b, self.fingerprint)
+        is dry takes blocks lent by the others (`lending.lend`); only the pass's last one pads. A step
+        whose blocks hold no supervised token on any rank is read past (it would train nothing and log a
+        loss of 0), its blocks counted in `counters.blocks_unsupervised`; every rank agrees on it."""
+        while True:
+            drawn = got = self.replayed()._take(self.per_step)
+            fewest, most, anywhere = step_extent(len(got), self.flag_device, self.group, supervised(got))
+            if most == 0:
+                return None
+            if fewest < self.per_step and dist.is_initialized():
+                drawn, got = lend(got, self._take, lambda: self._dry, per_step=self.per_step,
+                                  device=self.flag_device, group=self.group)
+                anywhere = step_extent(len(got), self.flag_device, self.group, supervised(got))[2]
+            self.blocks_consumed += len(drawn)
+            for b in drawn:
+                self.fingerprint = block_crc(b, self.fingerprint)
+            if anywhere:
+                return self._padded(got)
+            self.counters.blocks_unsupervised += len(got)
+
+    def _padded(self, got: list[dict]) -> list[dict]:
+        """`got` filled up to `per_step` with all-padding blocks, counted (the pass's last step)."""
         n_fill = self.per_step - len(got)
         if n_fill:
             self.counters.equalisation_padding_blocks += n_fill
@@ -255,13 +270,14 @@ class StepFeed:
 
 
 def feed_owned_counts(saved: DataCounters, seq_len: int) -> DataCounters:
-    """Fresh counters holding only the all-padding blocks a feed added to `saved`.
+    """Fresh counters holding only what a feed counted itself in `saved`: the all-padding blocks it added,
+    the blocks of the steps it read past (no supervised token anywhere).
 
     A resumed pass is re-read from its start and counted again as it is replayed; only what the feed
-    counted itself (equalisation padding) is kept from the checkpoint, or every resume would count
-    the replayed rows twice."""
+    counted itself is kept from the checkpoint, or every resume would count the replayed rows twice."""
     n = saved.equalisation_padding_blocks
-    return DataCounters(equalisation_padding_blocks=n, blocks=n, padding_tokens=n * seq_len)
+    return DataCounters(equalisation_padding_blocks=n, blocks=n, padding_tokens=n * seq_len,
+                        blocks_unsupervised=saved.blocks_unsupervised)
 
 
 def worker_blocks(recipe: Recipe, *, counters: DataCounters, split: str = "train",
@@ -294,6 +310,21 @@ def count_run_steps(open_blocks: Callable[[int, DataCounters], Iterable[dict]], 
     a full pass over the data each, tokenize + pack, no training). Both loops count their schedule so."""
     return sum(count_steps(open_blocks(e, DataCounters()), per_step, flag_device=flag_device, group=group)
                for e in range(epochs))
+
+
+def pass_line(epoch: int, epoch_steps: list[int], step: int) -> str:
+    """The log's line as pass `epoch` (0-based, > 0) over the data begins at optimizer step `step`."""
+    return (f"pass {epoch} over the data ended at step {step} ({epoch_steps[-1]} steps); pass {epoch + 1} begins, "
+            f"its rows in a new seeded order (data.seed + {epoch})")
+
+
+def short_of_steps(step: int, total: int, counters: DataCounters) -> str:
+    """The log's line when a run ends at `step`, before the `total` steps its schedule was set for."""
+    why = "every rank's data is spent"
+    if counters.blocks_unsupervised:
+        why += (f"; steps whose blocks held no supervised token on any rank were read past, not trained "
+                f"({counters.blocks_unsupervised} of this rank's blocks), and a counted schedule counts them")
+    return f"the run ends at step {step}, short of the {total} steps its schedule was set for: {why}"
 
 
 # What a counted schedule length depends on besides the data's own settings (all of data.* but the
@@ -358,7 +389,9 @@ def _setting(recipe: Recipe, name: str) -> Any:
 
 
 class EpochFeeds:
-    """`epochs` passes over this rank's data, a `StepFeed` each, resumable inside any of them.
+    """`epochs` passes over this rank's data, a `StepFeed` each, resumable inside any of them. `epochs=None`:
+    pass after pass until the loop stops (`train.max_steps`, which repeats the data as transformers' does),
+    or until a pass has no step (no data).
 
     `open_blocks(epoch, counters)` gives a pass's blocks from the start. `state` is the checkpointed
     train state (or {}): `epoch`, the current pass's `blocks_consumed` and `data_fingerprint`,
@@ -366,7 +399,7 @@ class EpochFeeds:
     `steps_in_epoch`. `position()` gives the same keys back, plus `counters`: the run's total.
     """
 
-    def __init__(self, open_blocks: Callable[[int, DataCounters], Iterable[dict]], *, epochs: int, per_step: int,
+    def __init__(self, open_blocks: Callable[[int, DataCounters], Iterable[dict]], *, epochs: int | None, per_step: int,
                  seq_len: int, rank: int, state: dict, group: Any = None, read_ahead: int = 0):
         self.open_blocks, self.epochs, self.per_step, self.seq_len = open_blocks, epochs, per_step, seq_len
         self.rank, self.group = rank, group
@@ -403,7 +436,8 @@ class EpochFeeds:
                 return blocks
             self.epoch_steps.append(self.steps_in_epoch)
             self.epoch_fingerprints.append(self.feed.fingerprint)   # its next_blocks() replayed it
-            if self.epoch + 1 >= self.epochs:
+            last = not self.steps_in_epoch if self.epochs is None else self.epoch + 1 >= self.epochs
+            if last:
                 self.done = True
                 break
             self.finished.append(self.counters)

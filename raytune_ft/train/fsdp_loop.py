@@ -25,8 +25,8 @@ from raytune_ft.recipe.recipe import Recipe
 from raytune_ft.train import checkpoint as ckpt_io
 from raytune_ft.train import ckpt_storage, jit_cache
 from raytune_ft.train.checkpointer import Checkpointer, async_enabled
-from raytune_ft.train.batch import (EpochFeeds, StepBatch, count_run_steps, needs_counting_pass,
-                                    run_schedule_steps, schedule_settings, worker_blocks)
+from raytune_ft.train.batch import (EpochFeeds, StepBatch, count_run_steps, needs_counting_pass, pass_line,
+                                    run_schedule_steps, schedule_settings, short_of_steps, worker_blocks)
 from raytune_ft.train.common import WorkerLog, lr_at, recipe_from_config, report
 from raytune_ft.train.evaluate import EvalAndSamples, start_reading_held_out
 from raytune_ft.train.fp8 import precompute_fp8_scales
@@ -163,6 +163,8 @@ def _train(a: _Attempt) -> None:
         a.log.startup.mark("first_step.data_wait", since=waited)   # kept until the first step ends
         if blocks is None:  # every rank's data is spent
             break
+        if a.feed.steps_in_epoch == 1 and a.feed.epoch > 0:
+            a.log.info(pass_line(a.feed.epoch, a.feed.epoch_steps, step))
         _optimizer_step(a, step, blocks)
         step += 1
         a.saver.poll()          # a background save that finished is reported now, one that failed raised
@@ -178,6 +180,8 @@ def _train(a: _Attempt) -> None:
             last_metrics = _log_and_save(a, step, evaluate=at_eval, checkpoint=at_ckpt)
 
     a.feed.close()
+    if total_steps and step < total_steps:
+        a.log.info(short_of_steps(step, total_steps, a.feed.total_counters()))
     _finish(a, step, last_metrics)
 
 
@@ -266,8 +270,9 @@ def clip_gradients(params: list, max_norm: float | None) -> torch.Tensor:
 
 def _open_data(recipe: Recipe, config: dict, state: dict, *, rank: int, device: torch.device,
                read_ahead: bool = False) -> EpochFeeds:
-    """This rank's `train.epochs` passes over its data, past what the checkpoint had consumed.
-    `read_ahead`: a thread reads two steps' blocks ahead (`batch.ReadAhead`) from now on."""
+    """This rank's `train.epochs` passes over its data, past what the checkpoint had consumed; with
+    `train.max_steps`, as many passes as its steps take (transformers' meaning: each pass after the first
+    in a new seeded order). `read_ahead`: a thread reads two steps' blocks ahead (`batch.ReadAhead`)."""
     # `blocks_by_rank` (tests, benchmarks): fixed blocks per rank instead of the Ray Data shard
     fixed = (config.get("blocks_by_rank") or {}).get(rank)
 
@@ -277,7 +282,8 @@ def _open_data(recipe: Recipe, config: dict, state: dict, *, rank: int, device: 
     # the step flag travels on a CPU (gloo) group, so the GPU never waits for it
     group = dist.new_group(backend="gloo") if dist.is_initialized() and device.type == "cuda" else None
     per_step = recipe.train.grad_accum * recipe.train.micro_batch_size
-    return EpochFeeds(open_blocks, epochs=recipe.train.epochs, per_step=per_step, seq_len=recipe.data.seq_len,
+    epochs = None if recipe.train.max_steps else recipe.train.epochs
+    return EpochFeeds(open_blocks, epochs=epochs, per_step=per_step, seq_len=recipe.data.seq_len,
                       rank=rank, state=state, group=group, read_ahead=2 * per_step if read_ahead else 0)
 
 
@@ -398,7 +404,7 @@ def _finish(a: _Attempt, step: int, last_metrics: dict) -> None:
     history = state.progress.history
     final = dict(last_metrics)
     final.update({"step": step, "loss": history[-1]["loss"] if history else float("nan"),
-                  "done": True, **window.attempt_metrics(state.progress)})
+                  "done": True, "passes": a.feed.epoch + 1, **window.attempt_metrics(state.progress)})
     final |= a.feed.total_counters().as_metrics() | (log.startup.done or {})
     end = a.probes.at_end(a.model, step, state.evaluation)     # the final weights' held-out loss and samples
     log.log_metrics(end, step)

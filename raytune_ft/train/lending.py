@@ -24,13 +24,15 @@ def _on(device: torch.device | None) -> torch.device:
     return device or torch.device("cpu")
 
 
-def step_extent(n: int, device: torch.device | None = None, group: Any = None) -> tuple[int, int]:
-    """(fewest, most) blocks any rank holds for this step: one small all-reduce (local without dist)."""
+def step_extent(n: int, device: torch.device | None = None, group: Any = None,
+                supervised: bool = False) -> tuple[int, int, bool]:
+    """(fewest, most) blocks any rank holds for this step, and whether `supervised` is true on any rank: one
+    small all-reduce (local without dist)."""
     if not dist.is_initialized():
-        return n, n
-    t = torch.tensor([n, -n], dtype=torch.int64, device=_on(device))
+        return n, n, supervised
+    t = torch.tensor([n, -n, int(supervised)], dtype=torch.int64, device=_on(device))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return -int(t[1].item()), int(t[0].item())
+    return -int(t[1].item()), int(t[0].item()), bool(t[2].item())
 
 
 def steps_for(n: int, per_step: int, device: torch.device | None = None, group: Any = None) -> int:

@@ -21,6 +21,8 @@ from raytune_ft.train.batch import StepFeed, real_seq_lens, worker_blocks
 class RankBlocks(torch.utils.data.IterableDataset):
     """This rank's packed training blocks, one epoch per iteration, whole steps and the same count on
     every rank (a `StepFeed` per pass); empty once `train.epochs` passes are done, which ends training.
+    With `train.max_steps` the passes go on (each in a new seeded order) until the trainer stops at it,
+    as a `max_steps` past the data does in transformers.
 
     The first pass of a resumed attempt (epoch `epoch`) replays the blocks the checkpoint had consumed
     and checks their fingerprint (`DataOrderChanged` when the data no longer lays out the same blocks).
@@ -45,6 +47,7 @@ class RankBlocks(torch.utils.data.IterableDataset):
         self._pending: tuple[dict | None, Iterator[dict]] | None = None
         self._passes = 0
         self._feed: StepFeed | None = None
+        self.passes_fed = 0                         # passes over the data begun, for the run's summary
 
     @property
     def blocks_consumed(self) -> int:
@@ -62,14 +65,14 @@ class RankBlocks(torch.utils.data.IterableDataset):
         if self._passes:
             self.epoch += 1
         self._passes += 1
-        while self.epoch < self.recipe.train.epochs:
+        while self.recipe.train.max_steps or self.epoch < self.recipe.train.epochs:
             self._feed = StepFeed(worker_blocks(self.recipe, counters=self.counters, epoch=self.epoch),
                                   per_step=self.per_step,
                                   seq_len=self.recipe.data.seq_len, counters=self.counters, rank=self.rank,
                                   skip_blocks=skip, fingerprint=fingerprint, flag_device=self.flag_device)
             fed = False
             for block in self._feed:
-                fed = True
+                fed, self.passes_fed = True, self.epoch + 1
                 lens = real_seq_lens(block)
                 if len(lens):
                     self.real_tokens += int(lens.sum())
