@@ -1,4 +1,4 @@
-"""raytune_ft/compat.py: every private name of Ray, torch, MLflow and transformers the package uses loads on
+"""raytune_ft/compat/: every private name of Ray, torch, MLflow and transformers the package uses loads on
 the installed versions; one that moved fails with the installed version named; the patches do what they say
 and only where they are needed. (tests/test_structure.py holds the rest of the package to compat.)"""
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_the_stager_patch_applies_only_to_the_torch_versions_that_close_it(monke
 
     for version, closes in (("2.10.0", False), ("2.11.0+cu130", True), ("2.12.1", True), ("2.13.0+cpu", False)):
         monkeypatch.setattr(torch, "__version__", version)
-        assert compat._stager_closes_copier() is closes, version
+        assert compat.torch_internals._stager_closes_copier() is closes, version
     monkeypatch.setattr(torch, "__version__", "2.11.0")
     stager = DefaultStager(StagingOptions(False, False, False, False))
     close = compat.keep_stager_buffers(stager)
@@ -56,7 +56,7 @@ def test_the_stager_patch_applies_only_to_the_torch_versions_that_close_it(monke
         pass
 
     with pytest.raises(compat.CompatError, match="torch 2.11.0: DefaultStager has no _state_dict_stager"):
-        monkeypatch.setattr(compat, "installed", lambda package: f"{package} {torch.__version__}")
+        monkeypatch.setattr(compat.torch_internals, "installed", lambda package: f"{package} {torch.__version__}")
         compat.keep_stager_buffers(Changed())
 
 
@@ -127,3 +127,83 @@ def test_a_models_attention_implementation_is_read_and_set_through_transformers(
     assert compat.attn_implementation(model.config) == "sdpa"
     with pytest.raises(compat.CompatError, match="has no _attn_implementation"):
         compat.attn_implementation(object())
+
+
+def test_every_private_attribute_is_found_on_its_class_and_one_gone_fails_naming_the_version():
+    entries = compat.private_attrs()
+    assert {"TORCH_DTENSOR_LOCAL", "TRAINER_LAST_LOGGED", "RAY_DATA_CONFIG_SPLIT", "RAY_DATA_CONFIG_OPTIONS"} <= set(entries)
+    for name, entry in entries.items():
+        assert isinstance(entry.check(), type), name
+        assert len(entry.why) > 20 and entry.package in entry.known, name
+    gone = compat.PrivateAttr("transformers", "transformers", "Trainer", "_no_such_step", compat.TRANSFORMERS,
+                              named_in="_maybe_log_save_evaluate", why="for this test")
+    with pytest.raises(compat.CompatError, match=re.escape(
+            f"transformers {importlib.metadata.version('transformers')}: transformers.Trainer._maybe_log_save_evaluate "
+            "names no _no_such_step")):
+        gone.check()
+    with pytest.raises(compat.CompatError, match="has no _no_such_step"):
+        gone.read(object())
+
+
+def test_a_private_attribute_is_read_and_set_through_compat_only_where_it_is():
+    from ray.train import DataConfig
+
+    config = compat.ray_data_config()(datasets_to_split=["train"])
+    assert compat.RAY_DATA_CONFIG_SPLIT.read(config) == ["train"]
+    assert compat.RAY_DATA_CONFIG_OPTIONS.read(config)("train") is not None
+    assert compat.ray_data_config() is DataConfig
+
+    class Holder:
+        _created_lr_scheduler = False
+
+    holder = Holder()
+    compat.TRAINER_SCHEDULER_CREATED.write(holder, True)
+    assert holder._created_lr_scheduler is True
+    with pytest.raises(compat.CompatError, match="has no _created_lr_scheduler"):
+        compat.TRAINER_SCHEDULER_CREATED.write(object(), True)    # a name nothing reads: not set quietly
+
+
+def test_an_s3_filesystems_options_are_read_from_its_pickled_form_or_fail_loudly():
+    import pyarrow.fs as pafs
+
+    fs = pafs.S3FileSystem(endpoint_override="localhost:9", scheme="http", anonymous=True, connect_timeout=20.0)
+    assert compat.s3_options(fs)["endpoint_override"] == "localhost:9"
+    quick = compat.s3_rebuilt(fs, connect_timeout=1.5)
+    assert compat.s3_options(quick)["connect_timeout"] == 1.5
+    assert compat.s3_options(quick)["endpoint_override"] == "localhost:9" and compat.s3_options(quick)["scheme"] == "http"
+
+    class Changed:                                   # a pyarrow whose filesystem pickles otherwise
+        def __reduce__(self):
+            return (Changed, ())
+
+    with pytest.raises(compat.CompatError, match=re.escape(f"pyarrow {importlib.metadata.version('pyarrow')}")):
+        compat.s3_options(Changed())
+
+
+@pytest.mark.timeout(120)
+def test_a_submitted_jobs_start_is_read_from_rays_job_table(ray_local):
+    """driver/start_ahead.submitted_at reads Ray's own record of a submission: a record of another form
+    fails naming Ray's version, where it was read as 'no start time' before."""
+    import json
+
+    kv_get, kv_put, kv_del = compat.RAY_INTERNAL_KV.load()
+    key = compat.RAY_JOB_INFO.load().JOB_DATA_KEY
+    namespace = compat.RAY_JOB_TABLE.load()
+    assert compat.ray_job_started_at("raysubmit_none_such") is None
+    try:
+        kv_put(key.format(job_id="raysubmit_t1"), json.dumps({"start_time": 1700000000123}), namespace=namespace)
+        assert compat.ray_job_started_at("raysubmit_t1") == pytest.approx(1700000000.123)
+        kv_put(key.format(job_id="raysubmit_t1"), "not json", overwrite=True, namespace=namespace)
+        with pytest.raises(compat.CompatError, match=re.escape(f"ray {importlib.metadata.version('ray')}")):
+            compat.ray_job_started_at("raysubmit_t1")
+    finally:
+        kv_del(key.format(job_id="raysubmit_t1"), namespace=namespace)
+    assert kv_get(key.format(job_id="raysubmit_t1"), namespace=namespace) is None
+
+
+def test_the_overridden_ray_trainer_method_is_checked():
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    assert compat.check_ray_trainer_internals(DataParallelTrainer) is DataParallelTrainer
+    with pytest.raises(compat.CompatError, match="DataParallelTrainer has no _initialize_and_run_controller"):
+        compat.check_ray_trainer_internals(type("Renamed", (), {}))

@@ -224,7 +224,7 @@ def test_the_trl_report_callback_is_made_of_named_parts():
         assert not long, f"{name}: functions over 100 lines: {long}"
 
 
-# the libraries whose private names go through raytune_ft/compat.py
+# the libraries whose private names go through raytune_ft/compat/
 PRIVATE_OF = ("ray", "torch", "mlflow", "transformers")
 # modules another change of this round rewrites (the run's lifecycle): their private imports move to compat
 # once it is merged; the list only shrinks
@@ -253,9 +253,15 @@ def test_private_names_of_the_libraries_are_imported_in_compat_only():
     """An upgrade that moves one of them breaks in one place, loudly (compat.CompatError), not in a module
     that guessed a fallback."""
     found = {name: hits for name, path in modules().items()
-             if name != "raytune_ft.compat" and name not in NOT_YET_MOVED and (hits := private_imports(path))}
+             if not _in_compat(name) and name not in NOT_YET_MOVED and (hits := private_imports(path))}
     assert not found, "\n".join(f"{name}: {hits}" for name, hits in found.items())
-    assert private_imports(modules()["raytune_ft.compat"]) == []   # compat imports them by name, at use
+    compat_modules = [path for name, path in modules().items() if _in_compat(name)]
+    assert len(compat_modules) > 1
+    assert all(private_imports(path) == [] for path in compat_modules)   # compat imports them by name, at use
+
+
+def _in_compat(module: str) -> bool:
+    return module == "raytune_ft.compat" or module.startswith("raytune_ft.compat.")
 
 
 def test_run_reads_top_down_each_step_once_and_holds_nothing_before_its_checks():

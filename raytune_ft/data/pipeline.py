@@ -383,20 +383,21 @@ def train_data_config(datasets_to_split: Any = ("train",)):
     Pass it as `TorchTrainer(dataset_config=train_data_config())`. Splits `datasets_to_split` with
     `streaming_split(equal=False)`; the others (validation) reach every worker whole.
     """
-    import ray.train
     from ray.data import ExecutionOptions
 
-    class _NoDropDataConfig(ray.train.DataConfig):
+    from raytune_ft import compat
+
+    class _NoDropDataConfig(compat.ray_data_config()):    # its private parts checked here, at the run's start
         def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
             output = [{} for _ in range(world_size)]
             for name, ds in datasets.items():
                 if ds.name is None:
                     ds.set_name(name)
                 ds = ds.copy(ds)
-                opts: ExecutionOptions = self._resolve_execution_options(name)
+                opts: ExecutionOptions = compat.RAY_DATA_CONFIG_OPTIONS.read(self)(name)
                 opts.preserve_order = True
                 ds.context.execution_options = opts
-                if name in self._datasets_to_split:
+                if name in compat.RAY_DATA_CONFIG_SPLIT.read(self):
                     for i, part in enumerate(ds.streaming_split(world_size, equal=False)):
                         output[i][name] = part
                 else:

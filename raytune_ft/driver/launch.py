@@ -103,7 +103,7 @@ def _trainer_class():
                 controller_init_kwargs["callbacks"] = without_blind_callbacks(controller_init_kwargs["callbacks"])
             return super()._initialize_and_run_controller(**controller_init_kwargs)
 
-    return Trainer
+    return compat.check_ray_trainer_internals(Trainer)
 
 
 def without_blind_callbacks(callbacks: list) -> list:

@@ -65,20 +65,7 @@ def submitted_at() -> float | None:
     from raytune_ft.storage.lease import job_id
 
     submission = job_id()
-    if not submission:
-        return None
-    kv_get = compat.RAY_INTERNAL_KV.load()[0]
-    namespace = compat.RAY_JOB_TABLE.load()
-    try:   # Ray's own job table in the cluster's key-value store
-        import json
-
-        from ray.dashboard.modules.job.common import JobInfoStorageClient
-
-        raw = kv_get(JobInfoStorageClient.JOB_DATA_KEY.format(job_id=submission), namespace=namespace)
-        start_ms = (json.loads(raw) if raw else {}).get("start_time")
-        return float(start_ms) / 1000.0 if start_ms else None
-    except Exception:  # noqa: BLE001 - the breakdown then counts from the job's process, as without Ray
-        return None
+    return compat.ray_job_started_at(submission) if submission else None
 
 
 def tokenizer_memo(recipe: Recipe) -> str:
@@ -96,12 +83,12 @@ def prepare_driver(recipe: Recipe) -> None:
     words, before any Ray process tries it. A tokenizer an earlier run loaded from the same files is not
     loaded again: its class is remembered (through AutoTokenizer, the load imports torch, which under `ray
     job submit` nothing hides). The training loop's own modules (the model code) are imported by the
-    workers only (train/launch.loop_function), and torch by neither (train/backend.py)."""
+    workers only (driver/launch.loop_function), and torch by neither (train/backend.py)."""
     import mlflow  # noqa: F401 - the end of the run uses it (plots, the registry): imported while Ray starts
     import ray.train.v2.api.data_parallel_trainer  # noqa: F401
 
     from raytune_ft.data import pipeline  # noqa: F401
     from raytune_ft.models.tokenizer import load_once
-    from raytune_ft.train import launch  # noqa: F401
+    from raytune_ft.driver import launch  # noqa: F401
 
     load_once(recipe.model, tokenizer_memo(recipe))

@@ -199,8 +199,10 @@ def _fill(model: torch.nn.Module, get_slice: Callable[[str, tuple[slice, ...]], 
     seen: set[int] = set()
     missing, loaded, mismatched = [], [], []
     tensors = list(model.named_parameters(remove_duplicate=False))
+    from raytune_ft import compat
+
     non_persistent = {f"{n}.{b}" if n else b for n, m in model.named_modules()
-                      for b in getattr(m, "_non_persistent_buffers_set", ())}
+                      for b in compat.TORCH_NON_PERSISTENT_BUFFERS.read(m)}
     tensors += [(n, b) for n, b in model.named_buffers(remove_duplicate=False) if n not in non_persistent]
     with torch.no_grad():
         for name, tensor in tensors:
@@ -331,9 +333,9 @@ def random_init_(model: torch.nn.Module, *, seed: int = 0) -> torch.nn.Module:
     weights are random either way, and no two ranks repeat the same rows."""
     from torch.distributed.tensor import DTensor
 
-    init_fn = getattr(model, "_init_weights", None)
-    if init_fn is None:
-        raise TypeError(f"{type(model).__name__} has no transformers _init_weights")
+    from raytune_ft import compat
+
+    init_fn = compat.TRANSFORMERS_INIT_WEIGHTS.read(model)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     device = next(model.parameters()).device
     state = torch.random.get_rng_state()

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 
 import pyarrow.fs as pafs
 
-from raytune_ft.storage import fs as storage
+from raytune_ft import compat
 from raytune_ft.env import public_uri, redact
+from raytune_ft.storage import fs as storage
 
 if TYPE_CHECKING:
     from raytune_ft.recipe.recipe import Recipe
@@ -49,23 +50,14 @@ class StorageAccessError(RuntimeError):
 def _quick(fs: pafs.FileSystem) -> pafs.FileSystem:
     """The same S3 filesystem with short timeouts and a single attempt per request (the SDK's default
     retries a refused connection for seconds; a probe should say so at once)."""
-    try:
-        rebuild, (options,) = fs.__reduce__()
-        options = {**options, "connect_timeout": CONNECT_TIMEOUT_S, "request_timeout": REQUEST_TIMEOUT_S,
-                   "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=1)}
-        return rebuild(options)
-    except Exception:  # a pyarrow that builds it otherwise: probe with its defaults, under the deadline
-        return fs
+    return compat.s3_rebuilt(fs, connect_timeout=CONNECT_TIMEOUT_S, request_timeout=REQUEST_TIMEOUT_S,
+                             retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1))
 
 
 def _endpoint(fs: pafs.FileSystem) -> str:
     """The endpoint `fs` talks to, and what named it."""
-    try:
-        options = fs.__reduce__()[1][0]
-        where = options.get("endpoint_override")
-        scheme = options.get("scheme") or "https"
-    except Exception:
-        where, scheme = None, "https"
+    options = compat.s3_options(fs)
+    where, scheme = options["endpoint_override"], options["scheme"] or "https"
     if not where:
         return "AWS S3's own endpoint (no AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL set)"
     named_by = next((k for k in storage.ENDPOINT_ENV if os.environ.get(k)), None)

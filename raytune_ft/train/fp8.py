@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from raytune_ft import compat
 from raytune_ft.planning.shapes import FP8_MIN_DIM, fp8_linear_filter_dims
 
 PRECISIONS = ("bf16", "fp8")
@@ -103,6 +104,7 @@ def convert_to_fp8(layers: list[nn.Module], recipe: str, *, min_dim: int = FP8_M
     before torch.compile. Works on meta-device layers (weights are filled after sharding). Returns the
     converted modules' names within their layer, "<layer index>.<name>"; raises if none qualifies (a
     float8 run that converts nothing is a bf16 run under another name)."""
+    compat.TORCH_DTENSOR_LOCAL.check()     # plain_tensor reads it from every sharded float8 weight
     keep = fp8_linear_filter(recipe, min_dim)
     before = [{n for n, m in layer.named_modules() if keep(m, n)} for layer in layers]
     cfg = config if config is not None else fp8_config(recipe)
@@ -133,7 +135,7 @@ def fp8_module_names(model: nn.Module) -> list[str]:
     out = []
     for name, m in model.named_modules():
         w = getattr(m, "weight", None)
-        if type(m).__name__ == "Float8Linear" or _is_wrapper(_local(w)):
+        if type(m).__name__ == "Float8Linear" or _is_wrapper(compat.dtensor_local(w)):
             out.append(name)
     return out
 
@@ -214,7 +216,7 @@ def plain_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
-        local = t._local_tensor
+        local = compat.dtensor_local(t)
         inner = _unwrap(local)
         if inner is local:
             return t
@@ -224,7 +226,6 @@ def plain_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _unwrap(t):
-    from raytune_ft import compat
     while _is_wrapper(t):
         t = compat.torchao_inner_tensor(t)
     return t
@@ -236,13 +237,9 @@ def _is_wrapper(t) -> bool:
 
     if t is None or "torchao" not in sys.modules:
         return False
-    from raytune_ft import compat
     return isinstance(t, compat.torchao_weight_wrappers())
 
 
-def _local(t):
-    return getattr(t, "_local_tensor", t)
-
-
 def _is_fp8_linear(m: nn.Module) -> bool:
-    return type(m).__name__ == "Float8Linear" or (isinstance(m, nn.Linear) and _is_wrapper(_local(m.weight)))
+    return type(m).__name__ == "Float8Linear" or (isinstance(m, nn.Linear)
+                                                  and _is_wrapper(compat.dtensor_local(m.weight)))

@@ -20,8 +20,7 @@ import torch.distributed as dist
 
 from raytune_ft.data.packing import DataCounters
 from raytune_ft.recipe.recipe import Recipe
-from raytune_ft.train.batch import (collate_blocks, count_run_steps, run_schedule_steps, short_of_steps,
-                                    worker_blocks)
+from raytune_ft.train.batch import collate_blocks, count_run_steps, run_schedule_steps, worker_blocks
 from raytune_ft.train.common import WorkerLog, recipe_from_config
 from raytune_ft.train.state import TrainState
 from raytune_ft.train.trl.base import Paused, ray_report
@@ -73,7 +72,7 @@ def train_trl(config: dict) -> None:
                         seed=t.seed)
     enable_packing(lm)                             # idempotent: varlen attention + packed gated-delta-net
     if not recipe.model.local_tiny:
-        lm.config._name_or_path = recipe.model.name  # what a LoRA adapter names as its base
+        lm.config.name_or_path = recipe.model.name   # what a LoRA adapter names as its base
     lm.config.use_cache = False
     log.startup.mark("model_build")
     # every fast kernel, and Liger's fused loss where it would be used, proves itself on this GPU first
@@ -147,8 +146,6 @@ def train_trl(config: dict) -> None:
 
     trainer.train(resume_from_checkpoint=resume_dir)
     state = trainer.state
-    if state.global_step < max_steps:
-        log.info(short_of_steps(state.global_step, max_steps, train_blocks.counters))
     callback.log_remaining_steps(state.global_step)
     weights_step = trainer.raytune_best_loaded or state.global_step
     if t.load_best_at_end and trainer.raytune_best_loaded:
@@ -159,7 +156,7 @@ def train_trl(config: dict) -> None:
 
     # the final checkpoint: the weights the trainer holds now (the best ones with load_best_at_end)
     metrics = callback.metrics(state)
-    metrics["done"], metrics["passes"] = True, train_blocks.passes_fed
+    metrics["done"] = True
     losses = [h["loss"] for h in state.log_history if "loss" in h]
     if losses:
         metrics["loss"] = losses[-1]

@@ -45,7 +45,7 @@ def trainer_class():
             step = self.state.global_step
             # also called at an epoch's end, for the same step, and for the resumed step itself when a
             # resumed attempt has nothing left to train (its loss was logged by the attempt that trained it)
-            if step > max(self._raytune_step_kept, self._globalstep_last_logged):
+            if step > max(self._raytune_step_kept, compat.TRAINER_LAST_LOGGED.read(self)):
                 before = self._raytune_loss_before
                 loss = tr_loss.detach().clone() if before is None else tr_loss.detach() - before
                 lr = kwargs.get("learning_rate")
@@ -88,7 +88,7 @@ def trainer_class():
             if self.lr_scheduler is None:
                 self.lr_scheduler = recipe_scheduler(optimizer or self.optimizer, self.raytune_recipe.train,
                                                      num_training_steps)
-                self._created_lr_scheduler = True
+                compat.TRAINER_SCHEDULER_CREATED.write(self, True)
             return self.lr_scheduler
 
         def create_optimizer(self, model=None):
