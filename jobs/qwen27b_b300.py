@@ -54,7 +54,7 @@ def recipe() -> Recipe:
                         validation_max_rows=EVAL_ROWS, mixtures=MIXTURES),
         train=TrainConfig(loop="fsdp2", lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0, warmup_steps=0,
                           schedule="constant", epochs=1, micro_batch_size=1, grad_accum=1,
-                          activation_checkpointing="full", master_weights="fp32", log_every=100,
+                          activation_checkpointing="auto", master_weights="fp32", log_every=100,
                           checkpoint_every=CHECKPOINT_EVERY, eval_every=CHECKPOINT_EVERY,
                           sample_prompts=SAMPLE_PROMPTS, sample_max_new_tokens=SAMPLE_MAX_NEW_TOKENS, compile=True),
         scaling=ScalingConfig(num_workers=NUM_GPUS, use_gpu=True, gpus_per_node=8, cpus_per_worker=8,
@@ -79,7 +79,6 @@ def local(r: Recipe) -> Recipe:
     r.data.mixtures = {}               # the hub's: a local file mixture is data.sources (README)
     r.train.sample_prompts = 2         # a newcomer sees two answers grow in MLflow's samples.json table
     r.train.sample_max_new_tokens = 24
-    r.train.activation_checkpointing = "none"
     return r
 
 

@@ -44,7 +44,7 @@ def recipe() -> Recipe:
                         validation_max_rows=EVAL_ROWS),
         train=TrainConfig(loop="fsdp2", lr=2e-4, betas=(0.9, 0.95), weight_decay=0.0, warmup_steps=0,
                           schedule="constant", epochs=1, micro_batch_size=1, grad_accum=1,
-                          activation_checkpointing="full", log_every=100, checkpoint_every=CHECKPOINT_EVERY,
+                          activation_checkpointing="auto", log_every=100, checkpoint_every=CHECKPOINT_EVERY,
                           eval_every=CHECKPOINT_EVERY, sample_prompts=SAMPLE_PROMPTS,
                           sample_max_new_tokens=SAMPLE_MAX_NEW_TOKENS, compile=True, lora_r=LORA_R,
                           lora_alpha=LORA_ALPHA, lora_dropout=0.0, merge_adapter=True),
@@ -69,7 +69,6 @@ def local(r: Recipe) -> Recipe:
     r.data.validation_max_rows = 64
     r.train.sample_prompts = 2
     r.train.sample_max_new_tokens = 24
-    r.train.activation_checkpointing = "none"
     return r
 
 

@@ -18,6 +18,7 @@ such a GPU, `mfu_metrics` also gives the figure against that (how close to what 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -67,6 +68,15 @@ def gpu_spec(device_name: str | None) -> GpuSpec | None:
         if known in key:
             return spec
     return None
+
+
+def device_spec(device_name: str, total_memory: float) -> GpuSpec:
+    """The spec of the GPU a worker holds: the known model's peak, and the memory torch reports for it."""
+    spec = gpu_spec(device_name)
+    source = f"torch: {total_memory / GiB:.1f} GiB total on this {device_name}"
+    if spec is None:
+        return GpuSpec(device_name, float(total_memory), source, 0.0, "unknown GPU: no bf16 peak")
+    return dataclasses.replace(spec, memory_bytes=float(total_memory), memory_source=source)
 
 
 def current_device_name() -> str | None:
@@ -183,10 +193,14 @@ def gated_delta_flops_per_token(config, chunk_size: int = 64) -> float:
     projections: per value head ~6*dk*dv for reading/updating the state, ~2*C*(2*dk+dv) for the intra-chunk
     products and ~C*(dk+dv) for the triangular solves, forward; x3 for forward+backward."""
     cfg = _config_of(config)
-    hv = cfg.linear_num_value_heads
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    fwd = hv * (6 * dk * dv + 2 * chunk_size * (2 * dk + dv) + chunk_size * (dk + dv))
-    return 3.0 * fwd
+    return 3.0 * gated_delta_forward_flops(cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                           cfg.linear_value_head_dim, chunk_size)
+
+
+def gated_delta_forward_flops(value_heads: int, key_dim: int, value_dim: int, chunk_size: int = 64) -> float:
+    """Forward FLOPs per token of one gated-delta-net recurrence (`gated_delta_flops_per_token` without the x3)."""
+    dk, dv = key_dim, value_dim
+    return float(value_heads * (6 * dk * dv + 2 * chunk_size * (2 * dk + dv) + chunk_size * (dk + dv)))
 
 
 def flops_per_block(config, seq_lens: Iterable[int], *, include_linear_attention: bool = False,

@@ -13,6 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from raytune_ft.recipe.checkpointing import check_checkpointing
 from raytune_ft.recipe.sections import (DataConfig, ModelConfig, RegistryConfig, ScalingConfig, TrackingConfig,
                                        TrainConfig, validate_registry_name)
 from raytune_ft.recipe.values import RecipeError, check_value, coerce, did_you_mean
@@ -136,6 +137,7 @@ def validate(recipe: Recipe) -> Recipe:
     recipe.data.validate(recipe.model)
     recipe.data.settle_held_out(recipe.train.reads_held_out())
     recipe.train.validate(recipe.data, recipe.registry)
+    check_checkpointing(recipe.train.activation_checkpointing, recipe.model.family)
     recipe.scaling.validate()
     if recipe.train.precision == "fp8" and not recipe.scaling.use_gpu:
         raise RecipeError("train.precision: fp8 needs GPUs with float8 matmuls (scaling.use_gpu=true); "

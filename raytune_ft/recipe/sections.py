@@ -137,7 +137,9 @@ class TrainConfig:
     micro_batch_size: int = 1                # packed blocks per micro-batch
     grad_accum: int = 1
     max_grad_norm: float | None = 1.0        # 0 or None: no clipping (both loops)
-    activation_checkpointing: Literal["none", "full", "selective"] = "full"
+    # FSDP2 loop: auto (the memory plan picks the least recompute that fits the GPU), none, full, selective,
+    # every:N, or parts such as gated_delta+mlp (recipe/checkpointing.py); the TRL loop reads gradient_checkpointing
+    activation_checkpointing: str = "auto"
     master_weights: Literal["fp32", "bf16"] = "fp32"
     log_every: int = 100
     checkpoint_every: int = 500

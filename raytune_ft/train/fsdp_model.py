@@ -10,6 +10,7 @@ import time
 import torch
 from torch import nn
 
+from raytune_ft.recipe.checkpointing import Checkpointing, parse_checkpointing
 from raytune_ft.recipe.recipe import Recipe
 from raytune_ft.train.common import WorkerLog
 
@@ -71,8 +72,8 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
     check_on_worker(lm.config, device, mode=recipe.train.kernels, dtype=compute_dtype, log=log)
     log.startup.mark("kernel_check", since=checking)
     backend = select_attention_backend(device)
-    log.info(f"attention backend: {backend}; params {param_dtype}, compute {compute_dtype}, "
-             f"reduce fp32; activation checkpointing {recipe.train.activation_checkpointing}")
+    log.info(f"attention backend: {backend}; params {param_dtype}, compute {compute_dtype}, reduce fp32")
+    recompute = resolve_on_worker(recipe, lm.config, device, log)
     ran = "bf16"
     if fp8_recipe:   # before compile and fully_shard: FSDP2 must see the float8 weights to all-gather them
         from raytune_ft.models.build import decoder_layers
@@ -94,8 +95,7 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
     if recipe.train.compile:
         compile_pointwise(lm)
         log.info("torch.compile: each decoder layer's MLP and RMSNorms")
-    model = shard_packed_model(lm, device, compute_dtype=compute_dtype,
-                               activation_checkpointing=recipe.train.activation_checkpointing)
+    model = shard_packed_model(lm, device, compute_dtype=compute_dtype, activation_checkpointing=recompute)
     log.startup.mark("model_build.wrapping")
     materialize_model(lm, recipe.model, device, seed=recipe.train.seed)
     if lora:
@@ -104,6 +104,22 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
         init_adapters(lm, recipe.train.seed)
     log.startup.mark("model_build.weights")
     return model, lm, tok
+
+
+def resolve_on_worker(recipe: Recipe, config, device: torch.device, log: WorkerLog) -> Checkpointing:
+    """The activation checkpointing this worker applies, said once with why (log line and MLflow param):
+    `auto` is resolved by the memory plan for this worker's GPU and the model as built."""
+    from raytune_ft.planning.hardware import device_spec
+    from raytune_ft.planning.plan import resolve_checkpointing
+    from raytune_ft.planning.shapes import ModelShape
+
+    gpu = None
+    if device.type == "cuda":
+        gpu = device_spec(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory)
+    choice, why = resolve_checkpointing(recipe, ModelShape.from_config(config), gpu)
+    log.info(f"activation checkpointing {why}")
+    log.log_param("activation_checkpointing_ran", choice.label)
+    return choice
 
 
 def compile_pointwise(lm: nn.Module) -> None:
@@ -124,11 +140,13 @@ def compile_pointwise(lm: nn.Module) -> None:
 
 
 def shard_packed_model(lm: nn.Module, device: torch.device, *, compute_dtype: torch.dtype,
-                       activation_checkpointing: str = "full", loss_chunk: int = 4096) -> PackedCausalLM:
+                       activation_checkpointing: str | Checkpointing = "full",
+                       loss_chunk: int = 4096) -> PackedCausalLM:
     """Turn a built causal LM into the loop's training module: packing paths on, activation
-    checkpointing per `activation_checkpointing` ("none" | "full" | "selective"), the chunked-loss
-    wrapper, then FSDP2 (each decoder layer, then the root; compute in `compute_dtype`, gradients
-    reduced in fp32). The parameters keep the dtype they were built in (the master weights).
+    checkpointing per `activation_checkpointing` (a resolved choice, or its text: "none", "full",
+    "selective", "every:N", parts such as "gated_delta+mlp"; not "auto", which the plan resolves), the
+    chunked-loss wrapper, then FSDP2 (each decoder layer, then the root; compute in `compute_dtype`,
+    gradients reduced in fp32). The parameters keep the dtype they were built in (the master weights).
 
     Split from build_fsdp_model so benchmarks can hand in a model built directly on the GPU at a real
     shape with random weights and still train exactly what the loop trains."""
@@ -136,10 +154,17 @@ def shard_packed_model(lm: nn.Module, device: torch.device, *, compute_dtype: to
 
     from raytune_ft.models.build import decoder_layers
     from raytune_ft.models.gated_delta import enable_packing
+    from raytune_ft.train.recompute import apply_checkpointing
 
+    choice = activation_checkpointing
+    if not isinstance(choice, Checkpointing):
+        choice = parse_checkpointing(choice, "activation_checkpointing")
+        if choice is None:
+            raise ValueError("activation_checkpointing: 'auto' is resolved by the memory plan "
+                             "(resolve_on_worker) before the model is sharded")
     enable_packing(lm)
     layers = decoder_layers(lm)
-    _set_activation_checkpointing(lm, layers, activation_checkpointing)
+    apply_checkpointing(lm, layers, choice)
     model = PackedCausalLM(lm, loss_chunk)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in layers:
@@ -148,14 +173,3 @@ def shard_packed_model(lm: nn.Module, device: torch.device, *, compute_dtype: to
     if not any(p.is_meta for p in model.parameters()):  # a meta model is filled by materialize_model
         model.to(device)
     return model
-
-
-def _set_activation_checkpointing(lm, layers, mode: str) -> None:
-    if mode == "none":
-        return
-    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if mode == "selective":
-        # layer-selective: recompute every other decoder layer, keep the rest's activations
-        for i, layer in enumerate(layers):
-            if i % 2 == 1 and hasattr(layer, "gradient_checkpointing"):
-                layer.gradient_checkpointing = False

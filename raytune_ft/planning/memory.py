@@ -1,0 +1,146 @@
+"""The memory plan's lines (bytes per GPU; the model is in planning/plan.py's docstring) under one activation
+checkpointing choice: planning/plan.py sums them for the plan, and for each candidate when it resolves `auto`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from raytune_ft.planning.checkpointing import activation_elems, describe
+from raytune_ft.planning.hardware import GiB, GpuSpec
+from raytune_ft.planning.lora import lora_fsdp2_lines, lora_layer_params, lora_state_lines
+from raytune_ft.planning.shapes import ModelShape
+from raytune_ft.recipe.checkpointing import Checkpointing
+from raytune_ft.recipe.recipe import Recipe
+
+
+@dataclass
+class MemoryLine:
+    name: str
+    bytes: float
+    how: str                         # the arithmetic, in words
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / GiB:8.2f} GiB" if abs(n) >= 0.1 * GiB else f"{n / 1024**2:8.2f} MiB"
+
+
+def fmt_count(n: float) -> str:
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= div:
+            return f"{n / div:,.2f} {unit}"
+    return f"{n:,.0f}"
+
+
+def tokens_per_micro_batch(recipe: Recipe) -> int:
+    t, d = recipe.train, recipe.data
+    per_row = d.seq_len if (t.loop == "fsdp2" or t.packing) else (t.max_length or d.seq_len)
+    return per_row * t.micro_batch_size
+
+
+def memory_lines(recipe: Recipe, shape: ModelShape, g: GpuSpec | None,
+                 choice: Checkpointing) -> tuple[list[MemoryLine], list[str], int]:
+    """The plan's memory lines under the checkpointing `choice`, its notes, and the trainable parameters."""
+    t = recipe.train
+    compute_b = 2 if (g is not None and recipe.model.dtype == "bfloat16") else 4
+    shard = recipe.scaling.num_workers if t.loop == "fsdp2" else 1
+    lines: list[MemoryLine] = []
+    notes: list[str] = []
+    trainable = _state_lines(recipe, shape, compute_b, shard, lines, notes)
+    acts = _activation_lines(recipe, shape, compute_b, choice, lines)
+    _loss_lines(recipe, shape, g, compute_b, acts, lines)
+    return lines, notes, trainable
+
+
+def _state_lines(recipe: Recipe, shape: ModelShape, compute_b: int, shard: int, lines: list[MemoryLine],
+                 notes: list[str]) -> int:
+    """Params, grads, optimizer states and FSDP2's gathered units (or DDP's buckets); the trainable count."""
+    t, workers, P = recipe.train, recipe.scaling.num_workers, shape.total_params
+    lora = t.lora_r > 0
+    if lora:   # the frozen base, fp32 adapters with their grads and AdamW states (plan_lora.py)
+        trainable, state_lines = lora_state_lines(shape, t, compute_b, shard, fmt_count)
+        lines += [MemoryLine(name, float(b), how) for name, b, how in state_lines]
+    else:
+        trainable = P
+        param_b = 4 if (t.master_weights == "fp32" or compute_b == 4) else 2
+        pname = "fp32" if param_b == 4 else "bf16"
+        div = f" / {shard}" if shard > 1 else ""
+        lines.append(MemoryLine("params", P * param_b / shard, f"{fmt_count(P)} x {param_b} B ({pname}){div}"))
+        lines.append(MemoryLine("grads", P * param_b / shard, f"{pname}, as the params{div}"))
+        lines.append(MemoryLine("optimizer", 2 * P * param_b / shard,
+                                f"AdamW 2 states x {param_b} B ({pname}, zeros_like param){div}"))
+        if param_b == 2:
+            notes.append("master_weights=bf16: weights, grads and AdamW states are bf16; updates smaller than "
+                         "bf16's resolution (~1e-3 relative) are lost")
+        if t.loop == "trl" and param_b == 4 and compute_b == 2:
+            # autocast caches the bf16 copy of every weight for the duration of the forward
+            lines.append(MemoryLine("autocast copies", P * 2.0,
+                                    "bf16 casts of the fp32 weights, cached by autocast during forward"))
+    if t.loop == "fsdp2":
+        grads = lora_layer_params(shape, t) if lora else shape.max_layer_params    # LoRA: the adapters' only
+        gathered = (shape.root_params + 2 * shape.max_layer_params) * compute_b + grads * 4
+        lines.append(MemoryLine("fsdp gathered", float(gathered),
+                                f"root unit {fmt_count(shape.root_params)} + 2 layers x "
+                                f"{fmt_count(shape.max_layer_params)} unsharded in {compute_b} B, + 1 layer of fp32 "
+                                "grads before reduce-scatter"))
+    elif workers > 1:
+        lines.append(MemoryLine("ddp buckets", float(trainable * (4 if lora or t.master_weights == "fp32" else 2)),
+                                "DDP's gradient buckets (a second copy of the trainable grads)"))
+    return trainable
+
+
+class _Activations(NamedTuple):
+    tokens_mb: int                   # tokens per micro-batch
+    recompute: float                 # elements per token of the largest unit the backward recomputes
+
+
+def _activation_lines(recipe: Recipe, shape: ModelShape, compute_b: int, choice: Checkpointing,
+                      lines: list[MemoryLine]) -> _Activations:
+    """The activations under `choice` (and float8's casts)."""
+    t, tokens_mb = recipe.train, tokens_per_micro_batch(recipe)
+    kept, recompute = activation_elems(shape, choice)
+    lines.append(MemoryLine("activations", (kept + recompute) * tokens_mb * compute_b,
+                            f"{tokens_mb:,} tokens x {fmt_count(kept + recompute)} elements x {compute_b} B "
+                            f"({describe(choice)})"))
+    if t.loop == "fsdp2" and t.precision == "fp8":
+        from raytune_ft.planning.shapes import fp8_linear_filter_dims
+
+        conv = [(i, o) for k in set(shape.layer_types) for i, o in shape.linears(k).values()
+                if fp8_linear_filter_dims(i, o, t.fp8_recipe)]
+        if conv:
+            x, go, w = max(i for i, _ in conv), max(o for _, o in conv), max(i * o for i, o in conv)
+            lines.append(MemoryLine(
+                "float8 casts", 2.0 * (tokens_mb * (x + go) + w),
+                f"1-byte casts of the largest float8 matmul's input ({tokens_mb:,} x {x:,}), output gradient "
+                f"({tokens_mb:,} x {go:,}) and weight, each with its transpose for backward ({t.fp8_recipe}; "
+                "the float8 all-gather's smaller weights are not subtracted above)"))
+    return _Activations(tokens_mb, recompute)
+
+
+def _loss_lines(recipe: Recipe, shape: ModelShape, g: GpuSpec | None, compute_b: int, acts: _Activations,
+                lines: list[MemoryLine]) -> None:
+    """The loss's memory (and the FSDP2 LoRA lines)."""
+    t, (tokens_mb, recompute) = recipe.train, acts
+    V, D = shape.vocab, shape.hidden
+    if t.loop == "fsdp2":
+        lora = t.lora_r > 0
+        chunk = min(4096, tokens_mb)
+        head_grad = 0 if lora else V * D * 4       # a frozen lm_head gets no gradient accumulator
+        logits = chunk * V * (4 + compute_b)
+        # the loss's logits are freed before the backward recomputes its first layer: the two never coexist
+        shared = min(logits, recompute * tokens_mb * compute_b)
+        lines.append(MemoryLine("loss", logits - shared + head_grad + 2 * tokens_mb * D * compute_b,
+                                f"chunked CE: {chunk:,} x {V:,} fp32 logits + grad (less {fmt_bytes(shared).strip()} "
+                                f"freed before the first recompute), {'no' if lora else 'fp32'} lm_head grad "
+                                "accumulator, final hidden + its grad"))
+        shard = recipe.scaling.num_workers
+        for name, b, how in (lora_fsdp2_lines(shape, t, tokens_mb, compute_b, shape.total_params * compute_b / shard)
+                             if lora else ()):
+            lines.append(MemoryLine(name, float(b), how))
+    elif t.use_liger and g is not None:
+        chunk = min(tokens_mb, 2048)
+        lines.append(MemoryLine("loss", float(chunk * V * (4 + compute_b) + 2 * tokens_mb * D * compute_b),
+                                f"Liger fused linear CE: ~{chunk:,}-token chunks of logits"))
+    else:
+        lines.append(MemoryLine("loss", float(tokens_mb * V * (compute_b + 8)),
+                                f"full logits: {tokens_mb:,} x {V:,} x ({compute_b} B + fp32 upcast + fp32 grad)"))
