@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from raytune_ft.data.packing import DataCounters
 from raytune_ft.recipe.recipe import Recipe
-from raytune_ft.train.batch import collate_blocks, count_run_steps, run_schedule_steps, worker_blocks
+from raytune_ft.train.batch import (collate_blocks, count_run_steps, run_schedule_steps, short_of_steps,
+                                    worker_blocks)
 from raytune_ft.train.common import WorkerLog, recipe_from_config
 from raytune_ft.train.state import TrainState
 from raytune_ft.train.trl.base import Paused, ray_report
@@ -146,6 +147,8 @@ def train_trl(config: dict) -> None:
 
     trainer.train(resume_from_checkpoint=resume_dir)
     state = trainer.state
+    if state.global_step < max_steps:
+        log.info(short_of_steps(state.global_step, max_steps, train_blocks.counters))
     callback.log_remaining_steps(state.global_step)
     weights_step = trainer.raytune_best_loaded or state.global_step
     if t.load_best_at_end and trainer.raytune_best_loaded:
@@ -156,7 +159,7 @@ def train_trl(config: dict) -> None:
 
     # the final checkpoint: the weights the trainer holds now (the best ones with load_best_at_end)
     metrics = callback.metrics(state)
-    metrics["done"] = True
+    metrics["done"], metrics["passes"] = True, train_blocks.passes_fed
     losses = [h["loss"] for h in state.log_history if "loss" in h]
     if losses:
         metrics["loss"] = losses[-1]
