@@ -32,6 +32,11 @@ def test_a_users_file_alone_trains_with_a_carved_held_out_set(one_file, local, c
     assert "the job's held-out split test_sft is its own source's" in err and "by content hash" in err
     _, text, count = check_sources(recipe.data)
     assert count >= 1 and text.startswith(f"{count} of 16 rows of {one_file} by content hash"), text
+    # a mixture of the user's: its sources hold out their own rows
+    mixture = cli._job_recipe("qwen27b_lora", local, [f"data.sources={json.dumps([{'source': one_file}])}"])
+    assert mixture.data.validation_split is None and mixture.data.validation_fraction == 0.05
+    _, text, count = check_sources(mixture.data)
+    assert count >= 1 and text.startswith(f"{count} of 16 rows of {one_file} by content hash"), text
     # a split the user names must exist
     with pytest.raises(RecipeError, match="data.validation_split: 'test_sft' does not exist in .*mine.jsonl"):
         cli._job_recipe("qwen27b_lora", local, [f"data.source={one_file}", "data.validation_split=test_sft"])

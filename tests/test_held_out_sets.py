@@ -80,7 +80,7 @@ def test_data_check_leaves_out_the_rows_a_named_split_repeats(tmp_path, real_row
     recipe = _folder(tmp_path, real_rows, "data.validation_max_rows=64")
     lines, ok = data_check(recipe, png=str(tmp_path / "h.png"))
     text = "\n".join(lines)
-    assert ok and "0 held out, 17 to train on" in text and "skipped          3 {'in_held_out': 3}" in text, text
+    assert ok and "0 held out" in text and "17 to train on" in text and "3 {'in_held_out': 3}" in text, text
 
 
 @pytest.mark.timeout(300)
@@ -103,8 +103,8 @@ def test_a_run_trains_without_the_rows_a_named_split_repeats_and_agrees_with_the
     # the data check, with the run's tokenizer, says what the run trained
     lines, _ = data_check(recipe, png=str(tmp_path / "h.png"))
     text = "\n".join(lines)
-    assert f"{c.rows_read}; 0 held out, {c.conversations_packed} to train on" in text, text
-    assert f"skipped          {c.rows_skipped} {c.rows_skipped_by_reason}" in text, text
+    assert f"rows             {c.rows_read}" in text and f"{c.conversations_packed} to train on" in text, text
+    assert f"{c.rows_skipped} {c.rows_skipped_by_reason}" in text, text
 
 
 @pytest.mark.timeout(300)
@@ -118,6 +118,7 @@ def test_a_capped_mixture_evaluates_its_share_of_each_source_and_never_trains_on
     train = build_dataset(data, tok_path).take_all()
     trained = {tuple(r["input_ids"]) for r in train if not r["skip_reason"]}
     assert trained and not {tuple(r["input_ids"]) for r in val} & trained
-    # every row is trained, held out or skipped for its content: 800 in all
-    assert len(train) + len(val) == 800
-    assert all(r["skip_reason"] in ("", "in_held_out") for r in train)
+    # every row is trained, held out or skipped for its content: 800 in all (a held-out row may keep a place in
+    # the training stream, to be counted there)
+    placed = [r for r in train if r["skip_reason"] != "held_out"]
+    assert len(placed) + len(val) == 800 and all(r["skip_reason"] in ("", "in_held_out") for r in placed)

@@ -202,12 +202,18 @@ HELD_OUT_SPLIT_NAMES = ("test", "validation")       # the hub's names of a held-
 
 def follow_source(data, job_source: str, named: set[str]) -> str | None:
     """A job's split names belong to its own source (`job_source`): for another one (the user's `--set
-    data.source=...`), the names the user did not set (`named`: `split`, `validation_split`) follow it. A local
-    folder laid out as `train` plus `test` or `validation` trains on the one and holds out the other; any other
-    source keeps the job's held-out split only where it has one, else its held-out rows are carved by content
-    hash. Returns a line saying what changed (None: nothing)."""
-    if data.sources or data.mixture or data.source == job_source or "validation_split" in named \
-            or data.validation_split is None:
+    data.source=...` or `data.sources=[...]`), the names the user did not set (`named`: `split`,
+    `validation_split`, ...) follow it. A local folder laid out as `train` plus `test` or `validation` trains on
+    the one and holds out the other; any other source keeps the job's held-out split only where it has one, else
+    its held-out rows are carved by content hash; a mixture's sources hold out their own. Returns a line saying
+    what changed (None: nothing)."""
+    if data.validation_split is None or "validation_split" in named:
+        return None
+    if "sources" in named:
+        job_held, data.validation_split = data.validation_split, None
+        return (f"data: the job's held-out split {job_held} is its own source's ({job_source}); the sources given "
+                "hold out their own validation_split, or data.validation_fraction of their rows by content hash")
+    if data.sources or data.mixture or data.source == job_source:
         return None
     path = os.path.expanduser(data.source.removeprefix("file://"))
     local = source_kind(data.source) == "local" and os.path.isdir(path)
