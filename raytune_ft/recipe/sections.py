@@ -60,15 +60,18 @@ class DataConfig:
     fields: dict[str, str] = field(default_factory=dict)        # a format's field -> the rows' name for it
     roles: dict[str, list[str]] = field(default_factory=dict)   # a chat role -> more names rows use for it
     # a mixture: [{source, split?, revision?, schema?, fields?, roles?, weight? (how often each row is used:
-    # 0.5 a seeded half, 2 twice), max_rows?, validation_split?, name?}], interleaved by `seed`
+    # 0.5 a seeded half, 2 twice), max_rows?, validation_split?, validation_fraction?, name?}], interleaved by
+    # `seed`
     sources: list[dict[str, Any]] = field(default_factory=list)
     mixture: str | None = None               # the name of one of `mixtures` (a job offers them) to train on
     mixtures: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     # held out of training by content hash (seeded); None: 0.05 when the run evaluates or samples held-out
     # rows and names no validation_split, else 0. A small local source holds out at least one row and at
-    # most validation_max_rows
+    # most its share of validation_max_rows (a mixture's sources share it)
     validation_fraction: float | None = None
-    validation_split: str | None = None      # a separate split of the source for evaluation
+    # a separate split of the source for evaluation (a job's, for its own source only); training skips rows
+    # with an evaluated row's content
+    validation_split: str | None = None
     validation_max_rows: int | None = None   # evaluate on the first N held-out rows only (its cost: `raytune-ft plan`)
     max_skip_fraction: float = 0.05          # a run whose skipped rows pass this share stops, naming the reasons
     seed: int = 42
