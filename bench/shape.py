@@ -61,6 +61,8 @@ def parse(argv):
     p.add_argument("--workdir", default=None)
     p.add_argument("--cpu-smoke", action="store_true", help="the recipe's tiny local model on CPU, 3 steps")
     p.add_argument("--results", default=None, help="folder of the dated records")
+    p.add_argument("--profile", action="store_true",
+                   help="one more step under torch.profiler: GPU time by kernel kind and by phase, and the gap")
     return p.parse_args(argv)
 
 
@@ -355,6 +357,25 @@ def run_setting(a, setting: dict, model_dir: str | None, device, rec: dict) -> N
     if cuda:
         rec["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         rec["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
+    if a.profile and cuda:
+        from bench.step_profile import profile_step
+
+        def one_step(phase) -> None:
+            mbs = [StepBatch.from_blocks([data[-1]], device)]
+            with phase("forward_backward"):
+                forward_backward(model, mbs, setting["ranks"], device)
+            with phase("clip"):
+                clip_gradients(params, t.max_grad_norm)
+            with phase("optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if fp8:
+                with phase("fp8_scales"):
+                    precompute_fp8_scales(model, fp8)
+
+        rec["profile"] = profile_step(one_step, device)
+        print(f"[shape] profile: {rec['profile']['by_kind_share']} gap {rec['profile']['gap_ms']} ms of "
+              f"{rec['profile']['wall_ms']} ms", flush=True)
     if a.ckpt == "on" or (a.ckpt == "auto" and cuda):
         folder = a.ckpt_dir or tempfile.mkdtemp(prefix="raytune_shape_ckpt_")
         os.makedirs(folder, exist_ok=True)
