@@ -106,7 +106,7 @@ def test_schedule_length_is_counted_as_the_feed_runs_it(ray_local, tmp_path):
     from raytune_ft.data.packing import pack_blocks
     from raytune_ft.data.pipeline import build_dataset, iter_blocks
     from raytune_ft.models.tiny import local_tokenizer
-    from raytune_ft.train.batch import count_steps
+    from raytune_ft.train.schedule_length import count_steps
 
     r = tiny_recipe(tmp_path, "count", max_steps=None, schedule="cosine", grad_accum=3)
     ds = build_dataset(r.data, local_tokenizer(), split="train")

@@ -38,7 +38,7 @@ def _run(rank: int, n: int, per_step: int, skip: int = 0, fingerprint=None) -> d
 
 
 def _rank_main(rank, world, port, q):
-    from raytune_ft.train.batch import count_steps
+    from raytune_ft.train.schedule_length import count_steps
     from tests.conftest import spawned_gloo_rank
 
     with spawned_gloo_rank(rank, world, port):

@@ -16,7 +16,8 @@ import pytest
 
 from raytune_ft.data.packing import DataCounters
 from raytune_ft.data.pipeline import iter_blocks
-from raytune_ft.train.batch import EpochFeeds, ReadAhead, needs_counting_pass, schedule_settings
+from raytune_ft.train.batch import EpochFeeds, ReadAhead
+from raytune_ft.train.schedule_length import needs_counting_pass, schedule_settings
 from tests.test_fsdp_loop import tiny_recipe
 
 SEQ_LEN = 96

@@ -13,7 +13,8 @@ import json
 import pytest
 
 from raytune_ft.data.packing import pack_blocks
-from raytune_ft.train.batch import EpochFeeds, run_schedule_steps, schedule_settings
+from raytune_ft.train.batch import EpochFeeds
+from raytune_ft.train.schedule_length import run_schedule_steps, schedule_settings
 from raytune_ft.train.common import WorkerLog
 from raytune_ft.train.fsdp_loop import _schedule_length
 from tests.test_fsdp_loop import tiny_recipe

@@ -89,7 +89,7 @@ def test_a_feed_with_no_data_ends_instead_of_repeating_nothing():
 
 
 def test_a_run_short_of_its_steps_says_why():
-    from raytune_ft.train.batch import short_of_steps
+    from raytune_ft.train.schedule_length import short_of_steps
 
     line = short_of_steps(30, 35, DataCounters(blocks_unsupervised=4))
     assert "ends at step 30, short of the 35 steps" in line and "no supervised token" in line

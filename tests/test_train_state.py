@@ -215,7 +215,7 @@ def test_the_trl_loops_checkpoint_parts_are_the_fsdp2_loops_typed_parts(tmp_path
     import pyarrow.fs as pafs
 
     from raytune_ft.recipe.recipe import Recipe
-    from raytune_ft.train.batch import schedule_settings
+    from raytune_ft.train.schedule_length import schedule_settings
     from raytune_ft.train.state import Progress, TrainState
     from raytune_ft.train.trl.checkpoint import resume_state, save_train_state, trl_train_state
     from raytune_ft.train.trl.data import RankBlocks

@@ -25,8 +25,9 @@ from raytune_ft.recipe.recipe import Recipe
 from raytune_ft.train import checkpoint as ckpt_io
 from raytune_ft.train import ckpt_storage, jit_cache
 from raytune_ft.train.checkpointer import Checkpointer, async_enabled
-from raytune_ft.train.batch import (EpochFeeds, StepBatch, count_run_steps, needs_counting_pass, pass_line,
-                                    run_schedule_steps, schedule_settings, short_of_steps, worker_blocks)
+from raytune_ft.train.batch import EpochFeeds, StepBatch, pass_line, worker_blocks
+from raytune_ft.train.schedule_length import (count_run_steps, needs_counting_pass, run_schedule_steps,
+                                              schedule_settings, short_of_steps)
 from raytune_ft.train.common import WorkerLog, lr_at, recipe_from_config, report
 from raytune_ft.train.evaluate import EvalAndSamples, start_reading_held_out
 from raytune_ft.train.fp8 import precompute_fp8_scales
@@ -293,7 +294,7 @@ def _schedule_length(recipe: Recipe, state: TrainState, feed: EpochFeeds, log: W
     `train.max_steps` when set; else, for a decaying schedule, counted: one extra pass per epoch
     (tokenize + pack, no training) counts every rank's blocks exactly as the feed will run them, so
     the schedule ends on the run's last step. A resumed attempt reads it back, or counts again when
-    a setting it depends on changed (`batch.run_schedule_steps`)."""
+    a setting it depends on changed (`schedule_length.run_schedule_steps`)."""
     t, schedule = recipe.train, state.schedule
     total = int(t.max_steps or 0)
     if not total and t.schedule != "constant":

@@ -50,7 +50,7 @@ def _plain(value: Any) -> Any:
 @dataclass
 class Schedule(JsonPart):
     """The optimizer step reached and the schedule's length (`total_steps`, 0: none needed); a counted
-    length with the digests of the settings it was counted under (batch.run_schedule_steps)."""
+    length with the digests of the settings it was counted under (schedule_length.run_schedule_steps)."""
 
     step: int = 0
     total_steps: int | None = None

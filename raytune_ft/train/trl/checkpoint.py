@@ -17,7 +17,7 @@ import os
 import shutil
 
 from raytune_ft.recipe.recipe import Recipe
-from raytune_ft.train.batch import schedule_settings
+from raytune_ft.train.schedule_length import schedule_settings
 from raytune_ft.train.checkpoint import read_train_state, write_meta, write_train_state
 from raytune_ft.train.common import WorkerLog
 from raytune_ft.train.state import DataPosition, Progress, Schedule, TrainState

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from raytune_ft.data.packing import DataCounters
 from raytune_ft.recipe.recipe import Recipe
-from raytune_ft.train.batch import (collate_blocks, count_run_steps, run_schedule_steps, short_of_steps,
-                                    worker_blocks)
+from raytune_ft.train.batch import collate_blocks, worker_blocks
+from raytune_ft.train.schedule_length import count_run_steps, run_schedule_steps, short_of_steps
 from raytune_ft.train.common import WorkerLog, recipe_from_config
 from raytune_ft.train.state import TrainState
 from raytune_ft.train.trl.base import Paused, ray_report
