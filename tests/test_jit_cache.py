@@ -4,6 +4,7 @@ step, and a second node (another local root) starts from it. Real local filesyst
 cache contents are files written by the test (no GPU here to JIT anything)."""
 from __future__ import annotations
 
+import json
 import os
 
 import pyarrow.fs as pafs
@@ -26,18 +27,22 @@ def clean_env():
 
 def test_fingerprint_names_the_gpu_and_changes_with_any_version():
     base = {"torch": "2.13.0", "triton": "3.6.0", "flash-linear-attention": "0.6.0", "tilelang": "0.1.7"}
-    fp = jit_cache.fingerprint("NVIDIA H200", base)
+    fp = jit_cache.fingerprint("NVIDIA H200", base, driver="570.124.06", model="qwen3_5 hidden 5120").name
     assert fp.startswith("nvidia-h200-") and "/" not in fp
-    assert jit_cache.fingerprint("NVIDIA H200", dict(base)) == fp
-    assert jit_cache.fingerprint("NVIDIA B300", base) != fp
+    assert jit_cache.fingerprint("NVIDIA H200", dict(base), driver="570.124.06", model="qwen3_5 hidden 5120").name == fp
+    assert jit_cache.fingerprint("NVIDIA B300", base, driver="570.124.06", model="qwen3_5 hidden 5120").name != fp
     for pkg in base:
-        assert jit_cache.fingerprint("NVIDIA H200", {**base, pkg: "9.9"}) != fp, pkg
-    assert jit_cache.fingerprint(None, base).startswith("cpu-")
+        assert jit_cache.fingerprint("NVIDIA H200", {**base, pkg: "9.9"}, driver="570.124.06",
+                                     model="qwen3_5 hidden 5120").name != fp, pkg
+    assert jit_cache.fingerprint("NVIDIA H200", base, driver="580.65.06", model="qwen3_5 hidden 5120").name != fp
+    assert jit_cache.fingerprint("NVIDIA H200", base, driver="570.124.06", model="qwen3 hidden 2560").name != fp
+    assert jit_cache.fingerprint(None, base).name.startswith("cpu-")
 
 
 def test_every_cache_variable_points_into_the_fingerprinted_folder(tmp_path, clean_env):
-    cache = jit_cache.open_cache(str(tmp_path / "jit"), "NVIDIA H200", remote=None, log=print)
-    assert cache.folder == str(tmp_path / "jit" / jit_cache.fingerprint("NVIDIA H200"))
+    fp = jit_cache.fingerprint("NVIDIA H200")
+    cache = jit_cache.open_cache(str(tmp_path / "jit"), fp, remote=None, log=print)
+    assert cache.folder == str(tmp_path / "jit" / fp.name)
     for var in ("TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
         assert os.environ[var].startswith(cache.folder + os.sep), var
         assert os.path.isdir(os.environ[var])
@@ -46,7 +51,7 @@ def test_every_cache_variable_points_into_the_fingerprinted_folder(tmp_path, cle
 
 def test_a_cache_variable_the_user_set_is_kept(tmp_path, clean_env):
     os.environ["TRITON_CACHE_DIR"] = str(tmp_path / "mine")
-    jit_cache.open_cache(str(tmp_path / "jit"), None, remote=None, log=print)
+    jit_cache.open_cache(str(tmp_path / "jit"), jit_cache.fingerprint(None), remote=None, log=print)
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path / "jit"))
 
@@ -59,7 +64,7 @@ def test_inductor_s_own_default_inherited_from_a_driver_is_replaced(tmp_path, cl
 
     inherited = cache_dir()           # what a driver that touched Inductor leaves in its environment
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == inherited
-    cache = jit_cache.open_cache(str(tmp_path / "jit"), None, remote=None, log=print)
+    cache = jit_cache.open_cache(str(tmp_path / "jit"), jit_cache.fingerprint(None), remote=None, log=print)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(cache.folder, "inductor")
 
 
@@ -76,13 +81,14 @@ def _fill(folder: str) -> dict[str, bytes]:
 def test_saved_after_the_first_step_and_restored_on_a_second_node(tmp_path, clean_env):
     storage = (pafs.LocalFileSystem(), str(tmp_path / "storage"))
     lines: list[str] = []
-    first = jit_cache.open_cache(str(tmp_path / "node1"), "NVIDIA H200", remote=storage, log=lines.append)
+    h200 = jit_cache.fingerprint("NVIDIA H200")
+    first = jit_cache.open_cache(str(tmp_path / "node1"), h200, remote=storage, log=lines.append)
     files = _fill(first.folder)                       # what the first step JIT-compiled
     assert first.save(log=lines.append)
-    tar = f"{storage[1]}/jit_cache/{jit_cache.fingerprint('NVIDIA H200')}.tar"
+    tar = f"{storage[1]}/jit_cache/{h200.name}.tar"
     assert os.path.isfile(tar), lines
 
-    second = jit_cache.open_cache(str(tmp_path / "node2"), "NVIDIA H200", remote=storage, log=lines.append)
+    second = jit_cache.open_cache(str(tmp_path / "node2"), h200, remote=storage, log=lines.append)
     for rel, data in files.items():
         with open(os.path.join(second.folder, rel), "rb") as f:
             assert f.read() == data, rel
@@ -92,13 +98,14 @@ def test_saved_after_the_first_step_and_restored_on_a_second_node(tmp_path, clea
     assert not second.save(log=lines.append)
     assert os.stat(tar).st_mtime_ns == mtime
     # a re-submit on the first node does not unpack its own upload again, and uploads what is new
-    again = jit_cache.open_cache(str(tmp_path / "node1"), "NVIDIA H200", remote=storage, log=lines.append)
+    again = jit_cache.open_cache(str(tmp_path / "node1"), h200, remote=storage, log=lines.append)
     assert not again.save(log=lines.append)
     with open(os.path.join(again.folder, "triton", "new.cubin"), "wb") as f:
         f.write(b"new kernel")
     assert again.save(log=lines.append)
     # another GPU gets a folder (and a tar) of its own
-    other = jit_cache.open_cache(str(tmp_path / "node2"), "NVIDIA B300", remote=storage, log=lines.append)
+    other = jit_cache.open_cache(str(tmp_path / "node2"), jit_cache.fingerprint("NVIDIA B300"), remote=storage,
+                                 log=lines.append)
     assert other.folder != second.folder and not os.listdir(os.path.join(other.folder, "triton"))
 
 
@@ -107,17 +114,105 @@ def test_a_broken_cache_never_fails_the_run(tmp_path, clean_env):
     blocker.write_text("not a folder")
     lines: list[str] = []
     # the local root is a file, the storage path lies below a file: both fail, neither raises
-    assert jit_cache.open_cache(str(blocker / "jit"), None, remote=None, log=lines.append) is None
-    cache = jit_cache.open_cache(str(tmp_path / "jit"), None, remote=(pafs.LocalFileSystem(), str(blocker / "s")),
+    cpu = jit_cache.fingerprint(None)
+    assert jit_cache.open_cache(str(blocker / "jit"), cpu, remote=None, log=lines.append) is None
+    cache = jit_cache.open_cache(str(tmp_path / "jit"), cpu, remote=(pafs.LocalFileSystem(), str(blocker / "s")),
                                  log=lines.append)
     _fill(cache.folder)
     assert not cache.save(log=lines.append)
     assert any("JIT cache" in ln for ln in lines), lines
-    # a torn tar on the storage is skipped at start
+    # a torn tar on the storage (its fingerprint this node's) is skipped at start
     bad = (pafs.LocalFileSystem(), str(tmp_path / "torn"))
     os.makedirs(tmp_path / "torn" / "jit_cache")
-    (tmp_path / "torn" / "jit_cache" / f"{jit_cache.fingerprint(None)}.tar").write_bytes(b"not a tar")
-    assert jit_cache.open_cache(str(tmp_path / "jit3"), None, remote=bad, log=lines.append) is not None
+    (tmp_path / "torn" / "jit_cache" / f"{cpu.name}.tar").write_bytes(b"not a tar")
+    (tmp_path / "torn" / "jit_cache" / f"{cpu.name}.json").write_text(json.dumps(cpu.as_dict()))
+    assert jit_cache.open_cache(str(tmp_path / "jit3"), cpu, remote=bad, log=lines.append) is not None
+    assert "JIT cache not restored" in lines[-1], lines
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+VERSIONS = {"torch": "2.11.0+cu130", "triton": "3.6.0", "flash-linear-attention": "0.6.0", "tilelang": "0.1.15",
+            "causal-conv1d": "none", "flash-attn": "none"}
+WIDTHS = "qwen3_5 hidden 5120 mlp 17408 attention 24/4x256 vocab 248320"
+
+
+def _node(gpu: str = H100, **versions: str):
+    return jit_cache.fingerprint(gpu, {**VERSIONS, **versions}, driver="570.124.06", model=WIDTHS)
+
+
+def _open(tmp_path, node: str, fp, storage):
+    lines: list[str] = []
+    cache = jit_cache.open_cache(str(tmp_path / node), fp, remote=storage, log=lines.append)
+    got = {rel: open(os.path.join(cache.folder, rel), "rb").read() for rel in jit_cache._files(cache.folder)}
+    return got, [ln for ln in lines if "JIT cache" in ln]
+
+
+def test_a_set_is_refused_for_another_torch_or_gpu_with_a_line_and_restored_for_the_same(tmp_path, clean_env):
+    """The set an H100 node saved under the run's storage: a node with another torch, or another GPU, loads
+    nothing of it and says in one line what differs; a node of the same fingerprint unpacks all of it."""
+    storage = (pafs.LocalFileSystem(), str(tmp_path / "storage"))
+    first = jit_cache.open_cache(str(tmp_path / "node1"), _node(), remote=storage, log=print)
+    files = _fill(first.folder)
+    assert first.save(log=print)
+    key = json.loads((tmp_path / "storage" / "jit_cache" / f"{_node().name}.json").read_text())
+    assert key == {"gpu": H100, "driver": "570.124.06", "versions": VERSIONS, "model": WIDTHS}
+
+    got, lines = _open(tmp_path, "torch", _node(torch="2.13.0"), storage)
+    assert got == {} and len(lines) == 1, lines
+    assert f"the nearest, {_node().name}, was built for torch 2.11.0+cu130 (here 2.13.0)" in lines[0]
+    assert "not loaded" in lines[0] and "GPU" not in lines[0]
+
+    got, lines = _open(tmp_path, "gpu", _node("NVIDIA H200"), storage)
+    assert got == {} and len(lines) == 1, lines
+    assert f"was built for GPU '{H100}' (here 'NVIDIA H200')" in lines[0] and "torch" not in lines[0]
+
+    got, lines = _open(tmp_path, "same", _node(), storage)
+    assert got == files
+    assert lines == [f"JIT cache: restored {len(files)} files from {storage[1]}/jit_cache/{_node().name}.tar"]
+
+
+def test_a_set_under_this_nodes_name_is_loaded_only_with_this_nodes_fingerprint_beside_it(tmp_path, clean_env):
+    """The name is a hash; what is loaded is decided by the fingerprint stored with the set. A tar without one
+    (or with another one) under this node's name is left alone, said in one line."""
+    storage = (pafs.LocalFileSystem(), str(tmp_path / "storage"))
+    sets = tmp_path / "storage" / "jit_cache"
+    other = jit_cache.open_cache(str(tmp_path / "node1"), _node(triton="3.5.1"), remote=storage, log=print)
+    _fill(other.folder)
+    assert other.save(log=print)
+    mine = _node()
+    os.rename(sets / f"{_node(triton='3.5.1').name}.tar", sets / f"{mine.name}.tar")
+    got, lines = _open(tmp_path, "node2", mine, storage)
+    assert got == {} and len(lines) == 1, lines
+    assert lines[0].endswith(f"{mine.name}.tar not loaded: no fingerprint beside it")
+    os.rename(sets / f"{_node(triton='3.5.1').name}.json", sets / f"{mine.name}.json")
+    got, lines = _open(tmp_path, "node3", mine, storage)
+    assert got == {} and lines[0].endswith("not loaded: triton 3.5.1 (here 3.6.0)"), lines
+
+
+def test_the_fingerprint_holds_the_driver_and_the_models_widths(tmp_path, monkeypatch):
+    from raytune_ft.train import jit_fingerprint
+    from tests.test_plan import job
+
+    version = tmp_path / "version"
+    version.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.124.06  Release Build  "
+                       "(dvs-builder@U16-I3-B03-4-3)  Tue Feb 25 04:07:21 UTC 2025\nGCC version:  gcc version 12.3.0\n")
+    monkeypatch.setattr(jit_fingerprint, "_DRIVER_FILE", str(version))
+    assert jit_fingerprint.driver_version() == "570.124.06"
+    assert jit_cache.fingerprint(H100, VERSIONS).driver == "570.124.06"
+    assert jit_cache.fingerprint(None, VERSIONS).driver == "none"
+    monkeypatch.setattr(jit_fingerprint, "_DRIVER_FILE", str(tmp_path / "absent"))
+    assert jit_fingerprint.driver_version() == "none"
+    # the 27B's full SFT and LoRA jobs compile the same kernels: one set; the 4B's widths are its own
+    b300, lora, small = (jit_fingerprint.model_widths(job(n).recipe()) for n in ("qwen27b_b300", "qwen27b_lora",
+                                                                                "qwen3_4b_full"))
+    assert b300 == lora and "hidden 5120" in b300 and "gated-delta" in b300
+    assert small != b300 and "hidden 2560" in small
+    unknown = job("qwen27b_b300").recipe()
+    unknown.model.name = "someone/unknown-model"
+    assert jit_fingerprint.model_widths(unknown) == "someone/unknown-model"
+    # every package the kernels come from is in the key
+    assert {"torch", "triton", "flash-linear-attention", "tilelang", "causal-conv1d", "flash-attn"} <= \
+        set(jit_fingerprint.VERSIONED)
 
 
 def test_a_relative_cache_dir_is_refused_before_ray_starts():
@@ -144,7 +239,7 @@ def test_compile_keys_are_written_for_comparison_when_asked(tmp_path):
     code = textwrap.dedent(f"""
         import os, torch
         from raytune_ft.train import jit_cache
-        cache = jit_cache.open_cache({str(tmp_path)!r}, None, remote=None, log=print)
+        cache = jit_cache.open_cache({str(tmp_path)!r}, jit_cache.fingerprint(None), remote=None, log=print)
         torch.compile(lambda x: (x * 2).relu())(torch.randn(8))
         print(cache.folder)
     """)
@@ -169,7 +264,7 @@ from raytune_ft.train import jit_cache
 from raytune_ft.train.fsdp_model import compile_pointwise
 from transformers import AutoModelForCausalLM
 assert raytune_ft.__file__.startswith(os.getcwd()), raytune_ft.__file__
-jit_cache.open_cache(sys.argv[1], None, remote=None, log=print)
+jit_cache.open_cache(sys.argv[1], jit_cache.fingerprint(None), remote=None, log=print)
 torch.manual_seed(0)
 lm = AutoModelForCausalLM.from_config(tiny_config("qwen3", 512), dtype=torch.float32)
 compile_pointwise(lm)

@@ -190,3 +190,21 @@ def format_note(check: SourceCheck, spec: SourceSpec) -> str:
     """One line: the format a source is read in, and whether it was picked by its fields."""
     how = "picked by its fields" if spec.schema == "auto" else "data.schema"
     return f"data: {check.name}: format {check.format} ({how}, {check.rows_seen} first rows read)"
+
+
+# the note of the data.template_kwargs the chat template never reads (data/report.data_params logs it)
+TEMPLATE_KWARGS_IGNORED = "template_kwargs ignored: "
+
+
+def settle_template_kwargs(data, template: str | None) -> str | None:
+    """Take the `data.template_kwargs` the chat template never reads out of the recipe, so the settings a run
+    logs are those it renders with, and say so in one line (the run logs it as `data.template_kwargs_ignored`);
+    None when every one is read, none is given, or the template is not here to read (`chat_template_text`)."""
+    from raytune_ft.data.sft import unread_template_kwargs
+
+    unread = unread_template_kwargs(template, data.template_kwargs) if template and data.template_kwargs else None
+    if not unread:
+        return None
+    ignored = ", ".join(f"{k}={data.template_kwargs.pop(k)!r}" for k in unread)
+    return (f"data: {TEMPLATE_KWARGS_IGNORED}{ignored} (the chat template never reads them: not passed to it; "
+            f"applied: {', '.join(data.template_kwargs) or 'none'})")

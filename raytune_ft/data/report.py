@@ -16,13 +16,17 @@ def source_lines(data: dict) -> list[str]:
 
 
 def data_params(notes: list[str], data: dict) -> dict[str, str]:
-    """MLflow params: the pre-run notes (`data.format.<source>`, `data.held_out`) and each source's counts
-    (`data.sources.<i>.<count>`)."""
+    """MLflow params: the pre-run notes (`data.format.<source>`, `data.held_out`, `data.template_kwargs_ignored`)
+    and each source's counts (`data.sources.<i>.<count>`)."""
+    from raytune_ft.data.precheck import TEMPLATE_KWARGS_IGNORED
+
     params: dict[str, str] = {}
     for i, line in enumerate(notes):
         body = line.removeprefix("data: ")
         if body.startswith("held-out set: "):
             params["data.held_out"] = body.removeprefix("held-out set: ")
+        elif body.startswith(TEMPLATE_KWARGS_IGNORED):
+            params["data.template_kwargs_ignored"] = body.removeprefix(TEMPLATE_KWARGS_IGNORED)
         else:
             params[f"data.format.{i}"] = body
     for i, (name, c) in enumerate((data.get("by_source") or {}).items()):

@@ -39,6 +39,7 @@ IM_END = "<|im_end|>"
 ASSISTANT_HEADER = IM_START + "assistant\n"
 
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+_GENERATION_TAGS = re.compile(r"{%-?\s*(end)?generation\s*-?%}")
 
 
 class SpanNotFound(ValueError):
@@ -114,6 +115,29 @@ def _generation_spans(tokenizer, messages, template, template_kwargs) -> tuple[s
     if len(spans) != n_assist:
         raise SpanNotFound(f"{{% generation %}} marked {len(spans)} spans for {n_assist} assistant messages")
     return text, spans
+
+
+def template_variables(template: str) -> set[str] | None:
+    """The names a chat template reads from what it is given (its messages, `add_generation_prompt`, each
+    template kwarg it uses), found in its source; None when it does not parse. A kwarg the template never
+    names cannot change what it renders."""
+    from jinja2 import TemplateSyntaxError, meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    try:       # {% generation %} is transformers' own tag: what it encloses is parsed, the tag itself dropped
+        return set(meta.find_undeclared_variables(env.parse(_GENERATION_TAGS.sub("", template))))
+    except TemplateSyntaxError:
+        return None
+
+
+def unread_template_kwargs(template: str, template_kwargs: dict) -> list[str] | None:
+    """The keys of `template_kwargs` the chat template never reads (`chat_template=` is render_sft's own, not
+    the template's); None when the template does not parse."""
+    names = template_variables(template)
+    if names is None:
+        return None
+    return [k for k in template_kwargs if k != "chat_template" and k not in names]
 
 
 def spans_to_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> np.ndarray:

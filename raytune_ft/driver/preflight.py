@@ -41,9 +41,11 @@ def check_data_source(recipe: Recipe) -> list[str]:
     """Every data source must be reachable and readable now (data/precheck.py): an hf:// source offline or on a
     hub that does not answer, an object store that refuses the credentials, a file in no known format, a split
     that does not exist fail in one line instead of inside Ray. Settles the held-out set; returns the lines
-    that say what each source is read as and where the held-out rows come from (also printed)."""
-    from raytune_ft.data.precheck import check_sources, format_note
+    that say what each source is read as, where the held-out rows come from and which data.template_kwargs the
+    chat template ignores (also printed)."""
+    from raytune_ft.data.precheck import check_sources, format_note, settle_template_kwargs
     from raytune_ft.data.specs import source_specs
+    from raytune_ft.models.tokenizer import chat_template_text
 
     specs = source_specs(recipe.data)
     for src, revision in dict.fromkeys((s.source, s.revision) for s in specs if s.kind == "hf"):
@@ -55,6 +57,8 @@ def check_data_source(recipe: Recipe) -> list[str]:
     lines = [format_note(c, s) for c, s in zip(checks, specs)]
     if recipe.train.reads_held_out():
         lines.append(f"data: held-out set: {held}")
+    if ignored := settle_template_kwargs(recipe.data, chat_template_text(recipe.model)):
+        lines.append(ignored)
     for line in lines:
         print(f"[raytune_ft] {line}", flush=True)
     return lines

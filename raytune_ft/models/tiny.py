@@ -31,10 +31,24 @@ TINY_VOCAB_SIZE = 2048                      # BPE vocabulary before the added to
 # ChatML in the Qwen3 style, written for this project. The assistant's content and its <|im_end|> sit
 # inside {% generation %} so transformers can return the assistant-token mask; the "\n" after <|im_end|>
 # is template scaffolding and stays outside. `reasoning_content` renders as a <think> block;
-# `enable_thinking=false` with a generation prompt pre-fills an empty think block, like Qwen3.
+# `enable_thinking=false` with a generation prompt pre-fills an empty think block, like Qwen3. It reads the
+# 27B template's kwargs: `reasoning_effort` (xhigh, medium or low, else an error) adds a line of system text
+# unless `enable_thinking=false`; given no effort, no line, so the default rendering stays as it was.
 CHATML_TEMPLATE = (
+    "{%- set effort = '' %}"
+    "{%- if reasoning_effort is defined and not (enable_thinking is defined and enable_thinking is false) %}"
+    "{%- if reasoning_effort not in ('xhigh', 'medium', 'low') %}"
+    "{{- raise_exception('reasoning_effort ' ~ reasoning_effort ~ ': expected xhigh, medium or low') }}"
+    "{%- endif %}"
+    "{%- set effort = 'Reasoning effort: ' ~ reasoning_effort ~ '.' %}"
+    "{%- endif %}"
+    "{%- if effort and not (messages and messages[0]['role'] == 'system') %}"
+    "{{- '<|im_start|>system\\n' + effort + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{%- if message['role'] == 'assistant' %}"
+    "{%- if message['role'] == 'system' and loop.first and effort %}"
+    "{{- '<|im_start|>system\\n' + effort + '\\n\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' %}"
     "{{- '<|im_start|>assistant\\n' }}"
     "{%- generation %}"
     "{%- if message.get('reasoning_content') %}"

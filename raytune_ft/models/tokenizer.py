@@ -28,6 +28,42 @@ def _template_text(path: str | None) -> str | None:
     return Path(os.path.expanduser(path)).read_text() if path else None
 
 
+def chat_template_text(model_cfg) -> str | None:
+    """The chat template a recipe's tokenizer renders with (`tokenizer_for`), read from files without loading
+    the tokenizer: model.chat_template, the tiny tokenizer's, or the tokenizer's own from a local folder or
+    from this machine's copy of the hub's files. None where those files are not here (not downloaded yet)."""
+    import json
+
+    if model_cfg.chat_template:
+        return _template_text(model_cfg.chat_template)
+    if model_cfg.local_tiny:
+        return CHATML_TEMPLATE
+    source, revision = _source(model_cfg)
+    jinja, config = (_tokenizer_file(source, revision, f) for f in ("chat_template.jinja", "tokenizer_config.json"))
+    if jinja is not None:
+        return Path(jinja).read_text()
+    if config is None:
+        return None
+    template = json.loads(Path(config).read_text()).get("chat_template")
+    if isinstance(template, list):      # named templates: the tokenizer renders with "default"
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template or CHATML_TEMPLATE     # no template of its own: tokenizer_for gives it ChatML
+
+
+def _tokenizer_file(source: str, revision: str | None, name: str) -> str | None:
+    """The path of a tokenizer file: in a local folder, or the hub's copy in this machine's cache."""
+    folder = Path(os.path.expanduser(source))
+    if folder.is_dir():
+        return str(folder / name) if (folder / name).is_file() else None
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(source, name, revision=revision)
+    except ValueError:          # not a hub repo's name either (the tokenizer's own load says so)
+        return None
+    return found if isinstance(found, str) else None
+
+
 # the tokenizer class AutoTokenizer chose for a (source, revision), by module and name: set where a
 # tokenizer was loaded through it (the driver), carried by `TokenizerOf.of`
 _CHOSEN: dict[tuple[str, str | None], str] = {}

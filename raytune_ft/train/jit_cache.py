@@ -3,13 +3,17 @@
 On a fresh GPU node the start-up kernel check and the first step spend minutes compiling Triton and
 tilelang kernels, autotuning flash-linear-attention's and (with `train.compile`) running Inductor. All of
 it lands in four caches; pointed at one folder on a local disk that outlives the job, a re-submit on the
-same node starts warm. The folder's name is a fingerprint of the compilers' versions and the GPU, so a
-cache is never read by a toolchain or a GPU it was not built for.
+same node starts warm. The folder's name is a fingerprint (train/jit_fingerprint.py: the GPU model, the
+driver, the compilers' and kernel libraries' versions, the model's widths), so a cache is never read by a
+toolchain or a GPU it was not built for.
 
 A second node has its own disk: after the first step rank 0 packs the folder into one tar in the storage
-(`<storage>/jit_cache/<fingerprint>.tar`), and every node unpacks it at start when it has not yet. One
-file, written once per run and only when something new was compiled, keeps this cheap on object storage.
-The cache only ever saves time: any failure here is logged and the run goes on without it.
+(`<storage>/jit_cache/<fingerprint>.tar`) with the fingerprint beside it (`<fingerprint>.json`), and every node
+with the same fingerprint unpacks it at start, before anything compiles, when it has not yet. A set whose
+fingerprint differs is never loaded: a node that finds none of its own says in one line what the nearest
+set was built for, and compiles its own. One file, written once per run and only when something new was
+compiled, keeps this cheap on object storage. The cache only ever saves time: any failure here is logged
+and the run goes on without it.
 """
 from __future__ import annotations
 
@@ -17,12 +21,12 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import tarfile
 import tempfile
 from typing import Callable
 
 from raytune_ft import compat
+from raytune_ft.train.jit_fingerprint import Fingerprint, fingerprint, model_widths
 
 # the recipe names no folder: a per-user cache on each node's local disk
 DEFAULT_ROOT = "~/.cache/raytune_ft/jit"
@@ -30,22 +34,7 @@ DEFAULT_ROOT = "~/.cache/raytune_ft/jit"
 # choices in the Triton cache, so they travel with it
 CACHE_DIRS = {"TRITON_CACHE_DIR": "triton", "TILELANG_CACHE_DIR": "tilelang", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
 FLA_CACHE_ENV = "FLA_CACHE_RESULTS"
-VERSIONED = ("torch", "triton", "flash-linear-attention", "tilelang")
 _STATE = ".raytune_jit.json"      # in the folder: the tar it was filled from and the contents uploaded last
-
-
-def installed_versions() -> dict[str, str]:
-    from raytune_ft.env import package_versions
-
-    return package_versions(VERSIONED, "none")
-
-
-def fingerprint(device_name: str | None, versions: dict[str, str] | None = None) -> str:
-    """`<gpu>-<hash>`: the GPU's name, readable, and a hash of it with the compilers' versions."""
-    versions = installed_versions() if versions is None else versions
-    gpu = device_name or "cpu"
-    digest = hashlib.sha256(json.dumps([gpu, sorted(versions.items())]).encode()).hexdigest()[:12]
-    return f"{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}-{digest}"
 
 
 def _files(folder: str) -> list[str]:
@@ -83,10 +72,13 @@ def _node_lock(path: str):
 class JitCache:
     """The folder of this worker's JIT caches and, when the run has storage, the tar shared there."""
 
-    def __init__(self, folder: str, remote: tuple | None, tar_name: str):
+    def __init__(self, folder: str, remote: tuple | None, fp: Fingerprint):
         self.folder = folder
+        self.fp = fp
         self.fs, self.remote_dir = remote if remote else (None, None)
-        self.tar_path = f"{self.remote_dir.rstrip('/')}/jit_cache/{tar_name}" if remote else None
+        self.sets_dir = f"{self.remote_dir.rstrip('/')}/jit_cache" if remote else None
+        self.tar_path = f"{self.sets_dir}/{fp.name}.tar" if remote else None
+        self.key_path = f"{self.sets_dir}/{fp.name}.json" if remote else None
 
     def _state(self) -> dict:
         try:
@@ -110,12 +102,21 @@ class JitCache:
         return f"{info.size}:{info.mtime_ns}"
 
     def restore(self, log: Callable[[str], None]) -> None:
-        """Unpack the storage's tar into the folder, once per tar and node."""
+        """Unpack the storage's set of this node's fingerprint into the folder, once per tar and node; a set
+        whose stored fingerprint is not this node's is said in one line and never loaded."""
         if self.fs is None:
             return
         with _node_lock(self.folder + ".lock"):
             stamp = self._remote_stamp()
-            if stamp is None or self._state().get("restored") == stamp:
+            if stamp is None:
+                self._say_no_set(log)
+                return
+            built_for = self._stored_key(self.key_path)
+            if built_for != self.fp:     # no key beside the tar, or another under the same name: never loaded
+                what = "; ".join(self.fp.differences(built_for)) if built_for else "no fingerprint beside it"
+                log(f"JIT cache: {self.tar_path} not loaded: {what}")
+                return
+            if self._state().get("restored") == stamp:
                 return
             with tempfile.TemporaryDirectory(prefix="raytune_jit_") as tmp:
                 local = os.path.join(tmp, "cache.tar")
@@ -126,6 +127,26 @@ class JitCache:
                     tar.extractall(self.folder, filter="data")     # no path leaves the folder
             self._write_state(restored=stamp, uploaded=_contents(self.folder))
             log(f"JIT cache: restored {len(_files(self.folder))} files from {self.tar_path}")
+
+    def _stored_key(self, path: str) -> Fingerprint | None:
+        """The fingerprint a set's JSON holds; None when there is none or it is not one."""
+        try:
+            with self.fs.open_input_stream(path) as f:
+                return Fingerprint.from_dict(json.loads(f.read()))
+        except (OSError, ValueError):
+            return None
+
+    def _say_no_set(self, log: Callable[[str], None]) -> None:
+        """One line when the storage holds sets, none of them this node's: what the nearest was built for."""
+        import pyarrow.fs as pafs
+
+        infos = self.fs.get_file_info(pafs.FileSelector(self.sets_dir, allow_not_found=True))
+        keys = [k for i in infos if i.path.endswith(".json") and (k := self._stored_key(i.path)) is not None]
+        if not keys:
+            return
+        nearest = min(keys, key=lambda k: len(self.fp.differences(k)))
+        log(f"JIT cache: none of the {len(keys)} set(s) in {self.sets_dir} is this node's ({self.fp.name}); "
+            f"not loaded: the nearest, {nearest.name}, was built for {'; '.join(self.fp.differences(nearest))}")
 
     def save(self, log: Callable[[str], None]) -> bool:
         """Pack the folder into the storage's tar when it holds anything not uploaded yet (rank 0, after
@@ -143,7 +164,10 @@ class JitCache:
                     for rel in files:
                         with contextlib.suppress(OSError):   # a file a compiler is replacing right now
                             tar.add(os.path.join(self.folder, rel), arcname=rel, recursive=False)
-                self._upload(local)
+                self._upload(local, self.tar_path)
+                with open(os.path.join(tmp, "key.json"), "w") as f:
+                    json.dump(self.fp.as_dict(), f, indent=1)
+                self._upload(f.name, self.key_path)     # after the tar: a set is whole once its key is there
             self._write_state(uploaded=contents, restored=self._remote_stamp())
             log(f"JIT cache: saved {len(files)} files to {self.tar_path}")
             return True
@@ -151,20 +175,19 @@ class JitCache:
             _skipped(log, "not saved", e)
             return False
 
-    def _upload(self, local: str) -> None:
+    def _upload(self, local: str, path: str) -> None:
         import pyarrow.fs as pafs
 
-        parent = self.tar_path.rsplit("/", 1)[0]
         if isinstance(self.fs, pafs.LocalFileSystem):
-            self.fs.create_dir(parent)
-        # written under another name and then renamed, so a reader never sees half a tar on a shared
+            self.fs.create_dir(self.sets_dir)
+        # written under another name and then renamed, so a reader never sees half a file on a shared
         # filesystem (an object store makes the whole object visible at once anyway)
-        partial = self.tar_path + ".partial" if isinstance(self.fs, pafs.LocalFileSystem) else self.tar_path
+        partial = path + ".partial" if isinstance(self.fs, pafs.LocalFileSystem) else path
         with open(local, "rb") as src, self.fs.open_output_stream(partial) as dst:
             while chunk := src.read(64 << 20):
                 dst.write(chunk)
-        if partial != self.tar_path:
-            self.fs.move(partial, self.tar_path)
+        if partial != path:
+            self.fs.move(partial, path)
 
 
 def _skipped(log: Callable[[str], None], what: str, e: BaseException) -> None:
@@ -173,14 +196,13 @@ def _skipped(log: Callable[[str], None], what: str, e: BaseException) -> None:
     log(f"JIT cache {what} ({redact_exception(e)}); the run goes on without it")
 
 
-def open_cache(root: str, device_name: str | None, *, remote: tuple | None,
+def open_cache(root: str, fp: Fingerprint, *, remote: tuple | None,
                log: Callable[[str], None]) -> JitCache | None:
     """Point the cache variables the user did not set at `<root>/<fingerprint>/...` and fill the folder
-    from `remote` (`(filesystem, storage folder)`) when a tar is there. None when the folder cannot be
-    made; never raises."""
-    fp = fingerprint(device_name)
+    from `remote` (`(filesystem, storage folder)`) when a set of the same fingerprint is there. None when the
+    folder cannot be made; never raises."""
     try:
-        folder = os.path.join(os.path.abspath(os.path.expanduser(root)), fp)
+        folder = os.path.join(os.path.abspath(os.path.expanduser(root)), fp.name)
         for var, sub in CACHE_DIRS.items():
             os.makedirs(os.path.join(folder, sub), exist_ok=True)
             if os.environ.get(var) is None or _inherited_default(var, os.environ[var]):
@@ -189,7 +211,7 @@ def open_cache(root: str, device_name: str | None, *, remote: tuple | None,
     except Exception as e:  # noqa: BLE001
         _skipped(log, "off", e)
         return None
-    cache = JitCache(folder, remote, f"{fp}.tar")
+    cache = JitCache(folder, remote, fp)
     if os.environ.get(COMPILE_KEYS_ENV):
         _log_compile_keys(os.path.join(folder, "keys"))
     try:
@@ -236,7 +258,7 @@ def cache_root(recipe) -> str:
 
 def for_worker(recipe, device, log) -> JitCache | None:
     """`open_cache` as a training loop calls it on each Ray Train worker: the recipe's `train.cache_dir`
-    (default: DEFAULT_ROOT), this worker's GPU, the run's storage root."""
+    (default: DEFAULT_ROOT), this worker's fingerprint (its GPU, the recipe's model), the run's storage root."""
     device_name = None
     try:
         import torch
@@ -253,7 +275,7 @@ def for_worker(recipe, device, log) -> JitCache | None:
         remote = (fs, run_path.rstrip("/").rsplit("/", 1)[0])    # beside the runs: every run shares it
     except Exception as e:  # noqa: BLE001
         _skipped(log, "not shared", e)
-    cache = open_cache(cache_root(recipe), device_name, remote=remote,
+    cache = open_cache(cache_root(recipe), fingerprint(device_name, model=model_widths(recipe)), remote=remote,
                        log=log)
     if cache is not None and device_name:     # a CPU run compiles nothing worth a line
         log(f"JIT caches in {cache.folder}")
