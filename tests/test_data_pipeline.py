@@ -51,7 +51,9 @@ def test_validation_fraction_and_resume(ray_local, tok_path):
     data = DataConfig(source="builtin:chat:400", seq_len=256, validation_fraction=0.2, seed=7, pack_window=16)
     train = _rows(build_dataset(data, tok_path, split="train"))
     val = _rows(build_dataset(data, tok_path, split="validation"))
-    assert len(train) + len(val) == 400 and 40 < len(val) < 120
+    # the held-out rows keep their place in the training stream, marked and empty
+    assert len(train) == 400 and sum(r["skip_reason"] == "held_out" for r in train) == len(val)
+    assert sum(not r["skip_reason"] for r in train) + len(val) == 400 and 40 < len(val) < 120
     # deterministic: the same carve-out and order on a second build
     again = _rows(build_dataset(data, tok_path, split="validation"))
     assert [list(r["input_ids"]) for r in again] == [list(r["input_ids"]) for r in val]

@@ -60,7 +60,9 @@ def test_a_two_source_mixture_on_s3_is_read_by_ray_data_and_counted_per_source(s
     c = DataCounters()
     blocks = list(iter_blocks(ds, recipe.data, counters=c))
     u, cap = c.by_source["ultrachat"], c.by_source["capybara"]
-    assert (u["rows_read"], cap["rows_read"]) == (16, 32) and c.rows_skipped == 0
+    # each row read once; capybara's weight 2 uses each of its trained rows twice
+    assert (u["rows_read"], cap["rows_read"], cap["conversations"]) == (16, 16, 2 * cap["trained"])
+    assert c.rows_skipped == 0
     assert u["tokens"] + cap["tokens"] == c.real_tokens and len(blocks) == c.blocks > 0
 
 

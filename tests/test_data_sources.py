@@ -26,7 +26,8 @@ def rows(fixtures):
 
 
 def _ids(ds) -> list[tuple]:
-    return [tuple(r["input_ids"]) for r in ds.take_all()]
+    """The token ids of the rows a dataset trains or evaluates (not those kept in their place, marked)."""
+    return [tuple(r["input_ids"]) for r in ds.take_all() if not r["skip_reason"]]
 
 
 @pytest.mark.timeout(300)
@@ -82,8 +83,9 @@ def test_a_two_source_mixture_is_interleaved_deterministically_and_counted_per_s
     c = DataCounters()
     blocks = list(iter_blocks(build_dataset(data, tok_path), data, counters=c))
     u, cap = c.by_source["ultrachat"], c.by_source["capybara"]
-    assert (u["rows_read"], u["rows_skipped_by_reason"], u["conversations"]) == (17, {"unknown_schema": 1}, 16)
-    assert (cap["rows_read"], cap["rows_skipped_by_reason"], cap["conversations"]) == (16, {}, 16)
+    assert (u["rows_read"], u["rows_skipped_by_reason"], u["conversations"], u["pieces"]) == \
+        (17, {"unknown_schema": 1}, 16, 16)
+    assert (cap["rows_read"], cap["rows_skipped_by_reason"], cap["conversations"], cap["pieces"]) == (16, {}, 16, 16)
     assert u["tokens"] + cap["tokens"] == c.real_tokens and min(u["tokens"], cap["tokens"]) > 0
     assert 0 < u["blocks"] <= len(blocks) and 0 < cap["blocks"] <= len(blocks)
     # resume: skipping the first blocks of a fresh build gives exactly the rest (the fingerprint's premise)
@@ -94,8 +96,11 @@ def test_a_two_source_mixture_is_interleaved_deterministically_and_counted_per_s
     # weight 2: every capybara row twice; 0.5: a seeded half
     twice = build_dataset(_mixture(tmp_path, rows, 2.0).data, tok_path).take_all()
     assert sum(r["source"] == 1 for r in twice) == 32
-    half = sum(r["source"] == 1 for r in build_dataset(_mixture(tmp_path, rows, 0.5).data, tok_path).take_all())
+    halved = build_dataset(_mixture(tmp_path, rows, 0.5).data, tok_path).take_all()
+    half = sum(r["source"] == 1 and not r["skip_reason"] for r in halved)
     assert 2 <= half <= 14
+    # the rows drawn no time keep one place each, so every row read is counted once
+    assert sum(r["source"] == 1 and r["skip_reason"] == "not_drawn" for r in halved) == 16 - half
 
 
 @pytest.mark.timeout(300)

@@ -57,8 +57,10 @@ def test_validation_max_rows_keeps_the_first_held_out_rows(ray_local):
     first = build_dataset(data, local_tokenizer(), split="validation").take_all()
     assert len(every) > 20 and len(first) == 5
     assert [list(r["input_ids"]) for r in first] == [list(r["input_ids"]) for r in every[:5]]
-    # the train split is not capped
-    assert len(build_dataset(data, local_tokenizer(), split="train").take_all()) == 200 - len(every)
+    # the train split is not capped; its held-out rows keep their place, marked and empty, to be counted
+    train = build_dataset(data, local_tokenizer(), split="train").take_all()
+    held = [r for r in train if r["skip_reason"] == "held_out"]
+    assert len(train) == 200 and len(held) == len(every) and not any(r["input_ids"] for r in held)
 
 
 # ---------------------------------------------------------------- generation, one process

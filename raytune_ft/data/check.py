@@ -1,23 +1,24 @@
 """`raytune-ft data check JOB [--set ...]`: what a job's data would train on, read in this process (no Ray, no
-GPU): per source its rows, format, skipped rows by reason, token lengths after the chat template, the
-assistant-token share, conversations longer than `data.seq_len` and what `data.overlong` does with them, the
-blocks, their packing efficiency and padding share, and the held-out set; a length histogram PNG.
+GPU): per source its rows (read, held out, skipped by reason with the first skipped rows, to train on), format,
+token lengths after the chat template, the assistant-token share, conversations longer than `data.seq_len` and
+what `data.overlong` does with them, the conversations, pieces, tokens and blocks trained; for the pass, its
+blocks, steps, packing efficiency and padding on the run's ranks; the held-out set; a length histogram PNG.
+
+The counts come from `local_pass`: the run's own row functions, packing and counting over the same ranks'
+shares, so they are the run's for the same recipe and world size (of the first `--rows` rows of each source).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from raytune_ft.data.held_out import held_out_keys, split_plan
-from raytune_ft.data.packing import DataCounters, pack_blocks
+from raytune_ft.data.local_pass import SourceRows, local_pass, pass_steps, stream_bundles
+from raytune_ft.data.packing import DataCounters
 from raytune_ft.data.precheck import check_sources
-from raytune_ft.data.reading import iter_raw_rows
-from raytune_ft.data.rows import _unwrap, render_or_reason
-from raytune_ft.data.specs import SourceSpec, source_specs
+from raytune_ft.data.rows import skipped_lines, too_many_skipped
+from raytune_ft.data.specs import source_specs
 from raytune_ft.recipe.values import RecipeError
 
 DEFAULT_ROWS = 5000
@@ -25,78 +26,59 @@ DEFAULT_ROWS = 5000
 
 @dataclass
 class SourceReport:
-    """What one source's rows came to."""
+    """What one source's rows came to: its counts in the pass (DataCounters.by_source) and its rows' shape."""
     name: str
     format: str
     weight: float | None = None             # a mixture's: how often each row is used
-    rows: int = 0
-    held_out: int = 0
-    formats: dict[str, int] = field(default_factory=dict)
-    skipped: dict[str, int] = field(default_factory=dict)
-    lengths: list[int] = field(default_factory=list)
-    supervised: int = 0
-    counters: DataCounters = field(default_factory=DataCounters)
+    counts: dict = field(default_factory=dict)
+    rows: SourceRows = field(default_factory=SourceRows)
+    skipped_rows: list[dict] = field(default_factory=list)
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.rows.lengths
 
     def lines(self, data, limit: int) -> list[str]:
         """The report's text, one fact a line."""
-        lengths = np.asarray(self.lengths or [0])
-        tokens = int(lengths.sum())
-        c = self.counters
-        total = c.real_tokens + c.padding_tokens
+        c, lengths = self.counts, np.asarray(self.rows.lengths or [0])
+        skipped = c.get("rows_skipped_by_reason") or {}
         over = int((lengths > data.seq_len).sum())
         policy = (f"split into {data.seq_len}-token pieces, each trained without the text before it"
                   if data.overlong == "split" else "dropped (counted as skipped: overlong)")
-        skipped = sum(self.skipped.values())
+        formats = ", ".join(f"{k}: {v}" for k, v in self.rows.formats.items())
         out = [f"source {self.name}" + (f" (weight {self.weight:g})" if self.weight is not None else ""),
-               f"  rows             {self.rows}{' (the first ' + str(limit) + ')' if self.rows >= limit else ''}; "
-               f"{self.held_out} held out, {self.rows - self.held_out - skipped} to train on",
-               f"  format           {self.format} ({', '.join(f'{k}: {v}' for k, v in self.formats.items())})",
-               f"  skipped          {skipped}" + (f" {dict(sorted(self.skipped.items()))}" if skipped else ""),
-               "  tokens           " + ", ".join(f"p{q} {int(np.percentile(lengths, q)):,}" for q in (50, 90, 99))
-               + f", max {int(lengths.max()):,} per conversation (after the chat template); {tokens:,} in all",
-               f"  assistant share  {self.supervised / max(tokens, 1):.1%} of the tokens carry the loss",
-               f"  over seq_len     {over} conversations longer than {data.seq_len} tokens: {policy}",
-               f"  blocks           {c.blocks} of {data.seq_len} tokens; packing efficiency "
-               f"{c.real_tokens / max(total, 1):.1%}, padding {c.padding_tokens / max(total, 1):.1%}"]
+               f"  rows             {c.get('rows_read', 0)}{f' (the first {limit})' if self.rows.limited else ''}: "
+               f"{c.get('trained', 0)} to train on, {c.get('held_out', 0)} held out, {sum(skipped.values())} skipped",
+               f"  format           {self.format} ({formats})",
+               f"  skipped          {sum(skipped.values())}" + (f" {dict(sorted(skipped.items()))}" if skipped else "")]
+        if self.skipped_rows:
+            out += ["    first skipped rows:", *skipped_lines(self.skipped_rows, indent="      ")]
+        out += ["  tokens           " + ", ".join(f"p{q} {int(np.percentile(lengths, q)):,}" for q in (50, 90, 99))
+                + f", max {int(lengths.max()):,} per conversation (after the chat template); "
+                f"{c.get('tokens', 0):,} trained",
+                f"  assistant share  {self.rows.supervised / max(int(lengths.sum()), 1):.1%} of the tokens carry "
+                "the loss",
+                f"  over seq_len     {over} conversations longer than {data.seq_len} tokens: {policy}",
+                f"  trained          {c.get('conversations', 0)} conversations, {c.get('pieces', 0)} pieces packed, "
+                f"in {c.get('blocks', 0)} blocks"]
         return out
 
 
-def _report(spec: SourceSpec, fmt: str, data, tokenizer, limit: int, keys: frozenset) -> SourceReport:
-    from raytune_ft.data.pipeline import adapter_of
+def pass_line(c: DataCounters, data, world: int, per_step: int) -> str:
+    """The whole pass on the run's ranks: blocks, steps, packing efficiency and padding."""
+    total = c.real_tokens + c.padding_tokens
+    return (f"pass               {c.blocks} blocks of {data.seq_len} tokens ({c.equalisation_padding_blocks} of them "
+            f"all-padding, evening out {world} rank(s) x {per_step} block(s) a step): "
+            f"{pass_steps(c.blocks, world, per_step)} steps; packing efficiency {c.real_tokens / max(total, 1):.1%}, "
+            f"padding {c.padding_tokens / max(total, 1):.1%}")
 
-    adapter, rep = adapter_of(spec), SourceReport(spec.name, fmt, spec.weight if data.sources else None)
-    kwargs = dict(data.template_kwargs)
-    # the rows training leaves to the held-out set, and those with a held-out row's content (`keys`)
-    carve = dataclasses.replace(split_plan(spec, data, "train")[1], held_out=keys)
-    examples = []
-    for raw in iter_raw_rows(spec, spec.split, seed=data.seed):
-        if rep.rows >= limit:
-            break
-        rep.rows += 1
-        row = _unwrap(raw)
-        messages, reason = adapter(row)
-        place = carve.place(messages, row)
-        if place is None:
-            rep.held_out += 1
-            continue
-        if place:
-            messages, reason = None, place
-        ids, mask, reason = render_or_reason(tokenizer, messages, reason, kwargs)
-        if reason:
-            rep.skipped[reason] = rep.skipped.get(reason, 0) + 1
-            continue
-        kind = adapter.detect(row if isinstance(row, dict) else json.loads(row)) if spec.schema == "auto" \
-            else spec.schema
-        rep.formats[kind] = rep.formats.get(kind, 0) + 1
-        rep.lengths.append(len(ids))
-        rep.supervised += int(sum(mask))
-        examples.append((ids, mask))
-    for _ in pack_blocks(examples, data.seq_len, window=data.pack_window, overlong=data.overlong,
-                         counters=rep.counters):
-        pass
-    for reason, n in rep.counters.rows_skipped_by_reason.items():      # overlong rows dropped while packing
-        rep.skipped[reason] = rep.skipped.get(reason, 0) + n
-    return rep
+
+def data_pass(recipe, tokenizer, limit: int | None) -> tuple[DataCounters, dict[str, SourceRows]]:
+    """The counters of the run's first pass over (the first `limit` rows of each of) its sources, for its
+    world size, and each source's rows."""
+    bundles, seen = stream_bundles(recipe.data, tokenizer, limit=limit)
+    return local_pass(bundles, recipe.data, world=recipe.scaling.num_workers,
+                      per_step=recipe.train.grad_accum * recipe.train.micro_batch_size), seen
 
 
 def histogram(reports: list[SourceReport], seq_len: int, path: str, title: str) -> str:
@@ -135,15 +117,18 @@ def data_check(recipe, *, limit: int = DEFAULT_ROWS, png: str | None = None) -> 
         raise RecipeError(f"model.tokenizer: the tokenizer of {recipe.model.tokenizer or recipe.model.name} cannot "
                           f"be loaded here ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
                           "--set model.tokenizer=PATH names a local one, --local uses the tiny model's") from None
-    keys = held_out_keys(data)
-    reports = [_report(spec, c.format, data, tokenizer, limit, keys) for spec, c in zip(source_specs(data), checks)]
+    c, seen = data_pass(recipe, tokenizer, limit)
+    reports = [SourceReport(spec.name, check.format, spec.weight if data.sources else None,
+                            c.by_source.get(spec.name, {}), seen[spec.name],
+                            [r for r in c.skipped_rows if r["source"] == spec.name])
+               for spec, check in zip(source_specs(data), checks)]
     lines = [line for r in reports for line in r.lines(data, limit)]
-    lines.append(f"held-out set       {held if data.validation_fraction or data.validation_split or data.sources else 'none'}")
-    rows = sum(r.rows - r.held_out for r in reports)
-    skipped = {k: sum(r.skipped.get(k, 0) for r in reports) for r in reports for k in r.skipped}
-    from raytune_ft.data.rows import too_many_skipped
-
-    why = too_many_skipped(skipped, rows, data.max_skip_fraction)
+    lines.append(pass_line(c, data, recipe.scaling.num_workers,
+                           recipe.train.grad_accum * recipe.train.micro_batch_size))
+    carved = data.validation_fraction or data.validation_split or data.sources
+    lines.append(f"held-out set       {held if carved else 'none'}")
+    why = too_many_skipped(c.rows_skipped_by_reason, c.rows_read - c.rows_held_out, data.max_skip_fraction,
+                           c.skipped_rows)
     if why:
         lines.append(f"STOP               a run would stop: {why}")
     path = histogram(reports, data.seq_len, png or f"data_check_{recipe.job}.png",

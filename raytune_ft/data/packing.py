@@ -44,15 +44,26 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 IGNORE_INDEX = -100
+# A row's place in the training stream that is not a skip (its skip_reason column holds these): carved for the
+# held-out set, or a mixture row its weight (< 1) draws no time. Counted, never trained, never a fault.
+HELD_OUT = "held_out"
+NOT_DRAWN = "not_drawn"
+SKIP_SAMPLE = 5                           # skipped rows kept per source and reason, to show (file, row, value)
 
 
 @dataclass
 class DataCounters:
-    """What the data path read, skipped, packed and padded; mergeable across workers."""
+    """What the data path read, skipped, packed and padded; mergeable across workers.
 
-    rows_read: int = 0
+    Every row read is one of: trained (`rows_trained`; `conversations` counts its uses, its weight's times),
+    held out (`rows_held_out`), or skipped (`rows_skipped_by_reason`), in all and per source (`by_source`)."""
+
+    rows_read: int = 0                    # input rows, each once whatever its weight
+    rows_held_out: int = 0
+    rows_trained: int = 0
     rows_skipped_by_reason: dict[str, int] = field(default_factory=dict)
-    conversations_packed: int = 0
+    conversations: int = 0                # trained rows' uses: a row of weight 2 twice
+    conversations_packed: int = 0         # pieces packed: a conversation, or each piece of one split
     conversations_split: int = 0          # over-long conversations cut into block-sized pieces
     pieces_unsupervised: int = 0          # pieces of those with no assistant token: not trained (module docstring)
     blocks: int = 0
@@ -61,19 +72,54 @@ class DataCounters:
     supervised_tokens: int = 0            # labels != -100
     equalisation_padding_blocks: int = 0  # all-padding blocks a rank ran so every rank steps equally
     blocks_unsupervised: int = 0          # blocks of steps with no supervised token on any rank: not trained
-    # per source of a mixture (by its name): rows_read, rows_skipped_by_reason, conversations, tokens, blocks
-    # (the blocks holding any of its conversations)
+    # per source (by its name): rows_read, held_out, trained, rows_skipped_by_reason, conversations, pieces,
+    # tokens, blocks (the blocks holding any of its pieces)
     by_source: dict[str, dict] = field(default_factory=dict)
+    # the first SKIP_SAMPLE skipped rows per source and reason: {source, file, row, reason, detail}
+    skipped_rows: list[dict] = field(default_factory=list)
 
-    def skip(self, reason: str, n: int = 1) -> None:
+    def skip(self, reason: str, n: int = 1, source: str | None = None) -> None:
         self.rows_skipped_by_reason[reason] = self.rows_skipped_by_reason.get(reason, 0) + n
+        if source is not None:
+            mine = self.of_source(source)["rows_skipped_by_reason"]
+            mine[reason] = mine.get(reason, 0) + n
 
     def of_source(self, name: str) -> dict:
         """The counts of one source, made on first use."""
         if name not in self.by_source:
-            self.by_source[name] = {"rows_read": 0, "rows_skipped_by_reason": {}, "conversations": 0,
-                                    "tokens": 0, "blocks": 0}
+            self.by_source[name] = {"rows_read": 0, "held_out": 0, "trained": 0, "rows_skipped_by_reason": {},
+                                    "conversations": 0, "pieces": 0, "tokens": 0, "blocks": 0}
         return self.by_source[name]
+
+    def count_row(self, source: str, reason: str = "", *, first: bool = True, where: tuple = ("", 0)) -> bool:
+        """Count one row of the stream under its source: `reason` its skip reason or place (HELD_OUT,
+        NOT_DRAWN; "" to train), `first` False for a weighted row's further uses (counted as uses alone),
+        `where` its (file, row number). True when this use is trained."""
+        mine = self.of_source(source)
+        if first:
+            self.rows_read += 1
+            mine["rows_read"] += 1
+            if reason == HELD_OUT:
+                self.rows_held_out += 1
+                mine["held_out"] += 1
+                return False
+            if reason and reason != NOT_DRAWN:
+                self.skip(str(reason), source=source)
+                self._sample({"source": source, "file": where[0], "row": where[1], "reason": str(reason),
+                              "detail": getattr(reason, "detail", "")})
+                return False
+            self.rows_trained += 1
+            mine["trained"] += 1
+        if reason:
+            return False
+        self.conversations += 1
+        mine["conversations"] += 1
+        return True
+
+    def _sample(self, row: dict) -> None:
+        if sum(1 for r in self.skipped_rows if (r["source"], r["reason"]) == (row["source"], row["reason"])) \
+                < SKIP_SAMPLE:
+            self.skipped_rows.append(row)
 
     @property
     def rows_skipped(self) -> int:
@@ -87,6 +133,8 @@ class DataCounters:
                     self.skip(k, v)
             elif f.name == "by_source":
                 _add_nested(self.by_source, other.by_source)
+            elif f.name == "skipped_rows":
+                self.skipped_rows = first_skipped(self.skipped_rows + other.skipped_rows)
             else:
                 setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
         return self
@@ -102,6 +150,8 @@ class DataCounters:
             elif f.name == "by_source":
                 _add_nested(out.by_source, self.by_source)
                 _add_nested(out.by_source, earlier.by_source, sign=-1)
+            elif f.name == "skipped_rows":
+                out.skipped_rows = [r for r in self.skipped_rows if r not in earlier.skipped_rows]
             else:
                 setattr(out, f.name, getattr(self, f.name) - getattr(earlier, f.name))
         return out
@@ -116,13 +166,13 @@ class DataCounters:
     def from_dict(cls, d: dict) -> "DataCounters":
         import copy
 
-        return cls(**{k: (copy.deepcopy(v) if isinstance(v, dict) else v) for k, v in d.items()})
+        return cls(**{k: (copy.deepcopy(v) if isinstance(v, (dict, list)) else v) for k, v in d.items()})
 
     def as_metrics(self, prefix: str = "data/") -> dict[str, float]:
         """A flat dict of numbers (for MLflow / ray.train.report)."""
         out: dict[str, float] = {}
         for f in dataclasses.fields(self):
-            if f.name in ("rows_skipped_by_reason", "by_source"):
+            if f.name in ("rows_skipped_by_reason", "by_source", "skipped_rows"):
                 continue
             out[prefix + f.name] = getattr(self, f.name)
         out[prefix + "rows_skipped"] = self.rows_skipped
@@ -131,6 +181,19 @@ class DataCounters:
         total = self.real_tokens + self.padding_tokens
         out[prefix + "packing_efficiency"] = self.real_tokens / total if total else 0.0
         return out
+
+
+def first_skipped(rows: list[dict]) -> list[dict]:
+    """The skipped-row samples in read order (source, reason, file, row), SKIP_SAMPLE per source and reason:
+    the same whichever rank read which rows."""
+    out: list[dict] = []
+    seen: dict[tuple, int] = {}
+    for r in sorted(rows, key=lambda r: (r["source"], r["reason"], r["file"], r["row"])):
+        key = (r["source"], r["reason"])
+        if seen.get(key, 0) < SKIP_SAMPLE and r not in out:
+            seen[key] = seen.get(key, 0) + 1
+            out.append(r)
+    return out
 
 
 def _add_nested(dst: dict, src: dict, sign: int = 1) -> None:
@@ -237,10 +300,10 @@ def pack_blocks(examples: Iterable[tuple], seq_len: int, *,
     def emit(segs):
         block = block_from_segments([(s[0], s[1]) for s in segs], seq_len, pad_id)
         real = sum(len(s[0]) for s in segs)
-        for tag in {s[2] for s in segs if s[2] is not None}:   # a mixture's sources: their blocks and tokens
+        for tag in {s[2] for s in segs if s[2] is not None}:   # the sources': their blocks and tokens
             mine = c.of_source(tag)
             mine["blocks"] += 1
-            mine["conversations"] += sum(1 for s in segs if s[2] == tag)
+            mine["pieces"] += sum(1 for s in segs if s[2] == tag)
             mine["tokens"] += sum(len(s[0]) for s in segs if s[2] == tag)
         c.blocks += 1
         c.conversations_packed += len(segs)
@@ -273,7 +336,7 @@ def pack_blocks(examples: Iterable[tuple], seq_len: int, *,
             continue
         if len(ids) > seq_len:
             if overlong == "drop":
-                c.skip("overlong")
+                c.skip("overlong", source=tag)
                 continue
             c.conversations_split += 1
             for start in range(0, len(ids), seq_len):

@@ -22,12 +22,14 @@ are instead evened out at the block level by the loops' `StepFeed`: the splitter
 the others (train/lending.py); only the pass's last step pads with all-padding blocks (labels all -100,
 no gradient signal), counted in `equalisation_padding_blocks`. With `preserve_order=True` and no
 locality hints, Ray's splitter hands each bundle to the consumer with the fewest rows so far, so the
-shares are deterministic for a given source and block layout; that is what makes "skip the first N
-blocks" an exact resume.
+shares are deterministic for a given source and block layout (blocks of `BUNDLE_ROWS` rows); that is what
+makes "skip the first N blocks" an exact resume, and what `local_pass` computes for `raytune-ft data check`.
 
-Rows that cannot be trained on are not dropped in the Ray Data stage: they travel as rows with an
-empty `input_ids` and a `skip_reason`, so the worker that receives them counts them; the counts are
-summed across workers by `gather_counters`.
+Rows that are not trained are not dropped in the Ray Data stage: a skipped row, a row the carve holds out
+and a mixture row its weight draws no time travel as rows with an empty `input_ids` and a `skip_reason` (a
+reason, or `packing.HELD_OUT` / `NOT_DRAWN`), with their file and row number, so the worker that receives
+them counts each row read once (`DataCounters.count_row`); the counts are summed across workers by
+`gather_counters`.
 """
 from __future__ import annotations
 
@@ -40,16 +42,18 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from raytune_ft.data.held_out import evaluating, held_out_keys, split_plan
-from raytune_ft.data.packing import DataCounters, pack_blocks
+from raytune_ft.data.packing import HELD_OUT, NOT_DRAWN, DataCounters, pack_blocks
 from raytune_ft.data.reading import BUILTIN_DEFAULT_ROWS, HF_ROOT_ENV, read_source, resolve_hf_parquet  # noqa: F401
 from raytune_ft.data.rows import Carve, SkipCheck, TooManySkipped, _split_bucket, adapt_rows, tokenize_rows  # noqa: F401
-from raytune_ft.data.sources import Adapter
+from raytune_ft.data.rows import STREAM_COLUMNS
+from raytune_ft.data.sources import Adapter, Skip
 from raytune_ft.data.specs import SourceSpec, adapter_of, source_specs  # noqa: F401
 
 __all__ = ["DataCounters", "build_dataset", "iter_blocks", "read_rows", "gather_counters",
            "train_data_config", "resolve_hf_parquet", "HF_ROOT_ENV"]
 
 SHUFFLE_WINDOWS = 4          # an epoch's shuffle buffer, in packing windows
+BUNDLE_ROWS = 64             # rows per block of the train dataset: the unit Ray Data's split hands a rank
 
 
 # ---------------------------------------------------------------- tokenizer in Ray tasks
@@ -102,13 +106,16 @@ class _TokenizerRef:
 
 # ---------------------------------------------------------------- tokenize + mask (a Ray Data map)
 
+_TYPES = {"skip_reason": "string", "skip_detail": "string", "source": "int32", "copy": "int32", "file": "string",
+          "row": "int64", "text": "string", "mix_key": "int64"}
+
+
 def _columns(cols: dict[str, list]):
     import pyarrow as pa
 
     return pa.table({"input_ids": pa.array(cols["input_ids"], type=pa.list_(pa.int32())),
                      "mask": pa.array(cols["mask"], type=pa.list_(pa.bool_())),
-                     "skip_reason": pa.array(cols["skip_reason"], type=pa.string()),
-                     "source": pa.array(cols["source"], type=pa.int32())})
+                     **{k: pa.array(cols[k], type=getattr(pa, _TYPES[k])()) for k in STREAM_COLUMNS}})
 
 
 def _cancelled_quietly() -> None:
@@ -142,10 +149,7 @@ def _adapt_fn(adapter: Adapter, source: int, carve: Carve, weight: float):
     def fn(batch):
         _cancelled_quietly()
         cols = adapt_rows(batch.to_pylist(), adapter, source=source, carve=carve, weight=weight)
-        return pa.table({"text": pa.array(cols["text"], type=pa.string()),
-                         "skip_reason": pa.array(cols["skip_reason"], type=pa.string()),
-                         "source": pa.array(cols["source"], type=pa.int32()),
-                         "mix_key": pa.array(cols["mix_key"], type=pa.int64())})
+        return pa.table({k: pa.array(v, type=getattr(pa, _TYPES[k])()) for k, v in cols.items()})
     return fn
 
 
@@ -186,7 +190,7 @@ _split_plan = split_plan      # the name data check reads it by
 
 
 def _read(spec: SourceSpec, data, source_split: str, held_out: bool):
-    ds = read_source(spec, source_split, held_out=held_out, seed=data.seed)
+    ds = read_source(spec, source_split, held_out=held_out, seed=data.seed, num_cpus=data.num_cpus_per_op)
     # Deterministic row order end to end: the splits, the validation carve-out and resume rely on it.
     ds.context.execution_options.preserve_order = True
     return ds.limit(spec.max_rows) if spec.max_rows is not None else ds
@@ -197,7 +201,9 @@ def build_dataset(data, tokenizer, *, split: str = "train", chat_template: str |
     """A Ray Dataset of tokenized, masked conversations of `split` ("train" or "validation").
 
     Columns: `input_ids` list<int32>, `mask` list<bool>, `skip_reason` string ("" for a usable row;
-    otherwise the reason, with empty ids), `source` int32 (the source's index in a mixture). `tokenizer` is
+    otherwise the reason or the row's place, with empty ids), `skip_detail` string (the value that failed),
+    `source` int32 (the source's index in a mixture), `copy` int32 (a weighted row's use: 0 the first),
+    `file` string and `row` int64 (where the row was read). `tokenizer` is
     a fast tokenizer, a path to one or a model's `raytune_ft.models.tokenizer.TokenizerOf` (the last two
     loaded once per Ray worker process); `chat_template` (text or a .jinja path) overrides its template.
     `processes`: how many tokenizing tasks run at once (None: as many as Ray Data schedules).
@@ -231,6 +237,8 @@ def build_dataset(data, tokenizer, *, split: str = "train", chat_template: str |
     if len(specs) == 1:
         i, spec, (source_split, carve), _ = plans[0]
         ds = _read(spec, data, source_split, split == "validation" and spec.validation_split is not None)
+        if split == "train":        # the bundles Ray Data's split hands the ranks: local_pass.rank_shares
+            ds = ds.repartition(target_num_rows_per_block=BUNDLE_ROWS, strict=True)
         # at most `processes` tokenizing tasks at a time (Ray reuses their worker processes): left to itself Ray
         # Data runs one per `num_cpus_per_op` of free CPU, each a new process importing transformers and
         # loading the tokenizer, and they take the node's cores from the model build while nothing waits for
@@ -259,7 +267,7 @@ def _mixture(data, plans: list, split: str):
     if split == "train":
         # Ray's sort samples its range boundaries at random, so its blocks differ from run to run: the
         # fixed-size blocks after it make the ranks' shares (and a resume's skipped blocks) the same
-        ds = ds.sort("mix_key").repartition(target_num_rows_per_block=64, strict=True)
+        ds = ds.sort("mix_key").repartition(target_num_rows_per_block=BUNDLE_ROWS, strict=True)
         if data.max_rows is not None:
             ds = ds.limit(data.max_rows)
     return ds
@@ -267,35 +275,35 @@ def _mixture(data, plans: list, split: str):
 
 # ---------------------------------------------------------------- worker side
 
-def _iter_rows(shard: Any) -> Iterator[tuple[Any, Any, str, int]]:
-    """(ids, mask, skip_reason, source) from a DataIterator / Dataset shard, or an iterable of row dicts.
+def _iter_rows(shard: Any) -> Iterator[dict]:
+    """Rows {input_ids, mask, *STREAM_COLUMNS} from a DataIterator / Dataset shard, or an iterable of row dicts
+    (missing columns: a first use of source 0, read from nowhere). A skipped row's ids and mask are None.
 
     Blocks are passed on as they come (`batch_size=None`, `prefetch_batches=0`): the tokenizing map makes
     them 64 rows, the first packing window's size, so the first block packs from the first tokenizing batch.
     Ray Data's prefetching (its default) holds each batch back until the next one's blocks exist, so the first
     rows came late (bench/NOTES.md, start-up). Reading ahead is the loop's
     (`train.read_ahead`, a thread that keeps two steps' blocks ready)."""
+    empty = {"skip_reason": "", "skip_detail": "", "source": 0, "copy": 0, "file": "", "row": 0}
     if hasattr(shard, "iter_batches"):
         for batch in shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0):
             ids_col, mask_col = batch.column("input_ids"), batch.column("mask")
-            reasons = batch.column("skip_reason").to_pylist()
-            sources = batch.column("source").to_pylist() if "source" in batch.column_names else [0] * len(reasons)
-            for i, reason in enumerate(reasons):
-                if reason:
-                    yield None, None, reason, sources[i]
-                else:
-                    yield (ids_col[i].values.to_numpy(zero_copy_only=False),
-                           mask_col[i].values.to_numpy(zero_copy_only=False), "", sources[i])
+            cols = {k: batch.column(k).to_pylist() for k in STREAM_COLUMNS if k in batch.column_names}
+            for i in range(batch.num_rows):
+                row = {**empty, **{k: v[i] for k, v in cols.items()}}
+                trained = not row["skip_reason"]
+                row["input_ids"] = ids_col[i].values.to_numpy(zero_copy_only=False) if trained else None
+                row["mask"] = mask_col[i].values.to_numpy(zero_copy_only=False) if trained else None
+                yield row
     else:
         for row in shard:
-            yield row["input_ids"], row["mask"], row.get("skip_reason") or "", row.get("source") or 0
+            yield {**empty, **{k: v for k, v in row.items() if v is not None}}
 
 
 def read_rows(shard: Any) -> list[dict]:
-    """Every row of a small dataset shard (the held-out split) as {input_ids, mask, skip_reason} dicts,
+    """Every row of a small dataset shard (the held-out split) as {input_ids, mask, skip_reason, ...} dicts,
     read once and kept: `iter_blocks` packs them, the sample prompts are cut from them."""
-    return [{"input_ids": ids, "mask": mask, "skip_reason": reason, "source": source}
-            for ids, mask, reason, source in _iter_rows(shard)]
+    return list(_iter_rows(shard))
 
 
 def iter_blocks(shard: Any, data, *, counters: DataCounters | None = None, skip_blocks: int = 0,
@@ -315,22 +323,19 @@ def iter_blocks(shard: Any, data, *, counters: DataCounters | None = None, skip_
     give the same order.
     """
     c = counters if counters is not None else DataCounters()
-    names = [s.name for s in source_specs(data)] if data.sources else None
+    # a single source's name is its `data.source` (specs.source_specs)
+    names = [s.name for s in source_specs(data)] if data.sources else [str(getattr(data, "source", "data"))]
     check = SkipCheck(data.max_skip_fraction)
 
     def examples():
-        for ids, mask, reason, source in _iter_rows(shard):
-            c.rows_read += 1
-            mine = c.of_source(names[source]) if names else None
-            if mine is not None:
-                mine["rows_read"] += 1
-            if reason:
-                c.skip(reason)
-                if mine is not None:
-                    mine["rows_skipped_by_reason"][reason] = mine["rows_skipped_by_reason"].get(reason, 0) + 1
+        for row in _iter_rows(shard):
+            reason = Skip(row["skip_reason"], row["skip_detail"]) if row["skip_reason"] else ""
+            if not reason and data.overlong == "drop" and len(row["input_ids"]) > data.seq_len:
+                reason = Skip("overlong", f"{len(row['input_ids']):,} tokens, data.seq_len {data.seq_len:,}")
+            if c.count_row(names[row["source"]], reason, first=row["copy"] == 0, where=(row["file"], row["row"])):
+                yield row["input_ids"], row["mask"], names[row["source"]]
+            elif reason not in ("", HELD_OUT, NOT_DRAWN):
                 check(c)
-                continue
-            yield (ids, mask, names[source]) if names else (ids, mask)
         check(c, final=True)
 
     stream = examples()

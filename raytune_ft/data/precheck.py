@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 from raytune_ft.data.held_out import evaluating, named_split, source_fraction
-from raytune_ft.data.reading import head_rows, hf_repo, iter_raw_rows, source_files
+from raytune_ft.data.reading import check_readable, head_rows, hf_repo, iter_source_rows, source_files
 from raytune_ft.data.rows import IN_HELD_OUT, _split_bucket, too_many_skipped
 from raytune_ft.data.sources import describe_formats
 from raytune_ft.data.specs import SourceSpec, source_specs
@@ -99,33 +99,34 @@ def settle_carve(data, i: int, spec: SourceSpec, share: int | None) -> tuple[str
     are held out, and stop on too many skipped rows (a single source's). Returns the held-out description and
     its row count (None: not counted here)."""
     from raytune_ft.data.pipeline import adapter_of
-    from raytune_ft.data.rows import _unwrap
 
     f = source_fraction(spec, data)
     size = _local_bytes(spec)
     if size is None or size > READ_WHOLE_BYTES:
         return (f"{f:.1%} of {spec.name}'s rows by content hash (seed {data.seed}), never trained on; "
                 f"evaluated: {'all' if share is None else f'at most {share} of them'}", None)
-    adapter, buckets, reasons, n = adapter_of(spec), [], {}, 0
-    for row in iter_raw_rows(spec, spec.split, seed=data.seed):
+    adapter, buckets, reasons, n, sample = adapter_of(spec), [], {}, 0, []
+    for file, number, raw in iter_source_rows(spec, spec.split, seed=data.seed):
         if spec.max_rows is not None and n >= spec.max_rows:
             break
-        raw = _unwrap(row)
         messages, reason = adapter(raw)
         n += 1
         if reason:
             reasons[reason] = reasons.get(reason, 0) + 1
-        buckets.append(_split_bucket(messages if messages is not None else repr(raw), data.seed))
+            sample += [{"source": spec.name, "file": file, "row": number, "reason": str(reason),
+                        "detail": getattr(reason, "detail", "")}][:5 - len(sample)]
+        else:                   # a row that cannot be trained is skipped, never carved (held_out_row)
+            buckets.append(_split_bucket(messages, data.seed))
     # a mixture's skipped share is the whole pass's: `data check` and the run say it
-    why = None if data.sources else too_many_skipped(reasons, n, data.max_skip_fraction)
+    why = None if data.sources else too_many_skipped(reasons, n, data.max_skip_fraction, sample)
     if why:
         raise RecipeError(f"data.max_skip_fraction: {spec.source}: {why}")
-    if n < 2:
-        raise RecipeError(f"{_where(data, i)}: {spec.source} has {n} row(s): too few to hold any out and train on "
-                          "the rest; set data.validation_fraction=0 and train.eval_every=0")
+    if len(buckets) < 2:
+        raise RecipeError(f"{_where(data, i)}: {spec.source} has {len(buckets)} usable row(s) of {n}: too few to "
+                          "hold any out and train on the rest; set data.validation_fraction=0 and train.eval_every=0")
     buckets.sort()
     want = sum(b < f for b in buckets)
-    held = min(max(want, 1), min(share or n - 1, n - 1))
+    held = min(max(want, 1), min(share or len(buckets) - 1, len(buckets) - 1))
     moved = f
     if held != want:            # the threshold between the held-th and the next smallest hash
         moved = (buckets[held - 1] + buckets[held]) / 2
@@ -177,6 +178,7 @@ def check_sources(data, *, head: int = HEAD_ROWS) -> tuple[list[SourceCheck], st
         where = f"data.sources[{i}]" if data.sources else "data"
         _check_splits(spec, where)
         try:
+            check_readable(spec, spec.split, where)
             rows = head_rows(spec, spec.split, head, seed=data.seed)
         except OSError as e:
             raise RecipeError(f"{where}.source: {spec.source} cannot be read "

@@ -9,9 +9,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from raytune_ft.data.packing import DataCounters
+from raytune_ft.data.packing import HELD_OUT, NOT_DRAWN, DataCounters
 from raytune_ft.data.sft import SpanNotFound, render_sft
-from raytune_ft.data.sources import Adapter
+from raytune_ft.data.sources import Adapter, Skip
 
 _SPLIT_BUCKETS = 1 << 32
 
@@ -28,8 +28,9 @@ def _content_hash(value: Any, seed: int, bits: int = 32) -> int:
 
 
 def held_out_row(messages: Any, row: Any, fraction: float, seed: int) -> bool:
-    """Whether a row is one of the held-out rows carved by content hash (the same on every run and rank)."""
-    return fraction > 0 and _split_bucket(messages if messages is not None else repr(row), seed) < fraction
+    """Whether a row is one of the held-out rows carved by content hash (the same on every run and rank). A
+    row with no conversation (`messages` None) is never carved: it is skipped, and shown, as it is."""
+    return fraction > 0 and messages is not None and _split_bucket(messages, seed) < fraction
 
 
 IN_HELD_OUT = "in_held_out"      # the skip reason of a training row whose content a held-out row has
@@ -52,48 +53,70 @@ class Carve:
     held_out: frozenset = frozenset()
 
     def place(self, messages: Any, row: Any) -> str | None:
-        """None: the row belongs to the other split (left out, not counted); "": this split's;
-        `IN_HELD_OUT`: this split's, skipped for its content."""
+        """None: the row belongs to the held-out split's rows (left out of it, not counted); `HELD_OUT`: a
+        training split's row the carve holds out (kept in its place, counted, never trained); "": this
+        split's; `IN_HELD_OUT`: this split's, skipped for its content."""
         if self.keep != "all" and self.fraction > 0 and \
                 held_out_row(messages, row, self.fraction, self.seed) != (self.keep == "validation"):
-            return None
+            return HELD_OUT if self.keep == "train" else None
         if self.held_out and messages is not None and held_out_key(messages, self.seed) in self.held_out:
             return IN_HELD_OUT
         return ""
 
 
 def _unwrap(row: Any) -> Any:
-    return row["text"] if isinstance(row, dict) and set(row) == {"text"} and isinstance(row["text"], str) else row
+    """A raw row of the stream ({"text", "file"?, "row"?}: reading.RAW_COLUMNS) as its text; any other as is."""
+    if isinstance(row, dict) and isinstance(row.get("text"), str) and set(row) in ({"text"}, {"text", "file", "row"}):
+        return row["text"]
+    return row
+
+
+# the tokenized stream's columns besides the ids and mask: why a row is not trained (a skip reason or a place,
+# "" to train) and the value that failed, its source's index, its use (0 first; a weighted row's further uses
+# 1, 2, ...), and where it was read (file, row number)
+STREAM_COLUMNS = ("skip_reason", "skip_detail", "source", "copy", "file", "row")
+
+
+def _append(out: dict, ids, mask, reason, source: int, copy: int, where: tuple) -> None:
+    out["input_ids"].append(ids if not reason else [])
+    out["mask"].append(mask if not reason else [])
+    out["skip_reason"].append(str(reason or ""))
+    out["skip_detail"].append(getattr(reason, "detail", ""))
+    out["source"].append(source)
+    out["copy"].append(copy)
+    out["file"].append(where[0])
+    out["row"].append(where[1])
 
 
 def tokenize_rows(rows: Iterable[Any], tokenizer, *, template_kwargs: dict | None = None, carve: Carve = Carve(),
                   adapter: Adapter | None = None, source: int = 0) -> dict[str, list]:
-    """Columns `input_ids`, `mask`, `skip_reason`, `source` for raw rows (dicts, or json text lines), or for
-    rows a mixture's `adapt_rows` made (their messages, reason and source travel with them).
+    """Columns `input_ids`, `mask` and `STREAM_COLUMNS` for raw rows (reading.RAW_COLUMNS, json text lines
+    or dicts), or for rows a mixture's `adapt_rows` made (their messages, reason, source, use and place travel
+    with them).
 
-    `carve` says which rows are this split's (`Carve`); the other split's rows are left out (not counted:
-    they are not this split's). A skipped row keeps a place with empty ids.
+    `carve` says which rows are this split's (`Carve`): the held-out split's rows are left out of the training
+    split's but keep a place (`HELD_OUT`, counted), the training split's are left out of the held-out split's
+    (not counted: they are not its rows). A skipped row keeps a place with empty ids.
     """
-    out: dict[str, list] = {"input_ids": [], "mask": [], "skip_reason": [], "source": []}
+    out: dict[str, list] = {"input_ids": [], "mask": [], **{k: [] for k in STREAM_COLUMNS}}
     kwargs = template_kwargs or {}
     adapt = adapter or Adapter("auto")
     for row in rows:
         if isinstance(row, dict) and "mix_key" in row:        # adapted (and carved) already: a mixture's row
-            messages, reason, src = (json.loads(row["text"]) if row["text"] else None), row["skip_reason"] or None, \
-                row["source"]
+            messages = json.loads(row["text"]) if row["text"] else None
+            reason = Skip(row["skip_reason"], row.get("skip_detail") or "") if row["skip_reason"] else None
+            src, copy, where = row["source"], row.get("copy", 0), (row.get("file", ""), row.get("row", 0))
         else:
+            where = (row.get("file", ""), row.get("row", 0)) if isinstance(row, dict) and "file" in row else ("", 0)
             row = _unwrap(row)
-            (messages, reason), src = adapt(row), source
+            (messages, reason), src, copy = adapt(row), source, 0
             place = carve.place(messages, row)
             if place is None:
                 continue
             if place:
                 messages, reason = None, place
         ids, mask, reason = render_or_reason(tokenizer, messages, reason, kwargs)
-        out["input_ids"].append(ids if reason is None else [])
-        out["mask"].append(mask if reason is None else [])
-        out["skip_reason"].append(reason or "")
-        out["source"].append(src)
+        _append(out, ids, mask, reason, src, copy, where)
     return out
 
 
@@ -103,10 +126,10 @@ def render_or_reason(tokenizer, messages, reason: str | None, template_kwargs: d
         return [], [], reason
     try:
         ids, mask = render_sft(tokenizer, messages, **template_kwargs)
-    except SpanNotFound:
-        return [], [], "span_not_found"
-    except Exception:                       # noqa: BLE001 - a template raising on a row's data
-        return [], [], "template_error"
+    except SpanNotFound as e:
+        return [], [], Skip("span_not_found", str(e))
+    except Exception as e:                  # noqa: BLE001 - a template raising on a row's data
+        return [], [], Skip("template_error", f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
     return ids, mask, None
 
 
@@ -115,24 +138,33 @@ def adapt_rows(rows: Iterable[Any], adapter: Adapter, *, source: int, carve: Car
     """A mixture source's rows as messages (json text; "" and the reason for a row to skip), its index and a
     seeded key that interleaves the sources when sorted by it. `carve`: which rows are this split's (`Carve`).
     `weight`: each row is used floor(weight) times, and once more when its seeded hash falls under the
-    fraction left (0.5: a seeded half); a row skipped for its content (`in_held_out`) once."""
-    out: dict[str, list] = {"text": [], "skip_reason": [], "source": [], "mix_key": []}
+    fraction left (0.5: a seeded half); a row drawn no time keeps one place (`NOT_DRAWN`); a skipped or held-out
+    row has one place whatever its weight, so each row read is counted once."""
+    out: dict[str, list] = {"text": [], "skip_reason": [], "skip_detail": [], "source": [], "mix_key": [],
+                            "copy": [], "file": [], "row": []}
     seed = carve.seed
-    for row in rows:
-        row = _unwrap(row)
+    for raw in rows:
+        where = (raw.get("file", ""), raw.get("row", 0)) if isinstance(raw, dict) and "file" in raw else ("", 0)
+        row = _unwrap(raw)
         messages, reason = adapter(row)
         content = messages if messages is not None else repr(row)
         place = carve.place(messages, row)
         if place is None:
             continue
         copies = int(weight) + (_split_bucket([content, "weight"], seed + source) < weight - int(weight))
-        if place:
-            messages, reason, copies = None, place, 1
+        if place or reason:
+            messages, reason, copies = None, place or reason, 1
+        elif not copies:
+            messages, reason, copies = None, NOT_DRAWN, 1
         for copy in range(copies):
             out["text"].append(json.dumps(messages, ensure_ascii=False) if messages is not None else "")
-            out["skip_reason"].append(reason or "")
+            out["skip_reason"].append(str(reason or ""))
+            out["skip_detail"].append(getattr(reason, "detail", ""))
             out["source"].append(source)
             out["mix_key"].append(_content_hash([content, source, copy], seed, bits=64) >> 1)
+            out["copy"].append(copy)
+            out["file"].append(where[0])
+            out["row"].append(where[1])
     return out
 
 
@@ -149,22 +181,32 @@ class SkipCheck:
         self.max_fraction = max_fraction
 
     def __call__(self, c: DataCounters, final: bool = False) -> None:
-        if c.rows_read < self.MIN_ROWS and not final:
+        read = c.rows_read - c.rows_held_out
+        if read < self.MIN_ROWS and not final:
             return
-        why = too_many_skipped(c.rows_skipped_by_reason, c.rows_read, self.max_fraction)
+        why = too_many_skipped(c.rows_skipped_by_reason, read, self.max_fraction, c.skipped_rows)
         if why:
             raise TooManySkipped(why)
 
 
-def too_many_skipped(reasons: dict, read: int, max_fraction: float) -> str | None:
-    """Why a pass of `read` rows stops for its skipped ones (`reasons`: count by reason), with what to do;
-    None while their share is at most `max_fraction` (the run's, the pre-check's and `data check`'s test).
-    Rows left out for being held-out rows are not faults of the data: not in the share."""
+def skipped_lines(sample: list[dict], indent: str = "  ") -> list[str]:
+    """The skipped-row samples (DataCounters.skipped_rows) one a line: where, the reason and the value."""
+    return [f"{indent}{r['file'] or r['source']}" + (f" row {r['row']}" if r["row"] else "")
+            + f": {r['reason']}" + (f": {r['detail']}" if r["detail"] else "") for r in sample]
+
+
+def too_many_skipped(reasons: dict, read: int, max_fraction: float, sample: list[dict] = ()) -> str | None:
+    """Why a pass of `read` rows (held-out rows not among them) stops for its skipped ones (`reasons`: count
+    by reason), with what to do and the first skipped rows (`sample`); None while their share is at most
+    `max_fraction` (the run's, the pre-check's and `data check`'s test). Rows left out for being held-out
+    rows are not faults of the data: not in the share."""
     reasons = {k: v for k, v in reasons.items() if k != IN_HELD_OUT}
     skipped = sum(reasons.values())
     if not read or skipped / read <= max_fraction:
         return None
     why = ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]))
+    first = "; ".join(line.strip() for line in skipped_lines([r for r in sample if r["reason"] != IN_HELD_OUT][:5]))
     return (f"{skipped} of {read} rows skipped ({skipped / read:.1%}, more than data.max_skip_fraction="
-            f"{max_fraction:g}): {why}. `raytune-ft data check` shows them by source; fix the rows, map their "
-            "fields (data.fields, data.roles), or raise data.max_skip_fraction")
+            f"{max_fraction:g}): {why}" + (f". First skipped: {first}" if first else "")
+            + ". Fix the rows, map their fields (data.fields, data.roles), or raise data.max_skip_fraction"
+            + ("" if first else "; `raytune-ft data check` shows the first skipped rows of each source"))
