@@ -100,9 +100,11 @@ def redact_exception(exc: BaseException, *, with_traceback: bool = False) -> str
 
 
 def scrub(obj: Any) -> Any:
-    """User metadata fit to log: secret-looking keys dropped, secret values redacted, at any depth."""
+    """User metadata fit to log: secret-looking keys dropped, secret values redacted, at any depth. A number is
+    kept whatever its key: a count (`tokens`, `real_tokens`) is no credential."""
     if isinstance(obj, dict):
-        return {str(k): scrub(v) for k, v in obj.items() if not SECRET_NAME.search(str(k))}
+        return {str(k): scrub(v) for k, v in obj.items()
+                if not SECRET_NAME.search(str(k)) or (isinstance(v, (int, float)) and not isinstance(v, bool))}
     if isinstance(obj, (list, tuple)):
         return [scrub(v) for v in obj]
     if isinstance(obj, str):

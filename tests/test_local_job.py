@@ -54,6 +54,10 @@ def test_local_job_mlflow_run_has_every_step_and_the_startup_breakdown(local_run
     assert not [k for k in metrics if k.startswith(("mfu", "data/", "startup", "samples"))], sorted(metrics)
     data = client.download_artifacts(run_id, "data.json", str(tmp_path))
     assert json.load(open(data))["rows_read"] == summary["data"]["rows_read"] > 0
+    # data.json in the run folder too, with each source's tokens; every row read trained, held out or skipped
+    record = json.load(open(os.path.join(os.path.dirname(summary["checkpoint"]), "data.json")))
+    assert record == json.load(open(data)) and record["by_source"][recipe.data.source]["tokens"] > 0
+    assert record["rows_read"] == record["rows_trained"] + record["rows_held_out"] + record["rows_skipped"]
 
     startup = summary["startup"]
     phases = {k: v for k, v in startup.items() if "." not in k}     # the phases, not their parts

@@ -67,12 +67,10 @@ class RunSummary:
             out.append(f"  NOT registered   {self.registration_error}")
             out.append(f"  retry with       {self.retry_command}")
         if self.data:
-            skipped = self.data.get("rows_skipped_by_reason") or {}
-            out.append(f"  data             {self.data.get('rows_read', 0)} rows read, "
-                       f"{sum(skipped.values())} skipped{f' {dict(skipped)}' if skipped else ''}, "
-                       f"{self.data.get('blocks', 0)} blocks{_padding_share(self.data)}")
-            from raytune_ft.data.report import source_lines
+            from raytune_ft.data.report import rows_line, source_lines
 
+            out.append(f"  data             {rows_line(self.data)}, "
+                       f"{self.data.get('blocks', 0)} blocks{_padding_share(self.data)}")
             out.extend(source_lines(self.data))
         out.append(f"  mlflow           {self.tracking_uri} run {self.mlflow_run_id}")
         if self.tracking_uri and self.tracking_uri.startswith(("sqlite:", "file:", "/")):
@@ -165,9 +163,26 @@ def _data_record(data: dict) -> dict:
         return {}
     c = DataCounters.from_dict(data)
     total = c.real_tokens + c.padding_tokens
-    return {**c.to_dict(), "rows_skipped": c.rows_skipped,
+    counts = {k: v for k, v in c.to_dict().items() if k != "skipped_rows"}     # those go to skipped_rows.jsonl
+    return {**counts, "rows_skipped": c.rows_skipped,
             "padding_fraction": c.padding_tokens / total if total else 0.0,
             "packing_efficiency": c.real_tokens / total if total else 0.0}
+
+
+def _data_files(st, run_path: str, record: dict, data: dict) -> dict:
+    """data.json and (where rows were skipped) skipped_rows.jsonl written to the run folder; the same two for
+    the MLflow run (name -> document)."""
+    from raytune_ft.data.report import DATA_FILE, SKIPPED_ROWS_FILE, skipped_rows_text
+    from raytune_ft.storage import fs as storage
+
+    out: dict = {}
+    if record:
+        storage.write_json(st.fs, f"{run_path}/{DATA_FILE}", record)
+        out[DATA_FILE] = record
+    if text := skipped_rows_text(data):
+        storage.write_text(st.fs, f"{run_path}/{SKIPPED_ROWS_FILE}", text)
+        out[SKIPPED_ROWS_FILE] = data["skipped_rows"]
+    return out
 
 
 def _last_logged_metrics(recipe: Recipe, run_id: str, timeout_s: float = READ_BACK_S) -> dict:
@@ -366,8 +381,8 @@ def _register_and_close(recipe: Recipe, summary: RunSummary, meta: dict, ckpt_ur
     ends = {"final_loss": summary.final_loss or float("nan"), "total_tokens": summary.tokens,
             **({"padding_fraction": record["padding_fraction"]} if record else {})}
     # the run is trained and (maybe) registered: a store that does not answer loses none of it (said)
-    summary.mlflow_experiment_id = life.finish(status_tags, ends, {"data.json": record} if record else None,
-                                               data_params(data_notes, data))
+    artifacts = _data_files(st, run_path, record, data)
+    summary.mlflow_experiment_id = life.finish(status_tags, ends, artifacts or None, data_params(data_notes, data))
     storage.write_json(st.fs, f"{run_path}/summary.json", asdict(summary))
     tracking.keep_tracking_db(recipe, st, run_path)
     return summary

@@ -5,6 +5,7 @@ environment only; nothing here writes them: params and tags go through `raytune_
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -213,7 +214,8 @@ def _resubmitted_finished_run(client, found, recipe: Recipe) -> str:
 def end_run(recipe: Recipe, run_id: str, status: str = "FINISHED", tags: dict | None = None,
             metrics: dict | None = None, json_artifacts: dict[str, dict] | None = None,
             params: dict[str, str] | None = None) -> str:
-    """Close the run with its status, tags, end-of-run metrics, params and JSON files (name -> document);
+    """Close the run with its status, tags, end-of-run metrics, params and JSON files (name -> document; a
+    `.jsonl` name: a list of records, a line each);
     returns its experiment's id. Params MLflow refuses (a resumed run's param logged before with another
     value) are said, and the run is closed all the same."""
     import mlflow
@@ -234,7 +236,10 @@ def end_run(recipe: Recipe, run_id: str, status: str = "FINISHED", tags: dict | 
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             client.log_metric(run_id, k, float(v))
     for name, doc in (json_artifacts or {}).items():
-        client.log_dict(run_id, scrub(doc), name)
+        if name.endswith(".jsonl"):            # a list of records, one JSON line each
+            client.log_text(run_id, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in scrub(doc)), name)
+        else:
+            client.log_dict(run_id, scrub(doc), name)
     if status == "FINISHED":   # a resumed run that finishes carries nothing of an earlier attempt's ending
         stale = [k for k in ENDING_TAGS if k in client.get_run(run_id).data.tags]
         for k in stale:
