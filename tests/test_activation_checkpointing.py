@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raytune_ft.planning.checkpointing import candidates, recompute_share
+from raytune_ft.planning.checkpointing import candidates, describe, recompute_share
 from raytune_ft.planning.plan import GiB, memory_plan
 from raytune_ft.recipe.checkpointing import parse_checkpointing
 from raytune_ft.recipe.recipe import (DataConfig, ModelConfig, Recipe, RecipeError, ScalingConfig, TrainConfig,
@@ -19,13 +19,13 @@ from tests.test_plan import job
 @pytest.mark.parametrize("text,label", [("full", "full"), ("none", "none"), ("selective", "every:2"),
                                         ("every:1", "full"), ("every:4", "every:4"), ("mlp", "mlp"),
                                         ("mlp+gated_delta", "gated_delta+mlp"),
-                                        (" Attention+MLP ", "attention+mlp")])
+                                        (" Attention+MLP ", "attention+mlp"), ("keep:5", "keep:5")])
 def test_each_choice_parses_to_one_label(text, label):
     assert parse_checkpointing(text).label == label
 
 
 @pytest.mark.parametrize("text,words", [("every:0", "every:N needs a whole number N >= 1"),
-                                        ("every:two", "every:N needs"), ("mlp+ffn", "is not a choice"),
+                                        ("every:two", "every:N needs"), ("keep:0", "keep:K needs a whole number K >= 1"), ("mlp+ffn", "is not a choice"),
                                         ("some", "is not a choice"), ("", "is not a choice")])
 def test_a_bad_choice_is_refused_before_ray_starts_naming_the_field(text, words):
     r = apply_overrides(Recipe(), [f"train.activation_checkpointing={text}"])
@@ -85,6 +85,19 @@ def test_auto_takes_the_least_recompute_that_fits(gpu, overrides):
         assert not other.fits, (c.label, other.total_bytes / GiB)
 
 
+def test_keep_k_is_the_finest_step_between_full_and_none_and_auto_takes_it_where_a_few_layers_fit():
+    """keep:K recomputes every layer but the first K: on an H200 (bf16 master weights) and a B300 the room beside
+    full checkpointing holds a few layers' activations whole, which the part-by-part choices cannot use."""
+    shape, mean = _plan("H100", "train.master_weights=bf16").shape, 1322
+    keep = parse_checkpointing("keep:16")
+    assert [keep.whole(i) for i in (0, 15, 16, 63)] == [False, False, True, True]
+    assert recompute_share(shape, keep, mean) == pytest.approx(48 / 64, abs=0.02)
+    for gpu, overrides in (("H200", ["train.master_weights=bf16"]), ("B300", [])):
+        chosen = parse_checkpointing(_plan(gpu, *overrides).checkpointing)
+        assert chosen.keep > 0 and chosen.every == 1, (gpu, chosen.label)
+    assert _plan("B300").checkpointing != _plan("H200", "train.master_weights=bf16").checkpointing
+
+
 def test_the_plan_text_names_the_choice_and_why(capsys):
     from raytune_ft import cli
 
@@ -93,7 +106,7 @@ def test_the_plan_text_names_the_choice_and_why(capsys):
     b300 = _plan("B300")
     line = next(ln for ln in out.splitlines() if ln.startswith("  recompute"))
     assert f"activation checkpointing auto -> {b300.checkpointing}: the least recompute that fits B300" in line
-    assert f"({b300.checkpointing} recomputed in every layer, the rest kept)" in out
+    assert f"({describe(parse_checkpointing(b300.checkpointing))})" in out
     set_by_hand = _plan("B300", "train.activation_checkpointing=every:2").render()
     assert "activation checkpointing every:2 (as the recipe sets it)" in set_by_hand
 
@@ -186,6 +199,7 @@ CHOICES = {   # the tiny qwen3_5: layers 0-2 gated-delta-net, layer 3 full atten
     "full": {"layer": 4, "attention": 0, "gated_delta": 0, "mlp": 0},
     "every:2": {"layer": 2, "attention": 0, "gated_delta": 0, "mlp": 0},
     "every:3": {"layer": 2, "attention": 0, "gated_delta": 0, "mlp": 0},
+    "keep:2": {"layer": 2, "attention": 0, "gated_delta": 0, "mlp": 0},
     "attention": {"layer": 0, "attention": 1, "gated_delta": 0, "mlp": 0},
     "gated_delta": {"layer": 0, "attention": 0, "gated_delta": 3, "mlp": 0},
     "mlp": {"layer": 0, "attention": 0, "gated_delta": 0, "mlp": 4},

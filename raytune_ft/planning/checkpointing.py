@@ -13,7 +13,8 @@ A layer recomputed whole keeps its input only; a recomputed part keeps nothing o
 norm's output, kept already). In the backward one recomputed unit at a time holds its tensors again: the
 largest of them is counted once.
 
-`auto` walks the candidates (none, each set of parts, every Nth layer, full) from the least recomputed forward
+`auto` walks the candidates (none, each set of parts, every Nth layer, all but the first K, full) from the least
+recomputed forward
 FLOPs to the most and takes the first whose whole memory plan fits the GPU less its margin.
 """
 from __future__ import annotations
@@ -91,6 +92,7 @@ def candidates(s: ModelShape, mean_len: float) -> list[Checkpointing]:
     out = [NONE, FULL]
     out += [Checkpointing(kinds=frozenset(c)) for r in range(1, len(kinds) + 1) for c in combinations(kinds, r)]
     out += [Checkpointing(every=n) for n in EVERY_CANDIDATES if n < s.n_layers]
+    out += [Checkpointing(every=1, keep=k) for k in range(1, s.n_layers)]
     return sorted(out, key=lambda c: (round(recompute_share(s, c, mean_len), 9), activation_elems(s, c)[0]))
 
 
@@ -125,6 +127,9 @@ def describe(choice: Checkpointing) -> str:
         return f"{choice.label} recomputed in every layer, the rest kept"
     if choice.every == 0:
         return "nothing recomputed: every layer's saved tensors"
+    if choice.keep:
+        return (f"every layer recomputed whole but the first {choice.keep} (keep:{choice.keep}), which keep their "
+                "saved tensors")
     if choice.every == 1:
         return "full checkpointing: each layer's input + one layer recomputed"
     return f"every {choice.every}th layer recomputed whole (every:{choice.every}), the others keep theirs"
