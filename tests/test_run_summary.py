@@ -20,12 +20,12 @@ def test_the_summary_links_the_experiments_runs_tab_of_the_installed_mlflow_ui()
 
 def test_the_data_row_gives_the_padding_share_of_the_trained_tokens():
     """Issue 50: a run that trained half padding said only "3 rows read, 0 skipped, 40 blocks"."""
-    data = {"rows_read": 3, "blocks": 40, "real_tokens": 10240, "padding_tokens": 10240,
-            "equalisation_padding_blocks": 20}
+    data = {"rows_read": 3, "rows_trained": 3, "conversations": 3, "blocks": 40, "real_tokens": 10240,
+            "padding_tokens": 10240, "equalisation_padding_blocks": 20}
     row = next(line for line in RunSummary(job="j", run_name="r", status="trained", data=data).lines()
                if line.startswith("  data "))
-    assert row.endswith("3 rows read, 0 skipped, 40 blocks, padding 50.0% of the trained tokens "
-                        "(20 all-padding blocks evened the ranks out)"), row
+    assert row.endswith("3 rows read: 3 trained (3 conversations), 0 held out, 0 skipped, 40 blocks, padding 50.0% "
+                        "of the trained tokens (20 all-padding blocks evened the ranks out)"), row
     data |= {"real_tokens": 20000, "padding_tokens": 480, "equalisation_padding_blocks": 0}
     row = next(line for line in RunSummary(job="j", run_name="r", status="trained", data=data).lines()
                if line.startswith("  data "))

@@ -117,9 +117,10 @@ class DataCounters:
         return True
 
     def _sample(self, row: dict) -> None:
-        if sum(1 for r in self.skipped_rows if (r["source"], r["reason"]) == (row["source"], row["reason"])) \
-                < SKIP_SAMPLE:
-            self.skipped_rows.append(row)
+        key = (row["source"], row["reason"])
+        kept = [_read_order(r) for r in self.skipped_rows if (r["source"], r["reason"]) == key]
+        if len(kept) < SKIP_SAMPLE or _read_order(row) < max(kept):
+            self.skipped_rows = first_skipped(self.skipped_rows + [row])
 
     @property
     def rows_skipped(self) -> int:
@@ -151,7 +152,7 @@ class DataCounters:
                 _add_nested(out.by_source, self.by_source)
                 _add_nested(out.by_source, earlier.by_source, sign=-1)
             elif f.name == "skipped_rows":
-                out.skipped_rows = [r for r in self.skipped_rows if r not in earlier.skipped_rows]
+                out.skipped_rows = _without(self.skipped_rows, earlier.skipped_rows)
             else:
                 setattr(out, f.name, getattr(self, f.name) - getattr(earlier, f.name))
         return out
@@ -183,14 +184,29 @@ class DataCounters:
         return out
 
 
+def _without(rows: list[dict], earlier: list[dict]) -> list[dict]:
+    """`rows` less one copy of each of `earlier`'s."""
+    left, out = list(earlier), []
+    for r in rows:
+        if r in left:
+            left.remove(r)
+        else:
+            out.append(r)
+    return out
+
+
+def _read_order(r: dict) -> tuple:
+    return r["source"], r["reason"], r["file"], r["row"]
+
+
 def first_skipped(rows: list[dict]) -> list[dict]:
-    """The skipped-row samples in read order (source, reason, file, row), SKIP_SAMPLE per source and reason:
-    the same whichever rank read which rows."""
+    """The skipped-row samples in read order (source, reason, file, row), the first SKIP_SAMPLE of each source and
+    reason: the same whichever rank read which rows, and however they were merged."""
     out: list[dict] = []
     seen: dict[tuple, int] = {}
-    for r in sorted(rows, key=lambda r: (r["source"], r["reason"], r["file"], r["row"])):
+    for r in sorted(rows, key=_read_order):
         key = (r["source"], r["reason"])
-        if seen.get(key, 0) < SKIP_SAMPLE and r not in out:
+        if seen.get(key, 0) < SKIP_SAMPLE:
             seen[key] = seen.get(key, 0) + 1
             out.append(r)
     return out
