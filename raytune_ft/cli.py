@@ -121,9 +121,10 @@ def _print_storage_plan(recipe: Recipe, shape) -> None:
 def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = None, *, prog: str = "job") -> int:
     """Parse a job's flags, then dry-run or run it; a bad recipe exits 2 before Ray starts.
 
-    Exit codes: 0 trained (and registered when enabled), 1 failed, 2 bad recipe, unusable storage, a
-    check before Ray starts or a run folder another job holds (nothing started), 3 trained but not
-    registered, 130 interrupted (Ctrl-C), 143 stopped (SIGTERM, `ray job stop`).
+    Exit codes: 0 trained (and registered when enabled), 1 failed (an input error a worker found mid-run
+    too: the line says which checkpoint is kept), 2 bad recipe, unusable storage, a check before Ray starts
+    or a run folder another job holds (nothing started), 3 trained but not registered, 130 interrupted
+    (Ctrl-C), 143 stopped (SIGTERM, `ray job stop`).
     """
     args = job_parser(prog, (recipe_fn.__doc__ or "").strip() or None, local_fn.__doc__).parse_args(argv)
     try:
@@ -142,30 +143,24 @@ def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = No
 
     keep_bytecode(cache_root(recipe), recipe.train.bytecode_cache)
     setup_driver(terminal=is_terminal(sys.stdout))
-    from raytune_ft.storage.lease import RunFolderInUse
     from raytune_ft.driver.run import run
-    from raytune_ft.storage.check import StorageAccessError
 
     try:
         summary = run(recipe, local=args.local, register=False if args.no_register else None)
-    except (RecipeError, StorageAccessError, RunFolderInUse) as e:   # found before anything was trained: no traceback
-        print(f"error: {redact(str(e))}", file=sys.stderr)
-        return 2
-    except BaseException as e:  # Ctrl-C, SIGTERM (`ray job stop`), an error: the run closed its MLflow run
-        from raytune_ft.driver.endings import Stopped, ending_line, exit_code
+    except BaseException as e:  # refused; Ctrl-C, SIGTERM (`ray job stop`), an error: the run closed its MLflow run
+        from raytune_ft.driver.endings import exit_lines
 
-        line = ending_line(e)
-        if line is None:
+        ending = exit_lines(e)
+        if ending is None:
             raise
-        if not isinstance(e, (KeyboardInterrupt, Stopped)):   # an error's trace, above what to do about it
-            from raytune_ft.env import redact_exception
-
-            print(redact_exception(e, with_traceback=True), file=sys.stderr)
-        print(f"[raytune_ft] {line}", file=sys.stderr, flush=True)
+        code, lines = ending
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        if code == 2:          # refused before anything started: nothing to wait for
+            return code
         from raytune_ft.channel import exit_if_abandoned
 
-        exit_if_abandoned(exit_code(e))    # a store that stopped answering does not hold the exit
-        return exit_code(e)
+        exit_if_abandoned(code)    # a store that stopped answering does not hold the exit
+        return code
     print("\n".join(summary.lines()), flush=True)
     return 0 if summary.status != "trained_not_registered" else 3
 

@@ -56,12 +56,31 @@ def one_line(exc: BaseException, limit: int = 1000) -> str:
     return " ".join(redact_exception(exc).split())[:limit]
 
 
-def before_the_run(exc: BaseException) -> bool:
-    """Whether `exc` stopped the job before the run was anyone's (a recipe, storage or lease error found by
-    the checks): the CLI prints it alone, exit code 2."""
+def input_error(exc: BaseException) -> bool:
+    """Whether `exc` is an error in what the user gave (a recipe, storage or lease error): said in its own words,
+    without a traceback. Found before training began, nothing started (exit 2); found by a worker, the run
+    stopped (exit 1, with the line that says which checkpoint is kept)."""
     from raytune_ft.recipe.recipe import RecipeError
 
     return isinstance(exc, RecipeError) or type(exc).__name__ in ("StorageAccessError", "RunFolderInUse")
+
+
+def exit_lines(exc: BaseException) -> tuple[int, list[str]] | None:
+    """How a job that raised `exc` ends: (its exit code, the lines for stderr); None for an error outside the
+    run that is no input error (raised as it is). Exit 2 only when nothing started: an input error on which the
+    lifecycle left no ending line (`ending_line`), since it was found before training began."""
+    from raytune_ft.env import redact
+
+    line = ending_line(exc)
+    if line is None:
+        return (2, [f"error: {redact(str(exc))}"]) if input_error(exc) else None
+    if input_error(exc):
+        said = [f"error: {redact(str(exc))}"]
+    elif interrupted(exc):
+        said = []
+    else:                               # an error's trace, above what to do about it
+        said = [redact_exception(exc, with_traceback=True)]
+    return exit_code(exc), said + [f"[raytune_ft] {line}"]
 
 
 def interrupted(exc: BaseException) -> bool:

@@ -52,6 +52,7 @@ class RunLifecycle:
             "ray" in sys.modules and sys.modules["ray"].is_initialized())
         self.storage = self.run_path = self.lease = None
         self.opened = None                # run_opening.RunOpening
+        self.training = False             # Ray Train's fit begun (`fit`)
         self.marks: dict = {}
         self.job_start = process_start() or time.time()
         self._held = contextlib.ExitStack()
@@ -155,6 +156,7 @@ class RunLifecycle:
         import threading
 
         outcome: dict = {}
+        self.training = True       # from here an input error is a worker's, found mid-run (endings.exit_lines)
 
         def fit() -> None:
             try:
@@ -225,7 +227,7 @@ class RunLifecycle:
             if not answer:
                 print(f"[raytune_ft] the MLflow run did not end within {END_WAIT_S:.0f} s (its opener or the tracking "
                       "store did not answer): its opener is stopped; a re-submit reopens a run it left RUNNING")
-        if endings.before_the_run(exc):
+        if endings.input_error(exc) and not self.training:     # refused before training: nothing started
             return
         ckpt = None
         if self.storage is not None:

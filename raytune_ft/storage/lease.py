@@ -118,6 +118,7 @@ class Lease:
                  log: Callable[[str], None] = storage._print):
         self.fs, self.run_path, self.uri, self.record, self.log = fs, run_path.rstrip("/"), uri, record, log
         self.lost_to: LeaseRecord | None = None
+        self.made_folder = False          # the run folder did not exist before this lease: released, it goes if empty
         self._stop = threading.Event()
         self._released = False
         self._thread: threading.Thread | None = None
@@ -146,6 +147,7 @@ class Lease:
         rec = LeaseRecord(token=uuid.uuid4().hex, job_id=job_id(), host=socket.gethostname(), pid=os.getpid(),
                           started=now, heartbeat=now)
         lease = cls(st.fs, run_path, uri, rec, log)
+        lease.made_folder = not storage.exists(st.fs, run_path)
         lease._write()
         time.sleep(settle_s)         # a job that wrote at the same moment: the last writer's token stays
         found = read(st.fs, run_path)
@@ -205,6 +207,10 @@ class Lease:
             found = read(self.fs, self.run_path)
             if found is not None and found.token == self.token:
                 self.fs.delete_file(self.path)
+                # a run refused before it wrote anything leaves no folder behind
+                if self.made_folder and storage.is_dir(self.fs, self.run_path) and not self.fs.get_file_info(
+                        pafs.FileSelector(self.run_path, allow_not_found=True)):
+                    self.fs.delete_dir(self.run_path)
 
         try:
             call_within(max(deadline - time.monotonic(), 0.1), "lease release", delete)
