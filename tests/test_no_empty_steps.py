@@ -105,3 +105,33 @@ def test_a_step_with_no_supervised_token_on_any_rank_is_not_taken_on_every_rank(
     # step 1 is taken (rank 0's block carries the loss: rank 1 trains its own with no loss), step 2 is not
     assert got[0]["steps"] == [[100], [300]] and got[1]["steps"] == [[1100], [1300]]
     assert got[0]["unsupervised"] == got[1]["unsupervised"] == 1
+
+
+def test_data_check_says_what_each_overlong_choice_trains_as_the_run_packs_it(tmp_path, capsys):
+    import json
+
+    from raytune_ft.cli import main
+    from raytune_ft.data.sft import render_sft
+    from raytune_ft.data.sources import Adapter
+    from raytune_ft.models.tiny import local_tokenizer
+
+    rows = [{"instruction": " ".join(f"word{j} of a long prompt number {i}" for j in range(30 + 5 * i)), "input": "",
+             "output": f"Answer {i} is short."} for i in range(6)]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = local_tokenizer()
+    masks = [np.asarray(render_sft(tok, Adapter("alpaca")(r)[0])[1]) for r in rows]
+    pieces = [m[s:s + SEQ_LEN][1:] for m in masks for s in range(0, len(m), SEQ_LEN)]
+    kept = sum(bool(p.any()) for p in pieces)
+    assert 0 < kept < len(pieces)
+    args = ["data", "check", "qwen27b_b300", "--local", f"--set=data.source={path}", f"--set=data.seq_len={SEQ_LEN}",
+            "--set=data.validation_fraction=0", "--set=train.eval_every=0", "--set=train.sample_prompts=0",
+            "--set=data.template_kwargs={}", f"--png={tmp_path / 'h.png'}"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert (f"overlong         split (this run) trains {kept} of their {len(pieces)} pieces and drops "
+            f"{len(pieces) - kept} with no assistant token; drop trains none of them, skipping the 6 rows") in out
+    assert f"trained          6 conversations, {kept} pieces packed" in out       # as the run packs them
+    assert main(args + ["--set=data.overlong=drop"]) == 1          # every row dropped: a run would stop
+    out = capsys.readouterr().out
+    assert "drop (this run) trains none of them" in out and "skipped          6 {'overlong': 6}" in out

@@ -79,3 +79,20 @@ def test_a_kwarg_the_chat_template_never_reads_is_said_before_the_run_and_logged
     check_data_source(local)
     assert "ignored" not in capsys.readouterr().out and local.data.template_kwargs == KWARGS
 
+
+def test_data_check_says_which_template_kwargs_apply(tmp_path, fixtures, capsys):
+    from raytune_ft.cli import main
+
+    qwen2 = json.loads((fixtures / "tokenizers" / "qwen2-0.5b" / "tokenizer_config.json").read_text())["chat_template"]
+    template = tmp_path / "qwen2.jinja"
+    template.write_text(qwen2)
+    rows = fixtures / "data" / "ultrachat_200k_train_sft_first16.jsonl"
+    common = ["data", "check", "qwen27b_b300", "--local", f"--set=data.source={rows}",
+              "--set=data.validation_split=none", f"--set=data.template_kwargs={json.dumps(KWARGS)}",
+              f"--png={tmp_path / 'h.png'}"]
+    assert main(common + [f"--set=model.chat_template={template}"]) == 0
+    out = capsys.readouterr().out
+    assert ("template kwargs    applied: none; ignored, the chat template never reads them: enable_thinking=True, "
+            "reasoning_effort='low'") in out
+    assert main(common) == 0
+    assert "template kwargs    applied: enable_thinking=True, reasoning_effort='low'\n" in capsys.readouterr().out

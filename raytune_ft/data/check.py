@@ -61,7 +61,20 @@ class SourceReport:
                 f"  over seq_len     {over} conversations longer than {data.seq_len} tokens: {policy}",
                 f"  trained          {c.get('conversations', 0)} conversations, {c.get('pieces', 0)} pieces packed, "
                 f"in {c.get('blocks', 0)} blocks"]
+        if over:
+            out.insert(-1, overlong_line(self.rows, over, data.overlong))
         return out
+
+
+def overlong_line(rows: SourceRows, over: int, chosen: str) -> str:
+    """What each data.overlong choice trains and drops of the conversations longer than a block: split trains
+    their pieces that hold an assistant token (packing.overlong_pieces), drop none of them."""
+    def this(choice: str) -> str:
+        return f"{choice} (this run)" if choice == chosen else choice
+
+    return (f"  overlong         {this('split')} trains {rows.pieces_trained} of their {rows.pieces} pieces and drops "
+            f"{rows.pieces - rows.pieces_trained} with no assistant token; {this('drop')} trains none of them, "
+            f"skipping the {over} rows")
 
 
 def pass_line(c: DataCounters, data, world: int, per_step: int) -> str:
@@ -71,6 +84,21 @@ def pass_line(c: DataCounters, data, world: int, per_step: int) -> str:
             f"all-padding, evening out {world} rank(s) x {per_step} block(s) a step): "
             f"{pass_steps(c.blocks, world, per_step)} steps; packing efficiency {c.real_tokens / max(total, 1):.1%}, "
             f"padding {c.padding_tokens / max(total, 1):.1%}")
+
+
+def template_line(data, template: str | None) -> str | None:
+    """What the chat template does with data.template_kwargs: those it reads are applied; those it never reads
+    are taken out, as a run takes them out (precheck.settle_template_kwargs). None when none is given."""
+    from raytune_ft.data.precheck import settle_template_kwargs
+
+    given = dict(data.template_kwargs)
+    if not given:
+        return None
+    settle_template_kwargs(data, template)
+    applied = ", ".join(f"{k}={v!r}" for k, v in data.template_kwargs.items()) or "none"
+    ignored = ", ".join(f"{k}={v!r}" for k, v in given.items() if k not in data.template_kwargs)
+    return f"template kwargs    applied: {applied}" + (
+        f"; ignored, the chat template never reads them: {ignored}" if ignored else "")
 
 
 def data_pass(recipe, tokenizer, limit: int | None) -> tuple[DataCounters, dict[str, SourceRows]]:
@@ -117,6 +145,7 @@ def data_check(recipe, *, limit: int = DEFAULT_ROWS, png: str | None = None) -> 
         raise RecipeError(f"model.tokenizer: the tokenizer of {recipe.model.tokenizer or recipe.model.name} cannot "
                           f"be loaded here ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
                           "--set model.tokenizer=PATH names a local one, --local uses the tiny model's") from None
+    template = template_line(data, tokenizer.chat_template)      # before the pass: it renders as a run would
     c, seen = data_pass(recipe, tokenizer, limit)
     reports = [SourceReport(spec.name, check.format, spec.weight if data.sources else None,
                             c.by_source.get(spec.name, {}), seen[spec.name],
@@ -127,6 +156,8 @@ def data_check(recipe, *, limit: int = DEFAULT_ROWS, png: str | None = None) -> 
                            recipe.train.grad_accum * recipe.train.micro_batch_size))
     carved = data.validation_fraction or data.validation_split or data.sources
     lines.append(f"held-out set       {held if carved else 'none'}")
+    if template:
+        lines.append(template)
     why = too_many_skipped(c.rows_skipped_by_reason, c.rows_read - c.rows_held_out, data.max_skip_fraction,
                            c.skipped_rows)
     if why:

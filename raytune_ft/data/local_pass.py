@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 
 from raytune_ft.data.held_out import held_out_keys, split_plan
-from raytune_ft.data.packing import DataCounters
+from raytune_ft.data.packing import DataCounters, overlong_pieces
 from raytune_ft.data.pipeline import BUNDLE_ROWS, adapter_of, iter_blocks
 from raytune_ft.data.reading import iter_source_rows
 from raytune_ft.data.rows import Carve, adapt_rows, tokenize_rows
@@ -50,6 +50,9 @@ class SourceRows:
     lengths: list[int] = field(default_factory=list)
     supervised: int = 0
     limited: bool = False          # more rows than the check reads
+    # pieces of the conversations longer than data.seq_len, and how many hold an assistant token (trained)
+    pieces: int = 0
+    pieces_trained: int = 0
 
 
 def _raw_rows(spec: SourceSpec, source_split: str, data, limit: int | None, seen: SourceRows) -> list[dict]:
@@ -103,6 +106,9 @@ def stream_bundles(data, tokenizer, *, limit: int | None = None) -> tuple[list[l
             mine = seen[specs[row["source"]].name]
             mine.lengths.append(len(row["input_ids"]))
             mine.supervised += sum(row["mask"])
+            if len(row["input_ids"]) > data.seq_len:
+                n, trained = overlong_pieces(row["mask"], data.seq_len)
+                mine.pieces, mine.pieces_trained = mine.pieces + n, mine.pieces_trained + trained
     return bundles, seen
 
 
