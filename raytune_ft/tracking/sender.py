@@ -136,6 +136,7 @@ class MlflowSender:
 
     def __init__(self, tracking_uri: str, run_id: str | None, say: Callable[[str], None]):
         self._say = say
+        self.not_opened: BaseException | None = None    # the driver's run did not open (await_run)
         self._first = {"tracking_uri": tracking_uri, "run_id": run_id}
         self._cond = threading.Condition()
         # calls are numbered from 1 as they are queued; made, failed and lost ones all count as done
@@ -153,6 +154,32 @@ class MlflowSender:
                           on_exit=self._exited, max_queued=QUEUE_CALLS, name="mlflow-sender")
         channel.send(self._first)
         return channel
+
+    def await_run(self, run_key: str) -> None:
+        """A thread that hands the run's id over (`give_run`) once the driver's run is open; where it did not
+        open, `not_opened` holds the driver's words for the loop to raise."""
+        def wait() -> None:
+            from raytune_ft.tracking.opening import await_run_id
+
+            try:
+                self.give_run(await_run_id(run_key))
+            except Exception as e:  # noqa: BLE001 - RunNotOpened: raised in the loop's thread
+                self.not_opened = e
+
+        threading.Thread(target=wait, name="raytune-run-id", daemon=True).start()
+
+    def backfill(self, history) -> None:
+        """The points of `history` (the checkpoint's per-step loss, lr, grad norm) the run lacks, logged: what a
+        tracking outage kept from the store reaches it at the next contact (a resume, the end of the run)."""
+        import time
+
+        from raytune_ft.tracking.mlflow_run import mlflow_metric_name
+
+        ts = int(time.time() * 1000)
+        metrics = [[mlflow_metric_name(k), float(v), ts, int(s["step"])] for s in history for k, v in s.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and v == v]
+        if metrics:
+            self.call("backfill", "MLflow: the steps missing from the run were not logged ({error})", metrics=metrics)
 
     def give_run(self, run_id: str) -> None:
         """The run's id, once the driver's run is open: the calls held for it are made, in order."""

@@ -265,7 +265,6 @@ class WorkerLog:
         self._stream = stream
         self._live = False           # a redrawn progress line is on screen (terminal only)
         self._sender = None          # rank 0's MLflow calls, made by a process of their own
-        self._not_opened: BaseException | None = None   # the driver's run did not open (raised in the loop)
         self.attempt_id = attempt_id()   # this attempt's start-up params are named after it
         if rank == 0 and job_start:
             self.startup.attempt = attempt_of_job(recipe.tracking.run_name, job_start)
@@ -274,33 +273,16 @@ class WorkerLog:
 
             self._sender = MlflowSender(recipe.tracking_uri, run_id, self.info)
             if not run_id:
-                self._await_run(run_key)
+                self._sender.await_run(run_key)
             self.set_tag("raytune.gpu", _gpu_description(recipe.scaling.num_workers))
         from raytune_ft.train.system_metrics import start_for_node
 
         self._system = start_for_node(recipe, rank, run_id, run_key, self.info)
 
-    def _await_run(self, run_key: str) -> None:
-        """A thread that hands the run's id to the sender once the driver's run is open; where it did not open,
-        the loop raises the driver's words at its next logged step (`check_tracking`)."""
-        import threading
-
-        sender = self._sender
-
-        def wait() -> None:
-            from raytune_ft.tracking.opening import await_run_id
-
-            try:
-                sender.give_run(await_run_id(run_key))
-            except Exception as e:  # noqa: BLE001 - RunNotOpened: raised in the loop's thread
-                self._not_opened = e
-
-        threading.Thread(target=wait, name="raytune-run-id", daemon=True).start()
-
     def check_tracking(self) -> None:
         """Raise the driver's words where its MLflow run did not open (rank 0; a no-op otherwise)."""
-        if self._not_opened is not None:
-            raise self._not_opened
+        if self._sender is not None and self._sender.not_opened is not None:
+            raise self._sender.not_opened
 
     @classmethod
     def of_worker(cls, rank: int, recipe: Recipe, config: dict) -> "WorkerLog":
@@ -416,16 +398,9 @@ class WorkerLog:
                               metrics=metrics[i:i + 1000])
 
     def backfill(self, history: Sequence[dict]) -> None:
-        """Rank 0: the points of `history` (the checkpoint's per-step loss, lr, grad norm) that the MLflow run
-        lacks are logged: what a tracking outage kept from the store reaches it at the next contact (a resume,
-        the end of the run)."""
-        if self._sender is None or not history:
-            return
-        ts = int(time.time() * 1000)
-        metrics = [[mlflow_metric_name(k), float(v), ts, int(s["step"])] for s in history
-                   for k, v in s.items() if k != "step" and _is_number(v)]
-        self._sender.call("backfill", "MLflow: the steps missing from the run were not logged ({error})",
-                          metrics=metrics)
+        """Rank 0: the checkpoint's per-step history logged where the MLflow run lacks it (tracking.sender)."""
+        if self._sender is not None:
+            self._sender.backfill(history)
 
     def first_step_done(self, step: int, device) -> dict:
         """At the end of this attempt's first optimizer step (every rank): the start-up breakdown, printed
