@@ -88,6 +88,14 @@ def test_a_feed_with_no_data_ends_instead_of_repeating_nothing():
     assert feed.next_blocks() is None and feed.done
 
 
+def test_the_summary_says_how_many_passes_the_steps_took():
+    from raytune_ft.driver.run import RunSummary
+
+    lines = RunSummary(job="j", run_name="r", status="trained", steps=200, passes=6).lines()
+    assert "  steps            200 (6 passes over the data)" in lines
+    assert "  steps            35" in RunSummary(job="j", run_name="r", status="trained", steps=35, passes=1).lines()
+
+
 def test_a_run_short_of_its_steps_says_why():
     from raytune_ft.train.schedule_length import short_of_steps
 

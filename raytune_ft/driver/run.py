@@ -25,6 +25,7 @@ class RunSummary:
     run_name: str
     status: str                                # registered | trained_not_registered | trained
     steps: int = 0
+    passes: int = 0                            # over the data: train.max_steps past one pass repeats it
     tokens: int = 0                            # the run's, over every attempt
     tokens_per_s: float = 0.0                  # this attempt's: attempt_tokens / attempt_seconds
     attempt_tokens: int = 0                    # trained by this attempt (a resumed run's later part)
@@ -51,7 +52,8 @@ class RunSummary:
     def lines(self) -> list[str]:
         loop_rate = f"{self.tokens_per_s:,.0f} tokens/s over the training loop, saves and evals included"
         out = [f"job {self.job} (run {self.run_name}): {self.status}",
-               f"  steps            {self.steps}",
+               f"  steps            {self.steps}"
+               + (f" ({self.passes} passes over the data)" if self.passes > 1 else ""),
                f"  tokens           {self.tokens:,} ({loop_rate})" if self.attempt_tokens == self.tokens else
                f"  tokens           {self.tokens:,} ({self.run_tokens_per_s:,.0f} tokens/s over the run); "
                f"this attempt {self.attempt_tokens:,} ({loop_rate})",
@@ -302,6 +304,7 @@ def _summarize(recipe: Recipe, result, run_id: str, st, run_path: str) -> tuple[
         plots = _write_plots(recipe, st, run_path, ckpt, run_id, int(meta.get("step") or 0))
     summary = RunSummary(
         job=recipe.job, run_name=recipe.tracking.run_name, status="trained", steps=int(metrics.get("step", 0)),
+        passes=int(metrics.get("passes", 0)),
         tokens=int(metrics.get("tokens", 0)), final_loss=meta.get("final_loss", metrics.get("loss")),
         best_loss=meta.get("best_eval_loss"), checkpoint=public_uri(ckpt_uri),
         mlflow_run_id=run_id,

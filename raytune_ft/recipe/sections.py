@@ -78,7 +78,9 @@ class DataConfig:
     seq_len: int = 32768                     # tokens per packed block
     max_rows: int | None = None              # read at most this many rows (smoke runs)
     pack_window: int = 2048                  # conversations held for best-fit-decreasing packing
+    # a conversation over seq_len: "split" trains its pieces that hold an assistant token, "drop" skips it
     overlong: Literal["split", "drop"] = "split"
+    # passed to the chat template; a key it never reads is said before the run and not passed (ignored)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     num_cpus_per_op: float = 0.25            # fractional CPUs for Ray Data operators (no deadlock on small hosts)
     # processes tokenizing at once (None: one per training worker, at least 2); more replays a resumed
@@ -135,7 +137,9 @@ class TrainConfig:
     warmup_steps: int = 0
     schedule: Literal["constant", "cosine", "linear"] = "cosine"
     min_lr_ratio: float = 0.0
-    max_steps: int | None = None             # None: `epochs` passes over the data; else a cap on the steps
+    # None: `epochs` passes over the data; else the steps trained, the data repeated past one pass as
+    # transformers' max_steps does (each pass in a new seeded order; `epochs` then unused)
+    max_steps: int | None = None
     epochs: int = 1                          # passes; each after the first reshuffled (seed data.seed + epoch)
     micro_batch_size: int = 1                # packed blocks per micro-batch
     grad_accum: int = 1
