@@ -145,7 +145,7 @@ def test_background_saves_go_on_when_torchs_stager_closes_itself_after_each_stag
     from raytune_ft import compat
     from raytune_ft.train.state import TrainState
 
-    monkeypatch.setattr(compat, "_stager_closes_copier", lambda: True)
+    monkeypatch.setattr(compat.torch_internals, "_stager_closes_copier", lambda: True)
 
     stage = DefaultStager._stage
 

@@ -12,7 +12,8 @@ What counts as reading one, outside compat/:
   compat.RAY_TRAINER_INTERNALS);
 - the protocols that hand out an object's private state (`__reduce__`, `__tensor_flatten__`, ...);
 - importing a library module that is private in all but name (Ray's dashboard code).
-Names starting `_raytune` are the package's own marks on objects it holds.
+Names starting `_raytune` are the package's own marks on objects it holds; namedtuple's `_replace`, `_asdict`,
+... are its public methods.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ INTERNAL_MODULES = ("ray.dashboard",)
 # library methods that compat checks on the class that overrides or calls them
 CHECKED_METHODS = {*compat.TRAINER_INTERNALS, *compat.RAY_TRAINER_INTERNALS}
 OWN_MARK = "_raytune"
+# namedtuple's own methods: public, named with an underscore so that no field can take their names
+NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
 
 # deliberate exceptions, (module, the read as the finder writes it): why
 ALLOWED = {
@@ -41,7 +44,8 @@ ALLOWED = {
 
 
 def _private(name: str) -> bool:
-    return name.startswith("_") and not name.startswith("__") and not name.startswith(OWN_MARK)
+    return (name.startswith("_") and not name.startswith("__") and not name.startswith(OWN_MARK)
+            and name not in NAMEDTUPLE_API)
 
 
 def _aliases(tree: ast.AST) -> dict[str, str]:
@@ -236,7 +240,7 @@ def test_the_finder_leaves_the_packages_own_names_alone():
               "    def go(self, other):\n"
               "        self._state = 1\n"
               "        other._raytune_packed = True\n"
-              "        return att._flash(), other._own_helper(), self.replayed()._take, self._state\n"
+              "        return att._flash(), other._own_helper(), self.replayed()._take, self._state, other._replace(a=1)\n"
               "from trl import SFTTrainer\n"
               "class T(SFTTrainer):\n"
               "    _raytune_kept = -1\n"
