@@ -120,3 +120,17 @@ def test_a_run_past_one_pass_trains_its_steps_and_takes_no_empty_step(ray_local,
     assert history[-1]["lr"] == pytest.approx(recipe.train.lr * recipe.train.min_lr_ratio)
     # rank 0's counters: the empty step of each of the first 3 passes read past (the 4th ends first)
     assert result.metrics["passes"] == 4 and result.metrics["data/blocks_unsupervised"] == 3
+
+
+@pytest.mark.timeout(900)
+def test_the_trl_loop_trains_train_max_steps_past_one_pass(ray_local, tmp_path):
+    """The TRL loop (the Qwen3-4B recipe's --local job, 2 steps a pass on 40 rows): Hugging Face's trainer asks
+    for pass after pass until max_steps; it had stopped at the end of the first, its warning in a log file."""
+    from raytune_ft.driver.run import run
+    from tests.test_trl_resume_edges import EPOCH_STEPS, _recipe as trl_recipe
+
+    recipe = trl_recipe(tmp_path, "trl_passes", 0, "data.max_rows=40", "train.max_steps=5", "train.eval_every=0",
+                        "train.load_best_at_end=false", "train.checkpoint_every=5")
+    summary = run(recipe, local=True)
+    assert EPOCH_STEPS == 2 and summary.steps == 5 and summary.passes == 3
+    assert "  steps            5 (3 passes over the data)" in summary.lines()
