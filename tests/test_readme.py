@@ -53,8 +53,7 @@ SKIPPED = {
     "--set tracking.storage_path=/mnt/shared/raytune_runs --set tracking.tracking_uri=http://HEAD_NODE:5000":
         "a Ray cluster of two GPU nodes",
 }
-SKIPPED["raytune-ft data check qwen27b_b300 --local --set data.validation_split=none "
-        "--set data.source=s3://my-bucket/chat/"] = "an S3 bucket: tests/test_data_s3.py reads a two-source mixture " \
+SKIPPED["raytune-ft data check qwen27b_b300 --local --set data.source=s3://my-bucket/chat/"] = "an S3 bucket: tests/test_data_s3.py reads a two-source mixture " \
                                                   "from a SeaweedFS server"
 SERVERS = {"mlflow ui --backend-store-uri sqlite:///runs/qwen27b-local/mlflow.db": "http://127.0.0.1:5000"}
 
