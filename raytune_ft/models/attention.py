@@ -244,6 +244,12 @@ def raytune_varlen_attention(module, query, key, value, attention_mask, scaling=
     `varlen_attention`; anything else (plain or padded batches, generation) through causal SDPA."""
     b, h, t, d = query.shape
     kv_len = key.shape[2]
+    cp = kwargs.get("context_parallel")   # this rank holds part of the block (models/context_parallel)
+    if cp is not None:
+        if b != 1 or kv_len != t:
+            raise ValueError("context parallelism takes one packed row per rank and no cache")
+        out = cp.attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), scaling)
+        return out[None], None
     cu = packing_from_kwargs(kwargs, b * t, query.device) if kv_len == t else None
     if cu is not None:
         q = query.transpose(1, 2).reshape(b * t, h, d)

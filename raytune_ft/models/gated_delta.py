@@ -284,8 +284,13 @@ def _packed_gdn_forward(self, hidden_states: torch.Tensor, cache=None, attention
     b = self.in_proj_b(x)
     a = self.in_proj_a(x)
 
-    mixed_qkv = segment_causal_conv1d(mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, cu,
-                                      activation=self.activation).transpose(1, 2)
+    cp = kwargs.get("context_parallel")   # this rank holds part of the block (models/context_parallel)
+    if cp is not None:
+        mixed_qkv = cp.causal_conv1d(mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                                     self.activation).transpose(1, 2)
+    else:
+        mixed_qkv = segment_causal_conv1d(mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, cu,
+                                          activation=self.activation).transpose(1, 2)
     query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     query = query.reshape(1, bsz * seq_len, -1, self.head_k_dim)
     key = key.reshape(1, bsz * seq_len, -1, self.head_k_dim)
@@ -293,7 +298,10 @@ def _packed_gdn_forward(self, hidden_states: torch.Tensor, cache=None, attention
 
     beta = b.sigmoid()
     g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)   # fp32, as transformers does
-    core = segment_gated_delta_rule(query, key, value, g, beta, cu)
+    if cp is not None:
+        core = cp.gated_delta_rule(query, key, value, g, beta)
+    else:
+        core = segment_gated_delta_rule(query, key, value, g, beta, cu)
 
     core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(core.reshape(bsz, seq_len, -1))

@@ -1,0 +1,81 @@
+"""Full attention on one rank's share: its queries over the gathered keys of their own conversations."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from raytune_ft.models.attention import _flash_attn_varlen, _torch_varlen, select_attention_backend
+from raytune_ft.models.context_parallel.exchange import gather_ranks
+from raytune_ft.models.context_parallel.layout import CPShard, Piece, zigzag_index
+
+
+_DENSE_MASK_MAX = 8192 * 8192     # query x key entries above which the CPU path loops over pieces
+
+
+def cp_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, shard: CPShard,
+                 scaling: float | None = None) -> torch.Tensor:
+    """Causal attention of this rank's queries (T_local, H, d) over the whole block's keys of their own
+    conversation: K and V (T_local, Hkv, d) are all-gathered. Returns (T_local, H, d)."""
+    d = k_THD.shape[-1]
+    kv = gather_ranks(torch.cat([k_THD, v_THD], dim=-1), shard)          # (size, T_local, Hkv, 2d)
+    kv = kv.reshape(-1, *kv.shape[2:])
+    order = torch.cat([zigzag_index(shard.total, shard.size, r) for r in range(shard.size)])
+    kv_global = torch.empty_like(kv).index_copy(0, order.to(kv.device), kv)
+    k_all, v_all = kv_global[..., :d], kv_global[..., d:]
+    pieces = shard.pieces(0) + shard.pieces(1)
+    backend = select_attention_backend(q_THD.device)
+    if q_THD.dtype in (torch.float16, torch.bfloat16) and backend in ("flash_attn", "torch_varlen"):
+        return _varlen_pieces(q_THD, k_all, v_all, pieces, scaling, backend)
+    gqa = q_THD.shape[1] != k_all.shape[1]
+    if q_THD.shape[0] * shard.total <= _DENSE_MASK_MAX:
+        conversation = torch.as_tensor(np.searchsorted(shard.cu_global, np.arange(shard.total), side="right") - 1)
+        idx = shard.index
+        mask = ((conversation[idx][:, None] == conversation[None, :])
+                & (torch.arange(shard.total)[None, :] <= idx[:, None]))
+        out = F.scaled_dot_product_attention(
+            q_THD.transpose(0, 1)[None], k_all.transpose(0, 1)[None], v_all.transpose(0, 1)[None],
+            attn_mask=mask.to(q_THD.device), scale=scaling, enable_gqa=gqa)
+        return out[0].transpose(0, 1)
+    outs = []
+    for p in pieces:                 # a query piece sees its conversation's keys up to its last token
+        nq, nk = p.end - p.start, p.global_start + p.end - p.start - p.conv_start
+        ks = slice(p.conv_start, p.conv_start + nk)
+        mask = torch.ones(nq, nk, dtype=torch.bool, device=q_THD.device).tril(nk - nq)
+        o = F.scaled_dot_product_attention(
+            q_THD[p.start:p.end].transpose(0, 1)[None], k_all[ks].transpose(0, 1)[None],
+            v_all[ks].transpose(0, 1)[None], attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _varlen_pieces(q_THD, k_all, v_all, pieces: list[Piece], scaling, backend: str):
+    """A varlen kernel over the local query pieces, each with its conversation's keys up to its last
+    token: causal with more keys than queries aligns bottom-right in both kernels (FlashAttention >= 2.1
+    and torch's varlen_attn, which runs FlashAttention's kernel), so a query sees exactly the earlier keys."""
+    dev = q_THD.device
+    key_idx = torch.cat([torch.arange(p.conv_start, p.global_start + p.end - p.start) for p in pieces]).to(dev)
+    q_lens = [p.end - p.start for p in pieces]
+    k_lens = [p.global_start + p.end - p.start - p.conv_start for p in pieces]
+    cu_q = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32, device=dev)
+    cu_k = torch.tensor([0, *np.cumsum(k_lens)], dtype=torch.int32, device=dev)
+    k, v = k_all.index_select(0, key_idx), v_all.index_select(0, key_idx)
+    if backend == "flash_attn":
+        return _flash_attn_varlen()(q_THD, k, v, cu_q, cu_k, max(q_lens), max(k_lens), dropout_p=0.0,
+                                    softmax_scale=scaling, causal=True)
+    fn, params = _torch_varlen()
+    kw: dict[str, Any] = {"window_size": (-1, 0)}            # causal
+    if scaling is not None:
+        if "scale" in params:
+            kw["scale"] = scaling
+        else:
+            q_THD = q_THD * (scaling * q_THD.shape[-1] ** 0.5)
+    if q_THD.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            rep = q_THD.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return fn(q_THD, k, v, cu_q, cu_k, max(q_lens), max(k_lens), **kw)
