@@ -249,12 +249,12 @@ def cli_register(argv: list[str]) -> int:
     from raytune_ft.console import library_log, own_lines_only
 
     log_file = own_lines_only(library_log("register", per_call=True), preload=("torch", "mlflow", "transformers"))
-    from raytune_ft.registry import RegistrationError, record_failure, register_checkpoint
+    from raytune_ft.registry import RegistrationError, RegistryTarget, record_failure, register_checkpoint
 
     try:
-        result = register_checkpoint(args.checkpoint, args.name, tracking_uri=args.tracking_uri,
-                                     registry_uri=args.registry_uri, timeout_s=args.timeout,
-                                     run_id=args.run_id, log_from_disk=not args.in_memory)
+        result = register_checkpoint(args.checkpoint, args.name,
+                                     RegistryTarget(args.tracking_uri, args.registry_uri, run_id=args.run_id),
+                                     timeout_s=args.timeout, log_from_disk=not args.in_memory)
     except RegistrationError as e:
         outcome = record_failure(args.checkpoint, args.name, args.tracking_uri, args.registry_uri,
                                  e.run_id or args.run_id, str(e))

@@ -222,7 +222,7 @@ def test_lora_checkpoint_is_merged_beside_it_and_registered(tmp_path, fixtures):
     before = tree_hashes(ckpt)
 
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    result = registry.register_checkpoint(str(ckpt), "main.default.tiny_lora", tracking_uri=tracking)
+    result = registry.register_checkpoint(str(ckpt), "main.default.tiny_lora", registry.RegistryTarget(tracking))
     assert result.version == "1"
     assert tree_hashes(ckpt) == before
     merged = registry.merged_folder_for(ckpt)
@@ -289,7 +289,7 @@ def test_lora_checkpoint_merged_in_training_registers_as_a_full_model(tmp_path, 
         {"job": "qwen27b_lora", "model_name": "Qwen/Qwen2-0.5B", "revision": "91d2e1b", "family": "qwen2",
          "step": 1, "final_loss": 3.0, "run_name": "lora-merged", "lora": True}))
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    result = registry.register_checkpoint(str(ckpt), "main.default.tiny_merged", tracking_uri=tracking)
+    result = registry.register_checkpoint(str(ckpt), "main.default.tiny_merged", registry.RegistryTarget(tracking))
     assert result.version == "1" and not registry.merged_folder_for(ckpt).exists()
     _assert_records_base_and_adapter(tracking, "main.default.tiny_merged", "1", tmp_path)
     import mlflow
@@ -444,7 +444,7 @@ def test_databricks_token_is_written_nowhere(server, checkpoint, tmp_path, monke
     monkeypatch.setenv("DATABRICKS_HOST", "https://example.invalid")
     name = f"main.default.secret_{uuid.uuid4().hex[:6]}"
     result = registry.register_checkpoint(
-        str(checkpoint), name, tracking_uri=server.uri,
+        str(checkpoint), name, registry.RegistryTarget(server.uri),
         # a careless caller passing it along: dropped by key, redacted by value
         metadata={"databricks_token": secret, "note": f"auth {secret}", "nested": {"api_key": secret}})
 

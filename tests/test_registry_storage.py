@@ -50,7 +50,7 @@ def test_register_from_s3_uri_reads_only_the_model_and_is_idempotent_on_retry(s3
         return got
 
     monkeypatch.setattr(storage, "download", counting_download)
-    first = registry.register_checkpoint(c["uri"], name, tracking_uri=c["tracking"], run_id=c["run_id"])
+    first = registry.register_checkpoint(c["uri"], name, registry.RegistryTarget(c["tracking"], run_id=c["run_id"]))
     assert first.version == "1"
     assert "raytune_meta.json" in fetched and any(f.startswith("hf/") for f in fetched)
     assert not any(f.startswith("dcp/") for f in fetched)
@@ -66,12 +66,13 @@ def test_register_from_s3_uri_reads_only_the_model_and_is_idempotent_on_retry(s3
     assert f"raytune-ft register {c['uri']} --name {name}" in outcome.retry_command
     assert storage.read_json(c["st"].fs, c["st"].path("registration_failed.json"))["checkpoint"] == c["uri"]
     # the retry finds the version that attempt made (e.g. it timed out after registering): no second one
-    again = registry.register_checkpoint(c["uri"], name, tracking_uri=c["tracking"], run_id=c["run_id"])
+    again = registry.register_checkpoint(c["uri"], name, registry.RegistryTarget(c["tracking"], run_id=c["run_id"]))
     assert again.version == "1" and _versions(c["client"], name) == ["1"]
     assert not storage.exists(c["st"].fs, c["st"].path("registration_failed.json"))   # cleared on success
     assert registry.find_registered_version(c["uri"], name, tracking_uri=c["tracking"]).version == "1"
     # registering the same checkpoint under the same name again, after a finished registration: still one version
-    assert registry.register_checkpoint(c["uri"], name, tracking_uri=c["tracking"], run_id=c["run_id"]).version == "1"
+    target = registry.RegistryTarget(c["tracking"], run_id=c["run_id"])
+    assert registry.register_checkpoint(c["uri"], name, target).version == "1"
     assert _versions(c["client"], name) == ["1"]
 
 
@@ -97,7 +98,7 @@ def test_transient_errors_are_retried_without_a_second_version(s3_checkpoint, mo
 
     monkeypatch.setattr(mlflow.transformers, "log_model", registers_then_loses_the_answer)
     name = "main.default.tiny_flaky"
-    result = registry.register_checkpoint(c["uri"], name, tracking_uri=c["tracking"], run_id=c["run_id"])
+    result = registry.register_checkpoint(c["uri"], name, registry.RegistryTarget(c["tracking"], run_id=c["run_id"]))
     assert result.version == "1" and len(calls) == 1          # found, not logged again
     # found by its run (the lost answer left it untagged), then named after its checkpoint for later retries
     assert c["client"].get_model_version(name, "1").tags[registry.base.CHECKPOINT_TAG] == c["uri"]
@@ -113,5 +114,5 @@ def test_transient_errors_are_retried_without_a_second_version(s3_checkpoint, mo
 
     monkeypatch.setattr(mlflow.transformers, "log_model", refuses)
     with pytest.raises(registry.RegistrationError, match="PERMISSION_DENIED|lacks"):
-        registry.register_checkpoint(c["uri"], "main.default.tiny_refused", tracking_uri=c["tracking"])
+        registry.register_checkpoint(c["uri"], "main.default.tiny_refused", registry.RegistryTarget(c["tracking"]))
     assert len(calls) == 1

@@ -31,12 +31,12 @@ def test_failed_version_tag_write_then_retry_keeps_one_version(tmp_path, fixture
         return real_write(self, *args, **kwargs)
 
     monkeypatch.setattr(MlflowClient, "set_model_version_tag", fails_once)
-    first = registry.register_checkpoint(str(ckpt), name, tracking_uri=tracking, timeout_s=300)
+    first = registry.register_checkpoint(str(ckpt), name, registry.RegistryTarget(tracking), timeout_s=300)
     assert failures, "the tag write was never attempted"
     client = MlflowClient(tracking)
     assert "raytune.checkpoint" not in client.get_model_version(name, first.version).tags
 
-    again = registry.register_checkpoint(str(ckpt), name, tracking_uri=tracking, timeout_s=300)
+    again = registry.register_checkpoint(str(ckpt), name, registry.RegistryTarget(tracking), timeout_s=300)
     assert again.version == first.version
     versions = client.search_model_versions(f"name = '{name}'")
     assert [str(v.version) for v in versions] == [first.version]

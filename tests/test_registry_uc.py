@@ -108,10 +108,9 @@ def test_uc_oss_registration_calls_and_three_level_name(tmp_path, fixtures, monk
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"  # runs and logged models; versions live in UC
 
     with FakeUnityCatalog(tmp_path / "uc_storage") as uc:
-        first = registry.register_checkpoint(str(ckpt), "main.default.tiny_uc", tracking_uri=tracking,
-                                             registry_uri=uc.uri)
-        second = registry.register_checkpoint(str(ckpt), "main.default.tiny_uc", tracking_uri=tracking,
-                                              registry_uri=uc.uri)
+        target = registry.RegistryTarget(tracking, uc.uri)
+        first = registry.register_checkpoint(str(ckpt), "main.default.tiny_uc", target)
+        second = registry.register_checkpoint(str(ckpt), "main.default.tiny_uc", target)
         assert (first.version, second.version) == ("1", "2")
         assert first.model_uri == "models:/main.default.tiny_uc/1"
 

@@ -23,7 +23,7 @@ Registry targets, chosen by the registry URI (names are always catalog.schema.mo
   - "uc:http://host:port": an open-source Unity Catalog server, through MLflow's UC OSS client.
 """
 from raytune_ft.registry.base import (CHAT_TASK, FAILURE_FILE, STATUS_TAG, RegistrationError, RegistrationOutcome,
-                                      RegistrationResult)
+                                      RegistrationResult, RegistryTarget)
 from raytune_ft.registry.mlflow_model import find_registered_version, register_checkpoint
 from raytune_ft.registry.outcome import failure_file_for, record_failure, retry_command
 from raytune_ft.registry.resolve import count_parameters, merge_lora, merged_folder_for, resolve_hf_folder
@@ -31,6 +31,7 @@ from raytune_ft.registry.task import register_task, run_registration
 
 __all__ = [
     "CHAT_TASK", "FAILURE_FILE", "STATUS_TAG", "RegistrationError", "RegistrationOutcome", "RegistrationResult",
+    "RegistryTarget",
     "register_checkpoint", "find_registered_version", "failure_file_for", "record_failure", "retry_command", "count_parameters",
     "merge_lora", "merged_folder_for", "resolve_hf_folder", "register_task", "run_registration",
 ]

@@ -39,6 +39,17 @@ class RegistrationError(RuntimeError):
         return (type(self), (str(self), self.run_id))
 
 
+@dataclass(frozen=True)
+class RegistryTarget:
+    """Where a registration goes: the tracking store, the registry (None: the one the tracking URI
+    implies), and the run the model is logged under (None: a new run in `experiment`, or the tracking
+    store's default experiment)."""
+    tracking_uri: str
+    registry_uri: str | None = None
+    run_id: str | None = None
+    experiment: str | None = None
+
+
 @dataclass
 class RegistrationResult:
     name: str            # catalog.schema.model

@@ -16,6 +16,7 @@ import importlib.metadata
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,7 +24,7 @@ from raytune_ft import compat
 from raytune_ft.env import NO_RUN_URL_PRINT, redact, redact_exception, scoped_env
 from raytune_ft.recipe.recipe import RecipeError, validate_registry_name
 from raytune_ft.registry.base import (CHAT_TASK, CHECKPOINT_TAG, STATUS_TAG, RegistrationError, RegistrationResult,
-                                      checkpoint_id, logger)
+                                      RegistryTarget, checkpoint_id, logger)
 from raytune_ft.registry.outcome import clear_failure_record, read_failure_record
 from raytune_ft.registry.resolve import (ADAPTER_ARTIFACT, build_metadata, hf_config, local_checkpoint,
                                         resolve_hf_folder, version_tags)
@@ -59,7 +60,9 @@ def _mlflow_target(tracking_uri: str, registry_uri: str | None) -> Iterator[None
 
 
 class _Deadline:
-    fired = False
+    def __init__(self, timeout_s: float | None):
+        self.timeout_s = timeout_s
+        self.fired = False
 
 
 @contextlib.contextmanager
@@ -70,7 +73,7 @@ def _deadline(timeout_s: float | None) -> Iterator[_Deadline]:
     surface as an unrelated-looking SystemError. That exception can land anywhere in MLflow's client (a
     lock held, a thread pool half-fed): the process it went off in is not used for more MLflow work, the
     command line exits and the post-fit task's worker process serves one call (registry.task)."""
-    state = _Deadline()
+    state = _Deadline(timeout_s)
     usable = (timeout_s and timeout_s > 0 and hasattr(signal, "SIGALRM")
               and threading.current_thread() is threading.main_thread())
     if not usable:
@@ -287,15 +290,24 @@ def _tag_version(name: str, version: str, ckpt_id: str, tags: dict | None = None
                        "tags): %s", name, version, redact_exception(e))
 
 
-def register_checkpoint(checkpoint_path: str, name: str, *, tracking_uri: str,
-                        registry_uri: str | None = None, timeout_s: float = 1800,
-                        run_id: str | None = None, metadata: dict | None = None,
-                        log_from_disk: bool = True, experiment: str | None = None) -> RegistrationResult:
+@dataclass(frozen=True)
+class _Checkpoint:
+    """A checkpoint being registered: its local folder, how tags name it, its Hugging Face folder, its
+    meta file's contents and the model's metadata."""
+    path: Path
+    id: str
+    hf_dir: Path
+    meta: dict
+    metadata: dict
+
+
+def register_checkpoint(checkpoint_path: str, name: str, target: RegistryTarget, *, timeout_s: float = 1800,
+                        metadata: dict | None = None, log_from_disk: bool = True) -> RegistrationResult:
     """Log a checkpoint's HF model to MLflow as an llm/v1/chat model and register it as `name`.
 
     `checkpoint_path`: a local folder or a URI (s3://...; only its meta file and model folder are read).
-    `run_id`: log under the training run (reopened, left FINISHED); None starts a new run in
-    `experiment`. `log_from_disk`: hand MLflow the folder path (no weights in RAM) instead of a
+    `target.run_id`: log under the training run (reopened, left FINISHED); None starts a new run in
+    `target.experiment`. `log_from_disk`: hand MLflow the folder path (no weights in RAM) instead of a
     loaded model. The original checkpoint files are only read. Transient registry errors are retried
     (RETRY_ATTEMPTS, with backoff); a version of `name` already made from this checkpoint (a retry, a
     re-submit) is returned, not made again. Raises RegistrationError.
@@ -304,15 +316,15 @@ def register_checkpoint(checkpoint_path: str, name: str, *, tracking_uri: str,
     import mlflow
     from mlflow import MlflowClient
 
-    ckpt_id = checkpoint_id(checkpoint_path)
+    ckpt_id, run_id = checkpoint_id(checkpoint_path), target.run_id
     state = {"run_id": run_id}
-    deadline = _Deadline()
+    deadline = _Deadline(timeout_s)
     try:
-        with _deadline(timeout_s) as deadline, _mlflow_target(tracking_uri, registry_uri), \
-                local_checkpoint(checkpoint_path) as ckpt:
-            meta = read_meta(ckpt) if ckpt.is_dir() else {}
-            hf_dir = resolve_hf_folder(ckpt)
-            md = build_metadata(hf_dir, meta, metadata)
+        with _deadline(timeout_s) as deadline, _mlflow_target(target.tracking_uri, target.registry_uri), \
+                local_checkpoint(checkpoint_path) as local:
+            meta = read_meta(local) if local.is_dir() else {}
+            hf_dir = resolve_hf_folder(local)
+            ckpt = _Checkpoint(local, ckpt_id, hf_dir, meta, build_metadata(hf_dir, meta, metadata))
             reuse = _unfinished_before(ckpt_id, name, run_id)
             for attempt in range(RETRY_ATTEMPTS):
                 # a version tagged with this checkpoint is returned, never made twice (a retried `raytune-ft
@@ -330,9 +342,7 @@ def register_checkpoint(checkpoint_path: str, name: str, *, tracking_uri: str,
                     state["run_id"] = found.run_id or run_id
                     break
                 try:
-                    version = _log_and_register(ckpt, ckpt_id, hf_dir, name, meta, md, run_id=run_id,
-                                                experiment=experiment, tracking_uri=tracking_uri,
-                                                log_from_disk=log_from_disk, timeout_s=timeout_s,
+                    version = _log_and_register(ckpt, name, target, log_from_disk=log_from_disk,
                                                 deadline=deadline, state=state)
                     break
                 except BaseException as e:
@@ -363,33 +373,33 @@ def register_checkpoint(checkpoint_path: str, name: str, *, tracking_uri: str,
                               run_id=state["run_id"])
 
 
-def _log_and_register(ckpt: Path, ckpt_id: str, hf_dir: Path, name: str, meta: dict, md: dict, *,
-                      run_id: str | None, experiment: str | None, tracking_uri: str, log_from_disk: bool,
-                      timeout_s: float, deadline: _Deadline, state: dict) -> str:
+def _log_and_register(ckpt: _Checkpoint, name: str, target: RegistryTarget, *, log_from_disk: bool,
+                      deadline: _Deadline, state: dict) -> str:
     """One attempt: log the model under the run, register it, tag the version with its checkpoint."""
     import mlflow
 
-    if run_id:
-        run = mlflow.start_run(run_id=run_id)
+    if target.run_id:
+        run = mlflow.start_run(run_id=target.run_id)
     else:
-        _ensure_experiment(experiment or _default_experiment(tracking_uri), tracking_uri)
-        run = mlflow.start_run(run_name=f"{meta.get('run_name', ckpt.name)}-register")
+        _ensure_experiment(target.experiment or _default_experiment(target.tracking_uri), target.tracking_uri)
+        run = mlflow.start_run(run_name=f"{ckpt.meta.get('run_name', ckpt.path.name)}-register")
     state["run_id"] = run.info.run_id
+    timeout_s, meta, hf_dir = deadline.timeout_s, ckpt.meta, ckpt.hf_dir
     try:
-        mlflow.set_tags({STATUS_TAG: "registering", CHECKPOINT_TAG: ckpt_id,
+        mlflow.set_tags({STATUS_TAG: "registering", CHECKPOINT_TAG: ckpt.id,
                          "raytune.registered_model_name": name})
         model_arg: Any = str(hf_dir.resolve()) if log_from_disk else _load_components(hf_dir)
         shim = _pipeline_impl_shim() if log_from_disk else contextlib.nullcontext()
         with shim, compat.mlflow_registration_prints_off():
             info = mlflow.transformers.log_model(
                 transformers_model=model_arg,
-                name=logged_model_name(meta, ckpt),
+                name=logged_model_name(meta, ckpt.path),
                 task=CHAT_TASK,
                 signature=chat_signature(),
-                metadata=md,
+                metadata=ckpt.metadata,
                 pip_requirements=pip_requirements(),
                 registered_model_name=name,
-                model_card=_model_card(meta, md),
+                model_card=_model_card(meta, ckpt.metadata),
                 torch_dtype=_torch_dtype(hf_dir),
                 await_registration_for=int(min(timeout_s, 600)) if timeout_s else 300,
             )
@@ -397,9 +407,9 @@ def _log_and_register(ckpt: Path, ckpt_id: str, hf_dir: Path, name: str, meta: d
         if deadline.fired:  # the alarm's TimeoutError was swallowed by a broad except in a library
             raise TimeoutError(f"registration did not finish within {timeout_s:g}s")
         version = str(info.registered_model_version)
-        if (ckpt / "adapter" / "adapter_config.json").is_file():   # LoRA: the adapter itself beside the model
-            mlflow.log_artifacts(str(ckpt / "adapter"), artifact_path=ADAPTER_ARTIFACT)
-        _tag_version(name, version, ckpt_id, version_tags(meta, ckpt))
+        if (ckpt.path / "adapter" / "adapter_config.json").is_file():   # LoRA: the adapter itself beside the model
+            mlflow.log_artifacts(str(ckpt.path / "adapter"), artifact_path=ADAPTER_ARTIFACT)
+        _tag_version(name, version, ckpt.id, version_tags(meta, ckpt.path))
         mlflow.set_tags({STATUS_TAG: "registered", "raytune.registered_model_version": version})
         return version
     finally:

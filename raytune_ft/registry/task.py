@@ -12,7 +12,7 @@ from typing import Any
 
 from raytune_ft.env import redact_exception
 from raytune_ft.recipe.recipe import RegistryConfig
-from raytune_ft.registry.base import RegistrationError, RegistrationOutcome, RegistrationResult, logger
+from raytune_ft.registry.base import RegistrationError, RegistrationOutcome, RegistrationResult, RegistryTarget, logger
 from raytune_ft.registry.mlflow_model import register_checkpoint
 from raytune_ft.registry.outcome import record_failure
 
@@ -50,9 +50,8 @@ def run_registration(checkpoint_path: str, registry_cfg: RegistryConfig, trackin
     ref = None
     try:
         ref = register_task().options(**options).remote(
-            checkpoint_path, registry_cfg.name, tracking_uri=tracking_uri,
-            registry_uri=registry_cfg.registry_uri, timeout_s=registry_cfg.timeout_s,
-            run_id=run_id, metadata=metadata)
+            checkpoint_path, registry_cfg.name, RegistryTarget(tracking_uri, registry_cfg.registry_uri, run_id=run_id),
+            timeout_s=registry_cfg.timeout_s, metadata=metadata)
         result: RegistrationResult = ray.get(ref, timeout=registry_cfg.timeout_s + _KILL_GRACE_S)
         logger.info("registered %s version %s (%s)", result.name, result.version, result.model_uri)
         return RegistrationOutcome(ok=True, result=result)
