@@ -23,6 +23,7 @@ from raytune_ft.models.tiny import tiny_config
 
 CFG = tiny_config("qwen3_5", 512)
 F32 = torch.float32
+ON_CPU = kc.KernelUse(CFG, "cpu", F32)     # the stand-ins, checked in fp32
 
 
 # ----------------------------------------------------------------- stand-ins (CPU)
@@ -121,7 +122,7 @@ def new_run(store):
 def test_correct_stand_ins_pass_and_are_tagged(mlflow_store):
     run_id, tag, tags = new_run(mlflow_store)
     lines: list[str] = []
-    report = kc.check_kernels(CFG, "cpu", dtype=F32, paths=all_good_paths(), log_line=lines.append, tag=tag)
+    report = kc.check_kernels(ON_CPU, paths=all_good_paths(), log_line=lines.append, tag=tag)
     assert report.checked and report.failures == []
     assert report.in_use == {"attention": "attn_ok", "gdn_conv": "conv_ok", "gdn_recurrence": "rec_ok",
                              "fused_ce": "ce_ok"}
@@ -144,7 +145,7 @@ def test_bad_attention_is_caught_switched_off_logged_and_tagged(mlflow_store, ba
     lines: list[str] = []
     # the bad kernel is preferred ("torch_varlen", a real name so the hook is exercised); the good one is next
     path = fp.attention_path(CFG, [K("torch_varlen", bad, ("torch",)), K("attn_ok", good_attention)])
-    report = kc.check_kernels(CFG, "cpu", dtype=F32, paths=[path], log_line=lines.append, tag=tag)
+    report = kc.check_kernels(ON_CPU, paths=[path], log_line=lines.append, tag=tag)
 
     assert [(f.kernel, f.what) for f in report.failures] == [("torch_varlen", what)]
     assert detail in report.failures[0].detail
@@ -176,7 +177,7 @@ def test_gated_delta_leaks_are_caught(monkeypatch, path_fn, bad, good, name):
     assert name in gd.gated_delta_backends("cuda").values()
     lines: list[str] = []
     fallback = path_fn(CFG, []).fallback
-    report = kc.check_kernels(CFG, "cpu", dtype=F32, paths=[path_fn(CFG, [K(name, bad)])], log_line=lines.append)
+    report = kc.check_kernels(ON_CPU, paths=[path_fn(CFG, [K(name, bad)])], log_line=lines.append)
     assert [(f.kernel, f.what) for f in report.failures] == [(name, "leaks across a boundary")]
     assert report.in_use == {path_fn(CFG, []).name: fallback}
     assert name not in gd.gated_delta_backends("cuda").values()
@@ -185,7 +186,7 @@ def test_gated_delta_leaks_are_caught(monkeypatch, path_fn, bad, good, name):
 
 
 def test_wrong_fused_loss_is_caught():
-    report = kc.check_kernels(CFG, "cpu", dtype=F32, paths=[fp.fused_ce_path(CFG, [K("liger", mean_ce)])],
+    report = kc.check_kernels(ON_CPU, paths=[fp.fused_ce_path(CFG, [K("liger", mean_ce)])],
                               log_line=lambda _: None)
     assert [(f.kernel, f.what) for f in report.failures] == [("liger", "wrong values")]
     assert report.in_use == {"fused_ce": "torch"}
@@ -194,7 +195,7 @@ def test_wrong_fused_loss_is_caught():
 def test_every_candidate_failing_falls_back_to_the_reference_path():
     path = fp.attention_path(CFG, [K("flash_attn", raising_attention), K("torch_varlen", leaky_attention)])
     lines: list[str] = []
-    report = kc.check_kernels(CFG, "cpu", dtype=F32, paths=[path], log_line=lines.append)
+    report = kc.check_kernels(ON_CPU, paths=[path], log_line=lines.append)
     assert [f.kernel for f in report.failures] == ["flash_attn", "torch_varlen"]
     assert report.in_use == {"attention": "sdpa_blockdiag"}
     assert {"flash_attn", "torch_varlen"} <= DISABLED_KERNELS
@@ -206,7 +207,7 @@ def test_strict_mode_stops_with_a_clear_error(mlflow_store):
     run_id, tag, tags = new_run(mlflow_store)
     path = fp.attention_path(CFG, [K("torch_varlen", wrong_attention, ("torch",)), K("attn_ok", good_attention)])
     with pytest.raises(kc.KernelCheckError) as err:
-        kc.check_kernels(CFG, "cpu", mode="strict", dtype=F32, paths=[path], log_line=lambda _: None, tag=tag)
+        kc.check_kernels(ON_CPU, mode="strict", paths=[path], log_line=lambda _: None, tag=tag)
     msg = str(err.value)
     assert msg.startswith("train.kernels=strict: the start-up kernel check failed on this GPU")
     assert "torch_varlen (full attention) failed: wrong values" in msg and f"torch {torch.__version__}" in msg
@@ -239,13 +240,14 @@ def test_a_loop_worker_logs_through_its_worker_log_and_tags_its_run(mlflow_store
 
 
 def test_strict_mode_passes_when_every_kernel_is_right():
-    report = kc.check_kernels(CFG, "cpu", mode="strict", dtype=F32, paths=all_good_paths(), log_line=lambda _: None)
+    report = kc.check_kernels(ON_CPU, mode="strict", paths=all_good_paths(), log_line=lambda _: None)
     assert report.failures == [] and report.in_use["attention"] == "attn_ok"
 
 
 def test_bf16_tolerance_accepts_a_correct_kernel_in_bf16():
     """The stated bf16 bound is met by a correct kernel computing in bf16 (not only in fp32)."""
-    report = kc.check_kernels(CFG, "cpu", dtype=torch.bfloat16, paths=all_good_paths()[:3], log_line=lambda _: None)
+    report = kc.check_kernels(kc.KernelUse(CFG, "cpu", torch.bfloat16), paths=all_good_paths()[:3],
+                              log_line=lambda _: None)
     assert report.failures == [], report.failures
     assert all(0 < v <= fp.TOLERANCE[k.split("/")[0]][torch.bfloat16] / 2 for k, v in report.errors.items()
                if not k.startswith("gdn_recurrence")), report.errors
@@ -254,7 +256,7 @@ def test_bf16_tolerance_accepts_a_correct_kernel_in_bf16():
 def test_on_cpu_without_candidates_nothing_is_checked(mlflow_store):
     run_id, tag, tags = new_run(mlflow_store)
     lines: list[str] = []
-    report = kc.check_kernels(CFG, "cpu", log_line=lines.append, tag=tag)
+    report = kc.check_kernels(kc.KernelUse(CFG, "cpu"), log_line=lines.append, tag=tag)
     assert not report.checked and report.failures == []
     assert report.in_use == {"attention": "sdpa_blockdiag", "gdn_conv": "torch_segmented",
                              "gdn_recurrence": "torch_per_segment"}
@@ -264,14 +266,14 @@ def test_on_cpu_without_candidates_nothing_is_checked(mlflow_store):
 
 def test_off_mode_runs_nothing():
     path = fp.attention_path(CFG, [K("torch_varlen", raising_attention)])
-    report = kc.check_kernels(CFG, "cpu", mode="off", paths=[path], log_line=lambda _: None)
+    report = kc.check_kernels(kc.KernelUse(CFG, "cpu"), mode="off", paths=[path], log_line=lambda _: None)
     assert not report.checked and report.failures == [] and not DISABLED_KERNELS
     assert "train.kernels=off" in report.note
 
 
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="train.kernels must be one of check, strict, off"):
-        kc.check_kernels(CFG, "cpu", mode="fast")
+        kc.check_kernels(kc.KernelUse(CFG, "cpu"), mode="fast")
 
 
 def test_qwen3_has_no_gated_delta_paths():
@@ -302,7 +304,7 @@ def _rank_main(rank, world, port, q):
         first = wrong_attention if rank == 1 else good_attention
         path = fp.attention_path(CFG, [K("torch_varlen", first), K("attn_ok", good_attention)])
         lines: list[str] = []
-        report = kc.check_kernels(CFG, "cpu", dtype=F32, paths=[path], log_line=lines.append)
+        report = kc.check_kernels(ON_CPU, paths=[path], log_line=lines.append)
         q.put((rank, (report.in_use, sorted(DISABLED_KERNELS), lines)))
         q.close()
         q.join_thread()          # the queue's feeder thread has sent it before the rank leaves

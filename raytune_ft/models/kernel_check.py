@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -85,7 +85,29 @@ class KernelReport:
         return f"kernels in use ({how}): " + ", ".join(f"{k}={v}" for k, v in self.in_use.items())
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelUse:
+    """What a loop will run its kernels with: the model's HF config, the device, the compute dtype, and
+    whether Liger's fused loss is on (the TRL loop)."""
+    cfg: Any
+    device: torch.device | str
+    dtype: torch.dtype = torch.bfloat16
+    liger: bool = False
+
+
 # ----------------------------------------------------------------- checking one kernel
+
+@dataclasses.dataclass(frozen=True)
+class _Packed:
+    """The packed input a kernel was checked on: the path's case, the kernel's inputs (cast to `dtype`),
+    the boundaries (cu_seqlens, the longest, each conversation's length)."""
+    case: Case
+    x: dict
+    cu: torch.Tensor
+    max_len: int
+    lens: tuple
+    dtype: torch.dtype
+
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
@@ -161,7 +183,7 @@ def check_one(path: FastPath, kernel: Kernel, device: torch.device, dtype: torch
     if tuple(out.shape) != tuple(_expected_shape(path, case, x, lens)) or missing:
         return fail("wrong values", f"output shape {tuple(out.shape)}" + (f", no gradient for {missing}" if missing else ""))
     try:
-        leak = _leak(path, case, kernel, x, out, cu, max_len, lens, dtype, gen)
+        leak = _leak(path, kernel, _Packed(case, x, cu, max_len, tuple(lens), dtype), out, gen)
     except Exception as e:  # noqa: BLE001
         return fail("raised", f"{type(e).__name__} on a second call: {_first_line(e)}")
     if leak is not None and leak > tol:
@@ -198,12 +220,13 @@ def _expected_shape(path, case, x, lens):
     return shape
 
 
-def _leak(path, case, kernel, x, out, cu, max_len, lens, dtype, gen) -> float | None:
+def _leak(path: FastPath, kernel: Kernel, packed: _Packed, out: torch.Tensor, gen) -> float | None:
     """Forward again with conversation 1's token inputs redrawn (same distribution): how far the later
     conversations' outputs moved, relative to their size. None for ops that are not per-token."""
+    case, x, lens = packed.case, packed.x, packed.lens
     if case.out_token_axis is None or len(lens) < 2:
         return None
-    other = _cast(path.make_case(x[next(iter(x))].device, gen), dtype)
+    other = _cast(path.make_case(x[next(iter(x))].device, gen), packed.dtype)
     y = {}
     for k, t in x.items():
         t = t.detach().clone()
@@ -212,7 +235,7 @@ def _leak(path, case, kernel, x, out, cu, max_len, lens, dtype, gen) -> float | 
             t.narrow(ax, 0, lens[0]).copy_(other[k].detach().narrow(ax, 0, lens[0]))
         y[k] = t
     with torch.no_grad():
-        moved = kernel.fn(y, cu, max_len)
+        moved = kernel.fn(y, packed.cu, packed.max_len)
     ax = case.out_token_axis
     rest = sum(lens) - lens[0]
     return _rel(moved.narrow(ax, lens[0], rest), out.detach().narrow(ax, lens[0], rest))
@@ -242,11 +265,10 @@ def _agree(failed: list[bool], device: torch.device) -> list[int]:
     return [int(r) for r in t.tolist()]
 
 
-def check_kernels(cfg, device, *, mode: str = "check", dtype: torch.dtype = torch.bfloat16,
-                  paths: list[FastPath] | None = None, liger: bool = False,
+def check_kernels(use: KernelUse, *, mode: str = "check", paths: list[FastPath] | None = None,
                   log_line: Callable[[str], None] | None = None,
                   tag: Callable[[str, str], None] | None = None) -> KernelReport:
-    """Check the fast kernels a loop training a model of `cfg` will use on `device`, before its first step.
+    """Check the fast kernels a loop will use (`use`: a model of `use.cfg` on `use.device`), before its first step.
 
     mode "check": a failing kernel is switched off for this process and logged (one line each);
     "strict": a failure raises KernelCheckError; "off": nothing is run, the selection stands.
@@ -257,7 +279,7 @@ def check_kernels(cfg, device, *, mode: str = "check", dtype: torch.dtype = torc
 
     if mode not in MODES:
         raise ValueError(f"train.kernels must be one of {', '.join(MODES)}; got {mode!r}")
-    device = torch.device(device)
+    cfg, device, dtype, liger = use.cfg, torch.device(use.device), use.dtype, use.liger
     say = log_line or log.warning
     rank = _rank()
     t0 = time.perf_counter()
@@ -328,7 +350,7 @@ def check_on_worker(cfg, device, *, mode: str, dtype: torch.dtype, log, liger: b
             print(f"[raytune_ft] rank {rank}: {text}", flush=True)
 
     tag = log.set_tag if getattr(log, "tracks", False) else None
-    return check_kernels(cfg, device, mode=mode, dtype=dtype, liger=liger, log_line=line, tag=tag)
+    return check_kernels(KernelUse(cfg, device, dtype, liger), mode=mode, log_line=line, tag=tag)
 
 
 def _finish(report: KernelReport, rank: int, say, tag) -> None:
@@ -376,7 +398,8 @@ def main(argv=None) -> int:
         from raytune_ft.models.attention import reset_disabled_kernels
 
         reset_disabled_kernels()
-        r = check_kernels(cfg, dev, mode="strict" if args.strict else "check", liger=args.liger, log_line=print)
+        r = check_kernels(KernelUse(cfg, dev, liger=args.liger), mode="strict" if args.strict else "check",
+                          log_line=print)
         print("RESULT " + json.dumps({"kernel_check": args.model, "run": i + 1, "seconds": round(r.seconds, 2),
                                       "in_use": r.in_use, "off": [dataclasses.asdict(f) for f in r.failures],
                                       "worst_rel_error": {k: float(f"{v:.3g}") for k, v in r.errors.items()},

@@ -28,7 +28,7 @@ def test_check_at_real_shape(cuda, model, liger):
     for _ in range(2):                      # the first pays the JIT compiles, the second is the warm cost
         reset_disabled_kernels()
         lines: list[str] = []
-        runs.append((kc.check_kernels(cfg, cuda, liger=liger, log_line=lines.append), lines))
+        runs.append((kc.check_kernels(kc.KernelUse(cfg, cuda, liger=liger), log_line=lines.append), lines))
     report, lines = runs[-1]
     print("RESULT " + json.dumps({"kernel_check": model, "seconds": [round(r.seconds, 2) for r, _ in runs],
                                   "in_use": report.in_use, "errors": report.errors,
@@ -109,7 +109,7 @@ def test_a_wrong_kernel_is_caught_and_switched_off(cuda, monkeypatch, patch):
     cfg = real_config("qwen3.8-27b")
     lines: list[str] = []
     tags: dict[str, str] = {}
-    report = kc.check_kernels(cfg, cuda, log_line=lines.append, tag=tags.__setitem__)
+    report = kc.check_kernels(kc.KernelUse(cfg, cuda), log_line=lines.append, tag=tags.__setitem__)
     print("RESULT " + json.dumps({"patched": name, "lines": lines}))
     bad = [f for f in report.failures if f.kernel == name]
     assert len(bad) == 1, report.failures
@@ -129,7 +129,7 @@ def test_a_wrong_kernel_is_caught_and_switched_off(cuda, monkeypatch, patch):
 
     reset_disabled_kernels()
     with pytest.raises(kc.KernelCheckError, match=name):
-        kc.check_kernels(cfg, cuda, mode="strict", log_line=lambda _: None)
+        kc.check_kernels(kc.KernelUse(cfg, cuda), mode="strict", log_line=lambda _: None)
 
 
 def test_model_trains_on_the_path_used_instead(cuda, monkeypatch):
@@ -141,7 +141,7 @@ def test_model_trains_on_the_path_used_instead(cuda, monkeypatch):
     from tests.gpu import test_packed_equality as eq
 
     _noncausal_varlen(monkeypatch)
-    report = kc.check_kernels(real_config("qwen3.8-27b"), cuda, log_line=lambda _: None)
+    report = kc.check_kernels(kc.KernelUse(real_config("qwen3.8-27b"), cuda), log_line=lambda _: None)
     assert report.in_use["attention"] != "torch_varlen"
     assert select_attention_backend("cuda") == report.in_use["attention"]
     lm, mixer = eq.build("full_attention", cuda)
