@@ -79,10 +79,10 @@ def _trl_step_grads(fixtures_blocks, max_grad_norm):
 
     from raytune_ft.models.build import load_causal_lm
     from raytune_ft.train.batch import collate_blocks
-    from raytune_ft.train.common import WorkerLog
+    from raytune_ft.train.trl.base import Paused
     from raytune_ft.train.trl.data import facade, release_facades
     from raytune_ft.train.trl.loop import _sft_config
-    from raytune_ft.train.trl.trainer import trainer_class
+    from raytune_ft.train.trl.trainer import TrainerParts, trainer_class
 
     r = _tiny_trl_recipe()
     r.train.max_grad_norm = max_grad_norm
@@ -102,15 +102,12 @@ def _trl_step_grads(fixtures_blocks, max_grad_norm):
 
     enable_packing(lm)
     with tempfile.TemporaryDirectory() as out:
-        args = _sft_config(r, out, 1, on_gpu=False, bf16=False, log=WorkerLog(1, r))
+        args = _sft_config(r, out, 1, on_gpu=False, bf16=False, liger=False)
         args.save_strategy = "no"
-        trainer = trainer_class()(model=lm, args=args, train_dataset=facade(fixtures_blocks),
+        # as the loop hands them over; no save here, so no storage guard
+        parts = TrainerParts(r, fixtures_blocks, [], Paused(), [], guard_for=lambda model: None)
+        trainer = trainer_class()(parts, model=lm, args=args, train_dataset=facade(fixtures_blocks),
                                   processing_class=tok, data_collator=collate_blocks, callbacks=[Grab()])
-        trainer.raytune_train_blocks = fixtures_blocks
-        trainer.raytune_eval_blocks = []
-        trainer.raytune_recipe = r
-        trainer.raytune_pause = {"s": 0.0}
-        trainer.raytune_steps = []             # as the loop sets them: each step's figures for MLflow
         trainer.train()
     release_facades()
     return seen["grads"]

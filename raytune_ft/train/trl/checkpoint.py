@@ -190,11 +190,11 @@ def has_weights(folder: str) -> bool:
     return any(n.startswith(("model", "adapter_model", "pytorch_model")) for n in names)
 
 
-def save_final(trainer, tok, d: str, recipe: Recipe, lora: bool, base_dir: str | None, log: WorkerLog) -> None:
+def save_final(trainer, tok, d: str, recipe: Recipe, base_dir: str | None, log: WorkerLog) -> None:
     """Write the deliverable: hf/ (full), or adapter/ (+ merged hf/ when train.merge_adapter) for LoRA."""
     model = trainer.model
     model = getattr(model, "module", model)      # DDP
-    if not lora:
+    if not recipe.train.lora_r:
         model.config.use_cache = True
         model.save_pretrained(os.path.join(d, "hf"), safe_serialization=True)
         tok.save_pretrained(os.path.join(d, "hf"))

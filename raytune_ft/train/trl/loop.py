@@ -14,6 +14,8 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,46 +31,95 @@ from raytune_ft.train.trl.checkpoint import (point_at_best, restore_hf_checkpoin
                                              save_train_state)
 from raytune_ft.train.trl.data import RankBlocks, facade, release_facades
 from raytune_ft.train.trl.report import ReportContext, report_callback
-from raytune_ft.train.trl.trainer import trainer_class
+from raytune_ft.train.trl.trainer import TrainerParts, trainer_class
+
+
+@dataclass(frozen=True)
+class _Worker:
+    """This worker in the attempt: the recipe, its rank among `world`, its log, whether it trains on a GPU,
+    and the device the loop's flags are all-reduced on (the GPU under NCCL)."""
+    recipe: Recipe
+    rank: int
+    world: int
+    log: WorkerLog
+    on_gpu: bool
+    flag_device: torch.device
+
+    @property
+    def compute_bf16(self) -> bool:
+        return self.on_gpu and self.recipe.model.dtype == "bfloat16"
+
+
+@dataclass(frozen=True)
+class _Model:
+    """The model built for the attempt (its weights in `dtype`), its tokenizer, whether Liger's fused loss is in
+    use, the attempt's output folder, and a random base kept for a LoRA adapter (None: a named base)."""
+    lm: Any
+    tok: Any
+    dtype: torch.dtype
+    liger: bool
+    out_dir: str
+    base_dir: str | None
+
+
+@dataclass(frozen=True)
+class _Start:
+    """Where the attempt starts: the checkpoint's train state (a fresh start's parts without one), the
+    folder Hugging Face resumes from, an earlier attempt's best checkpoint, the blocks and the step count."""
+    state: TrainState
+    resumed: TrainState | None
+    resume_dir: str | None
+    best_source: str | None
+    train_blocks: RankBlocks
+    eval_blocks: list
+    max_steps: int
+
 
 def train_trl(config: dict) -> None:
     """Ray Train worker entry point for the TRL recipes (full fine-tune or LoRA)."""
     import ray.train
     import ray.train.torch
 
-    from raytune_ft.models.build import load_causal_lm
-    from raytune_ft.models.gated_delta import enable_packing
-    from raytune_ft.models.kernel_check import check_on_worker
+    from raytune_ft.train.ckpt_storage import report_if_finished, start_attempt
+    from raytune_ft.train.jit_cache import for_worker
 
     recipe = recipe_from_config(config)
-    t = recipe.train
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     log = WorkerLog.of_worker(rank, recipe, config)
-    from raytune_ft.train.ckpt_storage import SaveGuard, model_checkpoint_bytes, report_if_finished, start_attempt
-
     if report_if_finished(log):   # the final checkpoint is the latest: it stays the run's result
         return
 
     # checkpoint folders of dead attempts off the storage, once the run folder's lease is found still this job's
     start_attempt(rank, config.get("lease_token"), log.info)
-    from raytune_ft.train.jit_cache import for_worker
-
     jit = for_worker(recipe, ray.train.torch.get_device(), log.info)   # before anything compiles
-    on_gpu = recipe.scaling.use_gpu and torch.cuda.is_available()
-    lora = t.lora_r > 0
     flag_device = torch.device("cuda", torch.cuda.current_device()) if (
         dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
+    worker = _Worker(recipe, rank, world, log, recipe.scaling.use_gpu and torch.cuda.is_available(), flag_device)
+    model = _build_model(worker)
+    start = _start(worker, model)
+    trainer, callback = _build_trainer(worker, model, start, jit)
+    trainer.train(resume_from_checkpoint=start.resume_dir)
+    _finish(worker, model, start, trainer, callback)
 
+
+def _build_model(w: _Worker) -> _Model:
+    """The tokenizer and the model, built on the worker's device, its kernels checked; the output folder."""
+    import ray.train.torch
+
+    from raytune_ft.models.build import load_causal_lm
+    from raytune_ft.models.gated_delta import enable_packing
+    from raytune_ft.models.kernel_check import check_on_worker
+
+    recipe, log, t = w.recipe, w.log, w.recipe.train
     tok = _tokenizer(recipe, log)
     # weights in bf16 only when the recipe asks for bf16 master weights; fp32 weights train under
     # bf16 autocast (TrainingArguments(bf16=True)), so AdamW updates are not lost to bf16 rounding
-    compute_bf16 = on_gpu and recipe.model.dtype == "bfloat16"
-    dtype = torch.bfloat16 if (compute_bf16 and t.master_weights == "bf16") else torch.float32
+    dtype = torch.bfloat16 if (w.compute_bf16 and t.master_weights == "bf16") else torch.float32
     torch.manual_seed(t.seed)
     # built straight on the worker's GPU: a random init or a checkpoint read of a 4B model on the host
     # takes minutes; the Trainer finds it already in place
-    build_device = ray.train.torch.get_device() if on_gpu else torch.device("cpu")
+    build_device = ray.train.torch.get_device() if w.on_gpu else torch.device("cpu")
     lm = load_causal_lm(recipe.model, tokenizer_vocab_size=len(tok), device=build_device, dtype=dtype,
                         seed=t.seed)
     enable_packing(lm)                             # idempotent: varlen attention + packed gated-delta-net
@@ -78,48 +129,65 @@ def train_trl(config: dict) -> None:
     log.startup.mark("model_build")
     # every fast kernel, and Liger's fused loss where it would be used, proves itself on this GPU first
     checking = time.time()
-    kernels = check_on_worker(lm.config, build_device, mode=t.kernels, log=log, liger=_use_liger(recipe, on_gpu, log),
-                              dtype=torch.bfloat16 if compute_bf16 else torch.float32)
+    kernels = check_on_worker(lm.config, build_device, mode=t.kernels, log=log, liger=_use_liger(recipe, w.on_gpu, log),
+                              dtype=torch.bfloat16 if w.compute_bf16 else torch.float32)
     log.startup.mark("kernel_check", since=checking)
 
-    out_dir = tempfile.mkdtemp(prefix=f"raytune_trl_rank{rank}_")
+    out_dir = tempfile.mkdtemp(prefix=f"raytune_trl_rank{w.rank}_")
     base_dir = None
-    if lora and (recipe.model.local_tiny or recipe.model.init == "random") and rank == 0:
+    if t.lora_r and (recipe.model.local_tiny or recipe.model.init == "random") and w.rank == 0:
         # a random base (tiny, or init="random"): keep it, so the adapter can be loaded and merged later
         base_dir = os.path.join(out_dir, "base")
         lm.save_pretrained(base_dir)
         tok.save_pretrained(base_dir)
+    return _Model(lm, tok, dtype, kernels.in_use.get("fused_ce") == "liger", out_dir, base_dir)
 
-    resume_dir, resumed = restore_hf_checkpoint(out_dir, rank, log)
+
+def _start(w: _Worker, model: _Model) -> _Start:
+    """The checkpoint restored (if any), this rank's blocks from where it stopped, and the run's step count."""
+    recipe, log, t = w.recipe, w.log, w.recipe.train
+    resume_dir, resumed = restore_hf_checkpoint(model.out_dir, w.rank, log)
     start = resumed or TrainState()            # a fresh start's parts: step 0, no data consumed
-    best_source = point_at_best(resume_dir, out_dir, start.step, rank, lora, log) if (
+    best_source = point_at_best(resume_dir, model.out_dir, start.step, w.rank, t.lora_r > 0, log) if (
         resume_dir and t.load_best_at_end) else None
-    train_blocks = RankBlocks(recipe, rank=rank, flag_device=flag_device, epoch=start.data.epoch or 0,
+    train_blocks = RankBlocks(recipe, rank=w.rank, flag_device=w.flag_device, epoch=start.data.epoch or 0,
                               skip_blocks=start.data.blocks_consumed, fingerprint=start.data.data_fingerprint)
-    train_blocks.flops_config = lm.config
+    train_blocks.flops_config = model.lm.config
     eval_blocks = _validation_blocks(recipe, log)
 
     max_steps = int(t.max_steps or 0)
     if not max_steps:      # Hugging Face needs the length of a stream it cannot measure, whatever the schedule
         max_steps = max(1, run_schedule_steps(recipe, start.schedule.state_dict(), lambda: count_run_steps(
             lambda e, c: worker_blocks(recipe, counters=c, epoch=e), train_blocks.per_step, t.epochs,
-            flag_device=flag_device), log.info))
+            flag_device=w.flag_device), log.info))
         train_blocks.counted_steps = max_steps      # saved with the train state: a resumed attempt reads it back
     if start.step >= max_steps:
         train_blocks.spend()
         log.info(f"the checkpoint is at step {start.step} of {max_steps}: nothing left to train")
+    return _Start(start, resumed, resume_dir, best_source, train_blocks, eval_blocks, max_steps)
 
+
+def _build_trainer(w: _Worker, model: _Model, start: _Start, jit):
+    """The SFTTrainer of the attempt and its report callback; the storage checked for a first checkpoint."""
     from raytune_ft.console import libraries_to_file, library_log
+    from raytune_ft.train.ckpt_storage import SaveGuard, model_checkpoint_bytes
 
+    recipe, log, t = w.recipe, w.log, w.recipe.train
     libraries_to_file(library_log("workers"))     # transformers' own log lines too, now that it is imported
     paused = Paused()
-    callback = report_callback(ReportContext(recipe=recipe, rank=rank, world=world, log=log, blocks=train_blocks,
-                                             lora=lora, paused=paused, resumed=resumed))
+    callback = report_callback(ReportContext(recipe=recipe, rank=w.rank, world=w.world, log=log,
+                                             blocks=start.train_blocks, lora=t.lora_r > 0, paused=paused,
+                                             resumed=start.resumed, jit=jit))
+    # room for a checkpoint checked before each save (the trainable parameters are known once PEFT wrapped them)
+    parts = TrainerParts(recipe, start.train_blocks, start.eval_blocks, paused, callback.steps,
+                         guard_for=lambda m: SaveGuard(w.rank, w.flag_device, model_checkpoint_bytes(
+                             p for p in m.parameters() if p.requires_grad)), best_source=start.best_source)
     trainer = trainer_class()(
-        model=lm, args=_sft_config(recipe, out_dir, max_steps, on_gpu=on_gpu, bf16=compute_bf16, log=log,
-                                   liger=kernels.in_use.get("fused_ce") == "liger"),
-        train_dataset=facade(train_blocks), eval_dataset=facade(eval_blocks) if eval_blocks else None,
-        processing_class=tok, data_collator=collate_blocks, peft_config=_peft_config(recipe),
+        parts, model=model.lm, args=_sft_config(recipe, model.out_dir, start.max_steps, on_gpu=w.on_gpu,
+                                                bf16=w.compute_bf16, liger=model.liger),
+        train_dataset=facade(start.train_blocks),
+        eval_dataset=facade(start.eval_blocks) if start.eval_blocks else None,
+        processing_class=model.tok, data_collator=collate_blocks, peft_config=_peft_config(recipe),
         callbacks=[callback])
     # the loop's callback prints each log as a line of its own: the trainer's printer would print it again
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -127,28 +195,22 @@ def train_trl(config: dict) -> None:
     for printer in (PrinterCallback, ProgressCallback):
         while trainer.pop_callback(printer) is not None:
             pass
-    trainer.raytune_train_blocks = train_blocks
-    trainer.raytune_eval_blocks = eval_blocks
-    trainer.raytune_recipe = recipe
-    trainer.raytune_pause = paused
-    trainer.raytune_steps = callback.steps
-    callback.jit = jit
-    trainer.raytune_best_source = best_source
-    # room for a checkpoint checked before each save, and first now: a storage that cannot take one stops here
-    trainer.raytune_guard = SaveGuard(rank, flag_device, model_checkpoint_bytes(
-        p for p in trainer.model.parameters() if p.requires_grad))
-    trainer.raytune_guard.check_first(start.step, t)
-    if lora:
+    trainer.raytune_guard.check_first(start.state.step, t)   # a storage that cannot take one stops here
+    if t.lora_r:
         n_train = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         log.info(f"LoRA r={t.lora_r} alpha={t.lora_alpha} on {t.lora_target_modules or 'all-linear'}: "
                  f"{n_train:,} trainable parameters, LR {t.lr:g} x {t.lora_lr_multiplier:g}")
-    log.info(f"TRL SFTTrainer: {max_steps} steps, {world} worker(s) x {t.micro_batch_size} blocks x "
-             f"{t.grad_accum} accumulation, {dtype}, gradient checkpointing {t.gradient_checkpointing}")
+    log.info(f"TRL SFTTrainer: {start.max_steps} steps, {w.world} worker(s) x {t.micro_batch_size} blocks x "
+             f"{t.grad_accum} accumulation, {model.dtype}, gradient checkpointing {t.gradient_checkpointing}")
+    return trainer, callback
 
-    trainer.train(resume_from_checkpoint=resume_dir)
+
+def _finish(w: _Worker, model: _Model, start: _Start, trainer, callback) -> None:
+    """After training: the lines that say what was trained and loaded, the final checkpoint (or none)."""
+    recipe, log, t = w.recipe, w.log, w.recipe.train
     state = trainer.state
-    if state.global_step < max_steps:
-        log.info(short_of_steps(state.global_step, max_steps, train_blocks.counters))
+    if state.global_step < start.max_steps:
+        log.info(short_of_steps(state.global_step, start.max_steps, start.train_blocks.counters))
     callback.log_remaining_steps(state.global_step)
     weights_step = trainer.raytune_best_loaded or state.global_step
     if t.load_best_at_end and trainer.raytune_best_loaded:
@@ -159,7 +221,7 @@ def train_trl(config: dict) -> None:
 
     # the final checkpoint: the weights the trainer holds now (the best ones with load_best_at_end)
     metrics = callback.metrics(state)
-    metrics["done"], metrics["passes"] = True, train_blocks.passes_fed
+    metrics["done"], metrics["passes"] = True, start.train_blocks.passes_fed
     losses = [h["loss"] for h in state.log_history if "loss" in h]
     if losses:
         metrics["loss"] = losses[-1]
@@ -170,12 +232,12 @@ def train_trl(config: dict) -> None:
         ray_report(metrics, None)
     else:
         with tempfile.TemporaryDirectory(prefix="raytune_trl_final_") as d:
-            if rank == 0:
-                save_final(trainer, tok, d, recipe, lora, base_dir, log)
+            if w.rank == 0:
+                save_final(trainer, model.tok, d, recipe, model.base_dir, log)
                 save_meta(d, recipe, state, callback.last, final=True, extra={"weights_step": weights_step})
-            save_train_state(d, rank, callback.train_state(state.global_step, metrics))
+            save_train_state(d, w.rank, callback.train_state(state.global_step, metrics))
             ray_report(metrics, d)
-    shutil.rmtree(out_dir, ignore_errors=True)
+    shutil.rmtree(model.out_dir, ignore_errors=True)
     release_facades()
     log.close()      # rank 0's MLflow calls made before the trainer's fit returns
 
@@ -230,8 +292,7 @@ def _peft_config(recipe: Recipe):
                       target_modules=list(t.lora_target_modules) or "all-linear", task_type="CAUSAL_LM")
 
 
-def _sft_config(recipe: Recipe, out_dir: str, max_steps: int, *, on_gpu: bool, bf16: bool, log: WorkerLog,
-                liger: bool | None = None):
+def _sft_config(recipe: Recipe, out_dir: str, max_steps: int, *, on_gpu: bool, bf16: bool, liger: bool):
     """The SFTConfig of the recipe: its optimizer, schedule, logging, eval and save settings."""
     from trl import SFTConfig
 
@@ -250,7 +311,7 @@ def _sft_config(recipe: Recipe, out_dir: str, max_steps: int, *, on_gpu: bool, b
         greater_is_better=False if eval_steps else None,
         bf16=bf16, use_cpu=not on_gpu,
         gradient_checkpointing=t.gradient_checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False},
-        use_liger_kernel=_use_liger(recipe, on_gpu, log) if liger is None else liger, seed=t.seed, report_to="none", disable_tqdm=True,
+        use_liger_kernel=liger, seed=t.seed, report_to="none", disable_tqdm=True,
         remove_unused_columns=False, dataset_kwargs={"skip_prepare_dataset": True}, packing=False,
         padding_free=False, max_length=None, dataloader_num_workers=0, ignore_data_skip=True,
         ddp_find_unused_parameters=False, save_only_model=False,

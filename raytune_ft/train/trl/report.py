@@ -13,6 +13,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,7 @@ class ReportContext:
     lora: bool
     paused: Paused
     resumed: TrainState | None = None
+    jit: Any = None        # the worker's JIT cache (jit_cache.JitCache), saved after the first step
 
 
 class Throughput:
@@ -135,8 +137,7 @@ class ReportCallbackParts:
         self.last: dict[str, float] = {}
         self.history: list[dict] = []
         self.throughput = Throughput(ctx)
-        self.steps: list = []          # filled by the trainer (its raytune_steps), emptied at each log
-        self.jit = None                # the worker's JIT cache (jit_cache.JitCache), saved after step 1
+        self.steps: list = []          # filled by the trainer (TrainerParts.steps), emptied at each log
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.throughput.start()
@@ -155,8 +156,8 @@ class ReportCallbackParts:
         ctx = self.ctx
         if ctx.log.startup.done is None:
             ctx.log.first_step_done(state.global_step, args.device)
-            if ctx.rank == 0 and self.jit is not None:    # what the first step compiled, for the next node and run
-                self.jit.save(ctx.log.info)
+            if ctx.rank == 0 and ctx.jit is not None:    # what the first step compiled, for the next node and run
+                ctx.jit.save(ctx.log.info)
         hooks.fire("trl.step_end", step=state.global_step, rank=ctx.rank, output_dir=args.output_dir,
                    resumed=ctx.resumed is not None)
         # Hugging Face saves at the end of training whatever save_steps says; with train.save_final
