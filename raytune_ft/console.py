@@ -56,7 +56,7 @@ TORCHAO_SOURCES = r".*[/\\]torchao[/\\]"
 # A Ray the job starts itself. Its raylet starts one idle Python worker per logical CPU when the first
 # driver connects; none is ever used (a job with a runtime_env, as every run has, and Ray Train's actors,
 # with env_vars of their own, need workers of their own), and on a GPU node they are dozens of Python
-# start-ups competing with the run's own for the first seconds (bench/NOTES.md, start-up).
+# start-ups competing with the run's own for the first seconds.
 OWN_RAY_ENV = {"RAY_prestart_worker_first_driver": "0"}
 
 

@@ -26,7 +26,7 @@ TRAIN_POLL_ENV, TRAIN_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"
 
 
 # Ray Train starts a preemption watcher actor per attempt, polling the nodes' drain state: a process of its
-# own (a Python start-up importing Ray: bench/NOTES.md, start-up) and an ERROR line on the console about its
+# own (a Python start-up importing Ray, CPU seconds per attempt) and an ERROR line on the console about its
 # constructor arguments. Drained nodes are GPU nodes of a cluster (spot capacity, upgrades); a CPU run (the
 # jobs' --local) goes without it.
 PREEMPTION_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
@@ -211,7 +211,7 @@ def keep_bytecode(cache_root: str, mode: str = "auto") -> dict[str, str]:
 
     A container image often sets PYTHONDONTWRITEBYTECODE, and an install may compile no bytecode (uv's
     default) or be read-only: then every process of every job compiles torch, transformers, Ray and the
-    kernels' Python from source again, a large share of each Ray worker's imports (bench/NOTES.md, start-up).
+    kernels' Python from source again, a large share of each Ray worker's imports.
     This points this process (from its next import on) and, through the variables it sets, every process
     the job starts at a folder beside the JIT caches; nothing is written beside the sources. `mode` is the
     recipe's `train.bytecode_cache` (recipe.py). A PYTHONPYCACHEPREFIX the user set is left as it is.

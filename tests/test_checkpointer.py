@@ -30,14 +30,13 @@ def _saver(tmp_path, state, *, background: bool, reports: list):
     from ray.train.v2._internal.execution.storage import StorageContext
 
     from raytune_ft.recipe.recipe import Recipe
-    from raytune_ft.train.checkpointer import Checkpointer
+    from raytune_ft.train.checkpointer import Checkpointer, SaveSettings
     from raytune_ft.train.common import WorkerLog
 
     storage = StorageContext(str(tmp_path / "runs"), "run")
     log = WorkerLog(0, Recipe(), None, stream=io.StringIO())
-    return Checkpointer(state, 0, torch.device("cpu"), LetThrough(), log, background=background,
-                        meta={"job": "test"}, storage=storage,
-                        report=lambda metrics, ckpt, name: reports.append((metrics, ckpt, name)))
+    return Checkpointer(state, LetThrough(), log, SaveSettings(0, torch.device("cpu"), background, {"job": "test"}),
+                        storage=storage, report=lambda metrics, ckpt, name: reports.append((metrics, ckpt, name)))
 
 
 def _load_weights(path: str):

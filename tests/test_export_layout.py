@@ -74,7 +74,7 @@ def _train_and_export(tmp_path, x, **train) -> torch.Tensor:
         for b in blocks(2):
             train_step(model, opt, b)
         trained = loop_logits(model, x)
-        final_export(r, model, lm, tok, 0, torch.float32)(str(tmp_path / "ckpt" / "hf"))
+        final_export(r, model, tok, 0, torch.float32)(str(tmp_path / "ckpt" / "hf"))
     return trained
 
 

@@ -287,10 +287,9 @@ def test_fp8_step_checkpoint_and_export_keep_the_bf16_state(tmp_path, process_gr
 
     # HF export: bf16, the bf16 run's keys, the trained weights themselves
     out8, out_ref = tmp_path / "hf8", tmp_path / "hf_ref"
-    ckpt_io.export_hf_folder(str(out8), model8, lm8.config, None, 0, dtype=torch.bfloat16, prefix_strip="lm.",
-                             arch=type(lm8).__name__)
-    ckpt_io.export_hf_folder(str(out_ref), ref, lm_ref.config, None, 0, dtype=torch.bfloat16,
-                             prefix_strip="lm.", arch=type(lm_ref).__name__)
+    for out, loop_model, hf_lm in ((out8, model8, lm8), (out_ref, ref, lm_ref)):
+        export = ckpt_io.HfExport(hf_lm.config, prefix_strip="lm.", arch=type(hf_lm).__name__)
+        ckpt_io.export_hf_folder(str(out), loop_model, export, 0)
     w8, wref = load_file(os.path.join(out8, "model.safetensors")), load_file(os.path.join(out_ref, "model.safetensors"))
     assert w8.keys() == wref.keys() and {v.dtype for v in w8.values()} == {torch.bfloat16}
     assert all(torch.equal(w8[k], trained["lm." + k].to(torch.bfloat16)) for k in w8)

@@ -106,10 +106,10 @@ def test_a_signal_while_the_run_still_opens_ends_the_run_the_opener_opens(tmp_pa
     """The run ends while its opener's process is still importing MLflow to reopen an earlier attempt's run:
     the opener was terminated 2 s later, and a run it had created or reopened to RUNNING stayed RUNNING. Now
     the opener ends the run it opens, within the bound."""
-    from raytune_ft.tracking.mlflow_run import end_run, start_run
+    from raytune_ft.tracking.mlflow_run import RunEnd, end_run, start_run
 
     recipe = _recipe(tmp_path)
-    end_run(recipe, start_run(recipe), status="KILLED")   # an earlier attempt's: the opener reopens it
+    end_run(recipe, start_run(recipe), RunEnd(status="KILLED"))   # an earlier attempt's: the opener reopens it
     proc, _ = _driver(tmp_path, "opening")
     got, seconds, line, children = _ended(proc, signal.SIGINT)
     assert got == 130 and seconds < END_BOUND_S, (got, seconds)

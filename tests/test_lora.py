@@ -112,7 +112,7 @@ def test_peft_loads_the_adapter_with_the_trained_logits_and_both_merges_agree(tm
         for b in blocks(3):
             train_step(model, opt, b)
         trained = loop_logits(model, x)
-        final_export(r, model, lm, tok, 0, torch.float32)(str(tmp_path / "ckpt" / "hf"))
+        final_export(r, model, tok, 0, torch.float32)(str(tmp_path / "ckpt" / "hf"))
     assert (trained - base_logits).abs().max() > 1e-3          # the adapters moved the model
     ckpt = tmp_path / "ckpt"
     assert {p.name for p in ckpt.iterdir()} == {"adapter", "base", "hf"}

@@ -194,12 +194,12 @@ def test_mlflow_gets_the_skipped_rows_as_json_lines_and_every_count_of_data_json
     counts named *tokens were taken for credentials and dropped on the way)."""
     from mlflow import MlflowClient
 
-    from raytune_ft.tracking.mlflow_run import end_run, start_run
+    from raytune_ft.tracking.mlflow_run import RunEnd, end_run, start_run
 
     _, files, run_path = _ended_run_data(tmp_path)
     recipe = _job_recipe("qwen27b_b300", True, [f"tracking.storage_path={tmp_path / 'runs'}"])
     run_id = start_run(recipe)
-    end_run(recipe, run_id, json_artifacts=files)
+    end_run(recipe, run_id, RunEnd(json_artifacts=files))
     client = MlflowClient(recipe.tracking_uri)
     got = client.download_artifacts(run_id, "skipped_rows.jsonl", str(tmp_path))
     assert open(got).read() == open(os.path.join(run_path, "skipped_rows.jsonl")).read()

@@ -15,7 +15,7 @@ from raytune_ft.cli import _job_recipe
 from raytune_ft.driver.endings import Stopped, ending_line, exit_code, sigterm_raises
 from raytune_ft.storage.lease import LEASE_FILE
 from raytune_ft.recipe.recipe import RecipeError
-from raytune_ft.tracking.mlflow_run import FINAL_CHECKPOINT_TAG, end_run, start_run
+from raytune_ft.tracking.mlflow_run import FINAL_CHECKPOINT_TAG, RunEnd, end_run, start_run
 
 
 def _recipe(tmp_path, *overrides):
@@ -142,7 +142,7 @@ def test_an_ending_closes_the_run_with_its_reason_through_the_opener(tmp_path):
     assert run.info.status == "KILLED" and run.data.tags["raytune.ended_by"] == "interrupt"
     assert not os.path.exists(os.path.join(folder, LEASE_FILE))
     # the run resumed and finished: nothing of the ending stays on it
-    end_run(recipe, start_run(recipe), tags={"raytune.status": "trained"})
+    end_run(recipe, start_run(recipe), RunEnd(tags={"raytune.status": "trained"}))
     assert "raytune.error" not in client.get_run(run_id).data.tags
     assert client.get_run(run_id).info.status == "FINISHED"
 
@@ -156,8 +156,8 @@ def test_a_finished_run_resubmitted_answers_without_ray_and_leaves_its_mlflow_ru
     run_id = start_run(recipe)
     client = MlflowClient(recipe.tracking_uri)
     client.log_metric(run_id, "train/loss", 0.5, step=20)
-    end_run(recipe, run_id, tags={"raytune.status": "registered", "raytune.checkpoint": "/x/checkpoint_2",
-                                  FINAL_CHECKPOINT_TAG: "true"}, metrics={"final_loss": 0.5})
+    end_run(recipe, run_id, RunEnd(tags={"raytune.status": "registered", "raytune.checkpoint": "/x/checkpoint_2",
+                                         FINAL_CHECKPOINT_TAG: "true"}, metrics={"final_loss": 0.5}))
     before = client.get_run(run_id)
     # what run() writes at the end of a run it trained and registered
     summary = {"job": recipe.job, "run_name": recipe.tracking.run_name, "status": "registered", "steps": 20,
@@ -186,7 +186,7 @@ def test_attempts_sharing_a_first_step_log_their_start_up_under_names_of_their_o
 
     import torch
 
-    from raytune_ft.train.common import WorkerLog
+    from raytune_ft.train.common import JobStart, WorkerLog
     from mlflow.entities import Param
 
     from raytune_ft.tracking.mlflow_run import startup_from_params, startup_params
@@ -197,7 +197,7 @@ def test_attempts_sharing_a_first_step_log_their_start_up_under_names_of_their_o
     logged = []
     for first_step in (1, 1, 11, 11):     # each: a job's first attempt (the same job_start label)
         # what rank 0's first_step_done logs (its MLflow sender's process is left out: a second each)
-        log = WorkerLog(0, recipe, None, stream=io.StringIO(), job_start=time.time() - first_step)
+        log = WorkerLog(0, recipe, None, stream=io.StringIO(), job=JobStart(time.time() - first_step))
         logged.append(log.first_step_done(first_step, torch.device("cpu")))
         client.log_batch(run_id, params=[Param(k, v) for k, v in startup_params(logged[-1], log.attempt_id).items()])
         time.sleep(0.01)                  # attempts start at least a millisecond apart

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from raytune_ft.train.common import STARTUP_METRICS, StartupClock, WorkerLog
+from raytune_ft.train.common import STARTUP_METRICS, JobStart, StartupClock, WorkerLog
 
 
 def _history(recipe, run_id: str, key: str) -> list[tuple[int, float]]:
@@ -141,7 +141,7 @@ def test_first_step_prints_one_breakdown_line_and_logs_it(mlflow_run):
 
     recipe, run_id = mlflow_run
     out = io.StringIO()
-    log = WorkerLog(0, recipe, run_id, stream=out, job_start=time.time() - 1.0)
+    log = WorkerLog(0, recipe, run_id, stream=out, job=JobStart(time.time() - 1.0))
     log.startup.mark("model_build")
     first = log.first_step_done(1, torch.device("cpu"))
     again = log.first_step_done(2, torch.device("cpu"))
@@ -179,7 +179,7 @@ def test_run_page_opens_on_the_training_curves(mlflow_run):
     from mlflow import MlflowClient
 
     recipe, run_id = mlflow_run
-    log = WorkerLog(0, recipe, run_id, stream=io.StringIO(), job_start=time.time() - 1.0)
+    log = WorkerLog(0, recipe, run_id, stream=io.StringIO(), job=JobStart(time.time() - 1.0))
     log.log_metrics({"samples/seconds": 0.2, "samples/tokens": 8}, 0)        # what Sampler.run returns
     log.first_step_done(1, torch.device("cpu"))
     points, window = _window([1, 2], None)

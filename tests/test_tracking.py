@@ -7,7 +7,7 @@ from mlflow import MlflowClient
 
 from raytune_ft.cli import _job_recipe
 from raytune_ft.recipe.recipe import RecipeError
-from raytune_ft.tracking.mlflow_run import end_run, start_run
+from raytune_ft.tracking.mlflow_run import RunEnd, end_run, start_run
 
 
 def _recipe(tmp_path, *overrides):
@@ -17,7 +17,7 @@ def _recipe(tmp_path, *overrides):
 def _finished(tmp_path) -> tuple[str, MlflowClient]:
     recipe = _recipe(tmp_path)
     run_id = start_run(recipe)
-    end_run(recipe, run_id, tags={"raytune.status": "registered", "raytune.checkpoint": "/runs/x/checkpoint_1"})
+    end_run(recipe, run_id, RunEnd(tags={"raytune.status": "registered", "raytune.checkpoint": "/runs/x/checkpoint_1"}))
     return run_id, MlflowClient(recipe.tracking_uri)
 
 
@@ -114,14 +114,14 @@ def test_the_data_params_are_logged_as_the_run_ends_and_a_refused_one_does_not_k
     recipe = _recipe(tmp_path)
     client = MlflowClient(recipe.tracking_uri)
     run_id = start_run(recipe)
-    end_run(recipe, run_id, params={"data.held_out": "5% of a.jsonl", "data.sources.0.rows_read": "16"})
+    end_run(recipe, run_id, RunEnd(params={"data.held_out": "5% of a.jsonl", "data.sources.0.rows_read": "16"}))
     assert client.get_run(run_id).data.params["data.held_out"] == "5% of a.jsonl"
 
     second = _recipe(tmp_path, "tracking.run_name=other")
     client = MlflowClient(second.tracking_uri)
     other = start_run(second)
     client.log_param(other, "data.held_out", "before")
-    end_run(second, other, params={"data.held_out": "after"})
+    end_run(second, other, RunEnd(params={"data.held_out": "after"}))
     run = client.get_run(other)
     assert run.info.status == "FINISHED" and run.data.params["data.held_out"] == "before"
     assert "could not log 1 params to MLflow" in capsys.readouterr().out

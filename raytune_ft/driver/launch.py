@@ -14,6 +14,7 @@ from raytune_ft import compat
 from raytune_ft.env import ray_train_defaults
 from raytune_ft.storage.lease import RunFolderInUse
 from raytune_ft.recipe.recipe import Recipe, absolute_local_paths, recipe_from_dict
+from raytune_ft.train.common import JobStart
 from raytune_ft.train.job_attempts import note_workers_asked, workers_asked_key
 
 WorkerGroupCallback = compat.RAY_WORKER_GROUP_CALLBACK.load()
@@ -111,8 +112,9 @@ def without_blind_callbacks(callbacks: list) -> list:
     local Ray: start_ahead.ensure_ray). The cleaner is a detached actor that asks Ray's state API, served by
     the dashboard, whether the controller is alive, to remove the workers' placement group if it died; with no
     dashboard every ask fails (a warning in its log every few seconds: "State API may be temporarily
-    unavailable") and it never removes anything: one Ray process per attempt (a Python start-up importing Ray:
-    bench/NOTES.md, start-up) that cannot do its job. The controller removes the placement group itself when the attempt ends.
+    unavailable") and it never removes anything: one Ray process per attempt (a Python start-up importing Ray,
+    CPU seconds on the way to the first step) that cannot do its job. The controller removes the placement group
+    itself when the attempt ends.
     A cluster's Ray (`ray start --head`, `ray job submit`) has a dashboard and keeps it."""
     if compat.RAY_DASHBOARD_URL.load()():
         return callbacks
@@ -179,16 +181,16 @@ def loop_function(recipe: Recipe):
 
 
 def build_trainer(recipe: Recipe, *, mlflow_run_key: str | None = None, blocks_by_rank: dict | None = None,
-                  lease_token: str | None = None, job_start: float | None = None,
-                  startup_marks: dict | None = None, prebuilt: tuple | None = None):
+                  lease_token: str | None = None, job: JobStart = JobStart(), prebuilt: tuple | None = None):
     """The Ray Train trainer for `recipe`; re-running with the same run name resumes from its last checkpoint.
 
     The MLflow run rank 0 logs to: `mlflow_run_key`, where it finds the run id in Ray's key-value store
     (run_opening.RunIdHandoff, or run_opening.put_run_id for a caller that has the id): the one way a run id
     reaches the workers; None: no tracking. `lease_token`: the run folder's lease this job holds
     (lease.py); each attempt's workers check it is still theirs before they clear the checkpoints dead attempts
-    left. `prebuilt`: `build_datasets(recipe)`'s answer, where the caller built them already (run.py, while
-    the MLflow run opens)."""
+    left. `job`: when the job started and the driver's start-up marks, where the workers' start-up breakdown
+    counts from (train/common.StartupClock). `prebuilt`: `build_datasets(recipe)`'s answer, where the caller
+    built them already (run.py, while the MLflow run opens)."""
     import ray.train
 
     from raytune_ft.train.backend import TorchBackendConfig
@@ -219,23 +221,21 @@ def build_trainer(recipe: Recipe, *, mlflow_run_key: str | None = None, blocks_b
         # stay in its log files; its warnings and errors still reach the console
         logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         # Ray Train adds callbacks of its own kinds from here to the controller's
-        callbacks=[NoteWorkersAsked(workers_asked_key(recipe.tracking.run_name, job_start))] if job_start else [],
+        callbacks=[NoteWorkersAsked(workers_asked_key(recipe.tracking.run_name, job.at))] if job.at else [],
     )
     # workers get every local path absolute and the MLflow store named: they resolve nothing against
     # their own working folder or home (a second, empty store there would take their metrics)
     shipped = absolute_local_paths(recipe_from_dict(recipe.to_dict()))
     shipped.tracking.tracking_uri = shipped.tracking_uri
-    # job_start (epoch seconds): the workers' start-up breakdown counts from it (train/common.StartupClock)
-    # startup_marks: the driver's times after each of its start-up parts (train/common.DRIVER_MARKS)
-    config = {"recipe": shipped.to_dict(), "mlflow_run_key": mlflow_run_key, "job_start": job_start,
+    config = {"recipe": shipped.to_dict(), "mlflow_run_key": mlflow_run_key, "job_start": job.at,
               "lease_token": lease_token}
     if blocks_by_rank is not None:
         config["blocks_by_rank"] = blocks_by_rank
         datasets, dataset_config = None, None
     else:
         datasets, dataset_config = prebuilt or build_datasets(recipe)
-    if startup_marks is not None:
-        config["startup_marks"] = dict(startup_marks)
+    if job.marks is not None:
+        config["startup_marks"] = dict(job.marks)
     return _trainer_class()(loop, train_loop_config=config, scaling_config=scaling, run_config=run_config,
                             backend_config=TorchBackendConfig(backend=backend), datasets=datasets,
                             dataset_config=dataset_config)
@@ -243,7 +243,7 @@ def build_trainer(recipe: Recipe, *, mlflow_run_key: str | None = None, blocks_b
 
 def tokenize_processes(recipe: Recipe) -> int:
     """`data.tokenize_workers`, or one per training worker and at least 2: one tokenizing process keeps up
-    with several times what a GPU trains on (bench/NOTES.md)."""
+    with several times what a GPU trains on, and each one more imports transformers beside the workers' start."""
     return recipe.data.tokenize_workers or max(2, recipe.scaling.num_workers)
 
 

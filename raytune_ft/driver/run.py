@@ -267,10 +267,11 @@ def _fit(recipe: Recipe, life: RunLifecycle):
     """Ray Train's result and the MLflow run's id. An error no retry can fix (storage full, ...) is said in
     plain words, not as Ray's wrapping of it; the lifecycle ends the MLflow run with it."""
     from raytune_ft.driver.launch import build_trainer, unfixable_error
+    from raytune_ft.train.common import JobStart
 
     datasets = life.datasets()
     trainer = build_trainer(recipe, mlflow_run_key=life.run_key(), lease_token=life.lease.token,
-                            job_start=life.job_start, startup_marks=life.marks, prebuilt=datasets)
+                            job=JobStart(life.job_start, life.marks), prebuilt=datasets)
     try:
         result = life.fit(trainer)
     except Exception as e:

@@ -10,6 +10,7 @@ import os
 import platform
 import re
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from raytune_ft.env import NO_RUN_URL_PRINT, redact, scoped_env
@@ -211,17 +212,25 @@ def _resubmitted_finished_run(client, found, recipe: Recipe) -> str:
     return run_id
 
 
-def end_run(recipe: Recipe, run_id: str, status: str = "FINISHED", tags: dict | None = None,
-            metrics: dict | None = None, json_artifacts: dict[str, dict] | None = None,
-            params: dict[str, str] | None = None) -> str:
-    """Close the run with its status, tags, end-of-run metrics, params and JSON files (name -> document; a
-    `.jsonl` name: a list of records, a line each);
-    returns its experiment's id. Params MLflow refuses (a resumed run's param logged before with another
-    value) are said, and the run is closed all the same."""
+@dataclass(frozen=True)
+class RunEnd:
+    """How a run is closed: its status, its tags, end-of-run metrics, params and JSON files (name -> document;
+    a `.jsonl` name: a list of records, a line each)."""
+    status: str = "FINISHED"
+    tags: dict | None = None
+    metrics: dict | None = None
+    json_artifacts: dict | None = None
+    params: dict[str, str] | None = None
+
+
+def end_run(recipe: Recipe, run_id: str, end: RunEnd = RunEnd()) -> str:
+    """Close the run as `end` says; returns its experiment's id. Params MLflow refuses (a resumed run's param
+    logged before with another value) are said, and the run is closed all the same."""
     import mlflow
 
     from raytune_ft.env import scrub
 
+    status, tags, metrics, json_artifacts, params = end.status, end.tags, end.metrics, end.json_artifacts, end.params
     client = mlflow.MlflowClient(recipe.tracking_uri)
     if params:
         from mlflow.entities import Param

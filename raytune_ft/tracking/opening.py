@@ -10,7 +10,7 @@ import pickle
 from raytune_ft import compat
 from raytune_ft.env import redact
 from raytune_ft.recipe.recipe import Recipe, RecipeError
-from raytune_ft.tracking.mlflow_run import end_run, start_run
+from raytune_ft.tracking.mlflow_run import RunEnd, end_run, start_run
 
 # how long RunOpening.end waits for its process to end the run (the store's answer included) before it kills it
 END_WAIT_S = 10.0
@@ -254,7 +254,7 @@ def _end(recipe: Recipe, run_id: str | None, how: dict) -> dict:
         history = client.get_metric_history(run_id, mlflow_metric_name("loss"))
         out["step"] = max(m.step for m in history) if history else None
         if how["status"] == "FINISHED" or client.get_run(run_id).info.status == "RUNNING":
-            out["experiment_id"] = end_run(recipe, run_id, **how)
+            out["experiment_id"] = end_run(recipe, run_id, RunEnd(**how))
             out["ended"] = run_id
     except Exception as e:  # noqa: BLE001 - the driver says the run may stay RUNNING
         print(f"[raytune_ft] could not end the MLflow run {run_id}: {type(e).__name__}", flush=True)

@@ -3,7 +3,7 @@ is used and not before.
 
 `ray.train.torch.TorchTrainer` and `TorchConfig` live in a module that imports torch, so the driver that
 builds the trainer and Ray Train's controller that unpickles it import torch before either does anything
-else, one after the other on the way to the first step (bench/NOTES.md, start-up). `TorchBackendConfig` is Ray's `TorchConfig` (same fields, same meaning) in a
+else, one after the other on the way to the first step. `TorchBackendConfig` is Ray's `TorchConfig` (same fields, same meaning) in a
 module without torch: its backend hands each call to Ray's own torch backend, imported in a thread of
 the controller's as the controller unpickles it, while it places and starts the workers, which take a
 while before the process group is asked of them; the train function's context (the CUDA device of

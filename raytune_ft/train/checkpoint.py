@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
 
 import pyarrow.fs as pafs
 import torch
@@ -81,21 +82,33 @@ def gathered_state(model: torch.nn.Module, keep: Callable[[str], bool] | None = 
             yield key, value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
-def export_hf_folder(out_dir: str, model: torch.nn.Module, hf_config, tokenizer, rank: int,
-                     dtype: torch.dtype = torch.bfloat16, prefix_strip: str = "", arch: str | None = None, *,
-                     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
-                     layout: BaseLayout | None = None) -> None:
+@dataclass(frozen=True)
+class HfExport:
+    """What a Hugging Face folder holds besides the weights, and how they are named: the model's HF
+    config, its tokenizer (None: none written), the weights' dtype, the prefix the model's names lose,
+    the architecture config.json names (default: the model's class) and the base checkpoint's layout
+    (models/layout.py; default: the trained model's own names)."""
+    config: Any
+    tokenizer: Any = None
+    dtype: torch.dtype = torch.bfloat16
+    prefix_strip: str = ""
+    arch: str | None = None
+    layout: BaseLayout | None = None
+
+
+def export_hf_folder(out_dir: str, model: torch.nn.Module, export: HfExport, rank: int, *,
+                     tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
     """Write a Hugging Face folder from an FSDP2-sharded model, one parameter gathered at a time.
 
     All ranks take part in each gather (a collective); only rank 0 keeps the gathered tensor, on
     the CPU, and flushes a safetensors shard every ~4 GiB, so neither a GPU nor host RAM ever holds
     the whole model. `tensors`: the (name, full tensor) stream to write instead of `gathered_state(model)`
-    (a LoRA model's merged weights). `layout`: the base checkpoint's names and untouched tensors
-    (models/layout.py); default: the trained model's own names.
+    (a LoRA model's merged weights).
     """
     from safetensors.torch import save_file
 
-    layout = layout or BaseLayout()
+    layout = export.layout or BaseLayout()
+    hf_config, dtype, prefix_strip = export.config, export.dtype, export.prefix_strip
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
     shard: dict[str, torch.Tensor] = {}
@@ -147,13 +160,13 @@ def export_hf_folder(out_dir: str, model: torch.nn.Module, hf_config, tokenizer,
                      "weight_map": {k: renamed[v] for k, v in weight_map.items()}}
             with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
-        layout.write_config(out_dir, hf_config, dtype, layout.architecture or arch or type(model).__name__)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out_dir)
+        layout.write_config(out_dir, hf_config, dtype, layout.architecture or export.arch or type(model).__name__)
+        if export.tokenizer is not None:
+            export.tokenizer.save_pretrained(out_dir)
     if dist.is_initialized():
         dist.barrier()
 
 
-__all__ = ["save_train_checkpoint", "load_train_checkpoint", "write_train_state", "export_hf_folder",
+__all__ = ["save_train_checkpoint", "load_train_checkpoint", "write_train_state", "export_hf_folder", "HfExport",
            "gathered_state", "write_meta", "read_meta", "read_meta_at", "read_train_state", "train_state_path",
            "META_FILE", "StateDictOptions"]

@@ -45,6 +45,16 @@ def async_enabled(setting: str, device: torch.device) -> bool:
     return setting == "on" or (setting == "auto" and device.type == "cuda")
 
 
+@dataclass(frozen=True)
+class SaveSettings:
+    """How this worker saves: its rank and device, whether in the background (`async_enabled`), and the
+    fields of raytune_meta.json every checkpoint of the run shares (job, model, run name)."""
+    rank: int
+    device: torch.device
+    background: bool
+    meta: dict
+
+
 @dataclass
 class _InFlight:
     step: int
@@ -57,14 +67,13 @@ class _InFlight:
 class Checkpointer:
     """Saves `state` for the loop. Every method is a collective: every rank calls it at the same step."""
 
-    def __init__(self, state: TrainState, rank: int, device: torch.device, guard: SaveGuard, log, *,
-                 background: bool, meta: dict, storage=None, report=None):
-        """`meta`: the fields of raytune_meta.json every checkpoint of the run shares (job, model, run name).
-        `storage` (Ray Train's storage context) and `report(metrics, checkpoint, folder_name)`: Ray Train's
+    def __init__(self, state: TrainState, guard: SaveGuard, log, settings: SaveSettings, *, storage=None,
+                 report=None):
+        """`storage` (Ray Train's storage context) and `report(metrics, checkpoint, folder_name)`: Ray Train's
         own by default."""
-        self.state, self.rank, self.device, self.guard, self.log = state, rank, device, guard, log
-        self.meta = meta
-        self.background = background
+        self.state, self.guard, self.log = state, guard, log
+        self.rank, self.device, self.meta = settings.rank, settings.device, settings.meta
+        self.background = background = settings.background
         if storage is None:
             import ray.train
 
@@ -78,7 +87,7 @@ class Checkpointer:
         self.in_flight: _InFlight | None = None
         self.stager = self.writer = None
         self._close_copier = lambda: None
-        self._cuda = device.type == "cuda"
+        self._cuda = self.device.type == "cuda"
         if background:
             self.stager = self._new_stager()
             self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytune-checkpoint")

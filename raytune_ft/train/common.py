@@ -5,6 +5,7 @@ import math
 import re
 import sys
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 from raytune_ft import compat
@@ -244,6 +245,14 @@ class StartupClock:
         return f"start-up {m['startup/total_s']:.1f} s to the end of the first step: {', '.join(parts)}"
 
 
+@dataclass(frozen=True)
+class JobStart:
+    """When the job started (epoch seconds) and the driver's start-up marks after it (`DRIVER_MARKS`), where
+    the start-up breakdown counts from; `at` None: from this clock's creation in the worker."""
+    at: float | None = None
+    marks: dict | None = None
+
+
 class WorkerLog:
     """Rank 0 prints progress and logs metrics to MLflow; other ranks stay quiet.
 
@@ -254,14 +263,15 @@ class WorkerLog:
     """
 
     def __init__(self, rank: int, recipe: Recipe, run_id: str | None = None, stream=None,
-                 job_start: float | None = None, startup_marks: dict | None = None, run_key: str | None = None):
+                 job: JobStart = JobStart(), run_key: str | None = None):
         """`run_id`: the MLflow run rank 0 logs to, or `run_key`: where a thread of rank 0 waits for it in Ray's
         key-value store (tracking.opening.await_run_id) while the loop builds and steps, its calls held by the
         sender meanwhile, and where each node's system metrics find it; neither: no tracking."""
         self.rank = rank
         self.recipe = recipe
+        job_start = job.at
         asked = workers_asked_at(recipe.tracking.run_name, job_start) if job_start else None
-        self.startup = StartupClock(job_start, startup_marks, asked)
+        self.startup = StartupClock(job_start, job.marks, asked)
         self._stream = stream
         self._live = False           # a redrawn progress line is on screen (terminal only)
         self._sender = None          # rank 0's MLflow calls, made by a process of their own
@@ -288,8 +298,8 @@ class WorkerLog:
     def of_worker(cls, rank: int, recipe: Recipe, config: dict) -> "WorkerLog":
         """A Ray Train worker's log, from the loop's config (launch.build_trainer): the run's key, the start-up
         breakdown's job start and driver marks."""
-        return cls(rank, recipe, run_key=config.get("mlflow_run_key"), job_start=config.get("job_start"),
-                   startup_marks=config.get("startup_marks"))
+        return cls(rank, recipe, run_key=config.get("mlflow_run_key"),
+                   job=JobStart(config.get("job_start"), config.get("startup_marks")))
 
     @property
     def tracks(self) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -112,6 +113,14 @@ def start_reading_held_out(recipe: Recipe, *, rank: int, world: int) -> Callable
     return rows
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where a worker trains: its rank among `world` workers, and its device."""
+    rank: int
+    world: int
+    device: torch.device
+
+
 class EvalAndSamples:
     """What the FSDP2 loop measures besides training: the held-out loss every `train.eval_every` steps
     and at the end; sample generations at the start (base model), at each checkpoint and at the end.
@@ -121,13 +130,13 @@ class EvalAndSamples:
         self.recipe, self.blocks, self.sampler, self.device, self.log = recipe, blocks, sampler, device, log
 
     @classmethod
-    def open(cls, recipe: Recipe, tokenizer, *, rank: int, world: int, device: torch.device,
-             log, held_out: Callable[[], list[dict]] | None = None) -> "EvalAndSamples":
+    def open(cls, recipe: Recipe, tokenizer, place: Place, log,
+             held_out: Callable[[], list[dict]] | None = None) -> "EvalAndSamples":
         """`held_out`: `start_reading_held_out`'s answer, when the loop started the read early."""
         from raytune_ft.data.pipeline import iter_blocks
         from raytune_ft.train import sampling
 
-        t = recipe.train
+        t, (rank, world, device) = recipe.train, (place.rank, place.world, place.device)
         n_held_out = t.sample_count()
         rows = (held_out or start_reading_held_out(recipe, rank=rank, world=world))()
         blocks = None
@@ -148,9 +157,8 @@ class EvalAndSamples:
                 prompts = sampling.held_out_prompts(rows, n_held_out, tokenizer)
             if not prompts:
                 raise RuntimeError("train.sample_prompts: the held-out split has no conversation to prompt with")
-            sampler = sampling.Sampler(prompts, tokenizer, max_new_tokens=t.sample_max_new_tokens,
-                                       stop_ids=sampling.stop_token_ids(tokenizer, kwargs), device=device,
-                                       rank=rank, log=log)
+            completion = sampling.Completion(t.sample_max_new_tokens, sampling.stop_token_ids(tokenizer, kwargs))
+            sampler = sampling.Sampler(prompts, tokenizer, completion, device=device, rank=rank, log=log)
             log.info(f"samples: {len(prompts)} prompts, greedy, up to {t.sample_max_new_tokens} new tokens, at "
                      "the start, each checkpoint and the end (MLflow table samples.json)")
         return cls(recipe, blocks, sampler, device=device, log=log)

@@ -24,12 +24,12 @@ from raytune_ft.data.packing import DataCounters
 from raytune_ft.recipe.recipe import Recipe
 from raytune_ft.train import checkpoint as ckpt_io
 from raytune_ft.train import ckpt_storage, jit_cache
-from raytune_ft.train.checkpointer import Checkpointer, async_enabled
+from raytune_ft.train.checkpointer import Checkpointer, SaveSettings, async_enabled
 from raytune_ft.train.batch import EpochFeeds, StepBatch, pass_line, worker_blocks
 from raytune_ft.train.schedule_length import (count_run_steps, needs_counting_pass, run_schedule_steps,
                                               schedule_settings, short_of_steps)
 from raytune_ft.train.common import WorkerLog, lr_at, recipe_from_config, report
-from raytune_ft.train.evaluate import EvalAndSamples, start_reading_held_out
+from raytune_ft.train.evaluate import EvalAndSamples, Place, start_reading_held_out
 from raytune_ft.train.fp8 import precompute_fp8_scales
 from raytune_ft.train.fsdp_model import PackedCausalLM, build_fsdp_model, compile_pointwise, shard_packed_model
 from raytune_ft.train.lora import count_trainable
@@ -107,12 +107,12 @@ def train_fsdp(config: dict) -> None:
     state = _resume_state(TrainState(model, opt, trainable_only=t_cfg.lora_r > 0), rank, log)
     # a storage that cannot take the next checkpoint stops the attempt here, before training to it
     guard.check_first(state.step, t_cfg)
-    saver = Checkpointer(state, rank, device, guard, log, background=async_enabled(t_cfg.async_checkpoint, device),
-                         meta=_meta(recipe))
+    saver = Checkpointer(state, guard, log, SaveSettings(rank, device, async_enabled(t_cfg.async_checkpoint, device),
+                                                         _meta(recipe)))
     feed = feed or _open_data(recipe, config, state.data.state_dict(), rank=rank, device=device)
     total_steps = _schedule_length(recipe, state, feed, log)
     probing = time.time()       # 0 s with train.eval_every=0 and train.sample_prompts=0
-    probes = EvalAndSamples.open(recipe, tok, rank=rank, world=world, device=device, log=log, held_out=held_out)
+    probes = EvalAndSamples.open(recipe, tok, Place(rank, world, device), log, held_out=held_out)
     log.log_metrics(probes.at_start(model, state.evaluation, state.step), 0)   # the base model's samples
     log.startup.mark("eval_setup", since=probing)
     window = _Window(device, lm.config, world, state.progress,
@@ -120,7 +120,7 @@ def train_fsdp(config: dict) -> None:
     log.mfu_basis(window.mfu_basis)
     dtype = torch.bfloat16 if recipe.model.dtype == "bfloat16" else torch.float32
 
-    export = final_export(recipe, model, lm, tok, rank, dtype, log)     # the final checkpoint's hf/ (adapter/)
+    export = final_export(recipe, model, tok, rank, dtype, log)     # the final checkpoint's hf/ (adapter/)
 
     attempt = _Attempt(recipe=recipe, rank=rank, world=world, device=device, log=log, model=model, opt=opt,
                        params=params, state=state, feed=feed, total_steps=total_steps, window=window,

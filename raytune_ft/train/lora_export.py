@@ -19,7 +19,7 @@ import torch
 
 from raytune_ft.models.layout import BaseLayout, base_layout
 from raytune_ft.recipe.recipe import Recipe
-from raytune_ft.train.checkpoint import export_hf_folder, gathered_state
+from raytune_ft.train.checkpoint import HfExport, export_hf_folder, gathered_state
 from raytune_ft.train.lora import lora_modules, targets_of
 
 PEFT_PREFIX = "base_model.model."
@@ -106,25 +106,24 @@ def write_adapter(out_dir: str, model: torch.nn.Module, recipe: Recipe, tokenize
         torch.distributed.barrier()
 
 
-def final_export(recipe: Recipe, model: torch.nn.Module, lm: torch.nn.Module, tokenizer, rank: int,
-                 dtype: torch.dtype, log=None) -> Callable[[str], None]:
-    """The final checkpoint's export (`Checkpointer.save(export=...)`), called with its hf/ folder."""
+def final_export(recipe: Recipe, model: torch.nn.Module, tokenizer, rank: int, dtype: torch.dtype,
+                 log=None) -> Callable[[str], None]:
+    """The final checkpoint's export (`Checkpointer.save(export=...)`), called with its hf/ folder. `model`:
+    the loop's model, holding the Hugging Face model as `lm`."""
     layout = base_layout(recipe.model)
-    arch = type(lm).__name__
+    lm = model.lm
+    hf = HfExport(lm.config, tokenizer, dtype, prefix_strip=PREFIX, arch=type(lm).__name__, layout=layout)
 
     def export_full(folder: str) -> None:
-        export_hf_folder(folder, model, lm.config, tokenizer, rank, dtype=dtype, prefix_strip=PREFIX, arch=arch,
-                         layout=layout)
+        export_hf_folder(folder, model, hf, rank)
 
     def export_lora(folder: str) -> None:
         top = os.path.dirname(folder.rstrip("/"))
         write_adapter(os.path.join(top, "adapter"), model, recipe, tokenizer, rank, layout)
         if recipe.model.local_tiny or recipe.model.init == "random":
-            export_hf_folder(os.path.join(top, "base"), model, lm.config, tokenizer, rank, dtype=dtype,
-                             prefix_strip=PREFIX, arch=arch, tensors=base_state(model), layout=layout)
+            export_hf_folder(os.path.join(top, "base"), model, hf, rank, tensors=base_state(model))
         if recipe.train.merge_adapter:
-            export_hf_folder(folder, model, lm.config, tokenizer, rank, dtype=dtype, prefix_strip=PREFIX,
-                             arch=arch, tensors=merged_state(model, rank), layout=layout)
+            export_hf_folder(folder, model, hf, rank, tensors=merged_state(model, rank))
             if log is not None:
                 log.info("merged the LoRA adapter into the base model (hf/)")
 

@@ -122,15 +122,22 @@ def generate_greedy(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     return list(zip(out, seconds))
 
 
+@dataclass(frozen=True)
+class Completion:
+    """Where a greedy completion stops: after `max_new_tokens` new tokens, or at one of `stop_ids`."""
+    max_new_tokens: int
+    stop_ids: list[int]
+
+
 class Sampler:
     """The run's sample prompts, generated at the start (base model), at each checkpoint and at the end;
     rank 0 appends each round's rows to the MLflow table `samples.json`. The base model's completions
     travel in the train state, so a resumed run still shows them beside the new ones."""
 
-    def __init__(self, prompts: list[SamplePrompt], tokenizer, *, max_new_tokens: int, stop_ids: list[int],
-                 device: torch.device, rank: int, log):
-        self.prompts, self.tok, self.max_new_tokens = prompts, tokenizer, max_new_tokens
-        self.stop_ids, self.device, self.rank, self.log = stop_ids, device, rank, log
+    def __init__(self, prompts: list[SamplePrompt], tokenizer, completion: Completion, *, device: torch.device,
+                 rank: int, log):
+        self.prompts, self.tok, self.max_new_tokens = prompts, tokenizer, completion.max_new_tokens
+        self.stop_ids, self.device, self.rank, self.log = completion.stop_ids, device, rank, log
 
     def run(self, model, step: int, state) -> dict:
         """Generate every prompt at `step` (a collective); the rows go to `state.samples` (`state`: the
