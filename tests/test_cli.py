@@ -236,11 +236,12 @@ def test_summary_labels_its_two_rates_and_spaces_the_data_row():
     from raytune_ft.driver.run import RunSummary
 
     s = RunSummary(job="j", run_name="r", status="trained", steps=20, tokens=20_000, attempt_tokens=20_000,
-                   tokens_per_s=650.0, steps_tokens_per_s=4400.0, data={"rows_read": 512, "blocks": 40})
+                   tokens_per_s=650.0, steps_tokens_per_s=4400.0,
+                   data={"rows_read": 512, "rows_trained": 500, "rows_held_out": 12, "conversations": 500, "blocks": 40})
     text = "\n".join(s.lines())
     assert "20,000 (650 tokens/s over the training loop, saves and evals included)" in text
     assert "training steps   4,400 tokens/s" in text
-    assert "512 rows read, 0 skipped, 40 blocks" in text
+    assert "512 rows read: 500 trained (500 conversations), 12 held out, 0 skipped, 40 blocks" in text
     s.data["rows_skipped_by_reason"] = {"no_assistant": 2}
     assert "2 skipped {'no_assistant': 2}, 40 blocks" in "\n".join(s.lines())
 
