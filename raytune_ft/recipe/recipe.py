@@ -139,12 +139,22 @@ def validate(recipe: Recipe) -> Recipe:
     recipe.train.validate(recipe.data, recipe.registry)
     check_checkpointing(recipe.train.activation_checkpointing, recipe.model.family)
     recipe.scaling.validate()
+    _check_context_parallel(recipe)
     if recipe.train.precision == "fp8" and not recipe.scaling.use_gpu:
         raise RecipeError("train.precision: fp8 needs GPUs with float8 matmuls (scaling.use_gpu=true); "
                           "use train.precision=bf16 on CPU")
     recipe.tracking.validate()
     recipe.registry.validate()
     return recipe
+
+
+def _check_context_parallel(recipe: Recipe) -> None:
+    cp = recipe.scaling.context_parallel
+    if cp > 1 and recipe.train.loop != "fsdp2":
+        raise RecipeError("scaling.context_parallel: offered by the FSDP2 loop only (train.loop='fsdp2')")
+    if cp > 1 and recipe.data.seq_len % (2 * cp):
+        raise RecipeError(f"data.seq_len: {recipe.data.seq_len} must be a multiple of 2 x "
+                          f"scaling.context_parallel ({2 * cp}): each block is split into that many equal chunks")
 
 
 def recipe_from_dict(d: dict[str, Any]) -> Recipe:

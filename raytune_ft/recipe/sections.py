@@ -292,9 +292,15 @@ class ScalingConfig:
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     accelerator_type: str | None = None
     max_failures: int = 3
+    # ranks that split each packed block along the sequence (models/context_parallel, train/context_parallel)
+    context_parallel: int = 1
 
     def validate(self) -> None:
         check_range("scaling.num_workers", self.num_workers, 1, 100_000)
+        check_range("scaling.context_parallel", self.context_parallel, 1, 1024)
+        if self.num_workers % self.context_parallel:
+            raise RecipeError(f"scaling.context_parallel: {self.context_parallel} does not divide "
+                              f"scaling.num_workers={self.num_workers} into whole context-parallel groups")
         check_range("scaling.gpus_per_node", self.gpus_per_node, 1, 64)
         check_range("scaling.cpus_per_worker", self.cpus_per_worker, 0.0, 1024, lo_open=True)
         check_range("scaling.max_failures", self.max_failures, -1, 10_000)

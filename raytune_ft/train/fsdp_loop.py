@@ -4,7 +4,9 @@ One optimizer step = `grad_accum` micro-batches of `micro_batch_size` packed blo
 The loss is the sum of per-token losses over the step's supervised tokens on all ranks, divided
 by their global count (all-reduced before the first backward of the step), so a token weighs the
 same whatever rank or micro-batch it lands on. FSDP2 averages gradients over ranks; each
-micro-batch loss is multiplied by the world size to undo that average.
+micro-batch loss is multiplied by the world size to undo that average. Under
+`scaling.context_parallel` a group of ranks trains its members' blocks together, each rank a share of
+every block (train/context_parallel.py); the same normalisation holds, each rank counting its share.
 
 Non-finite losses and gradient norms are accumulated into a device flag and checked where the
 host syncs anyway (log and checkpoint steps), so the step itself never waits on the GPU.
@@ -29,6 +31,7 @@ from raytune_ft.train.batch import EpochFeeds, StepBatch, pass_line, worker_bloc
 from raytune_ft.train.schedule_length import (count_run_steps, needs_counting_pass, run_schedule_steps,
                                               schedule_settings, short_of_steps)
 from raytune_ft.train.common import WorkerLog, lr_at, recipe_from_config, report
+from raytune_ft.train.context_parallel import CPGroup, cp_group, step_micro_batches
 from raytune_ft.train.evaluate import EvalAndSamples, Place, start_reading_held_out
 from raytune_ft.train.fp8 import precompute_fp8_scales
 from raytune_ft.train.fsdp_model import PackedCausalLM, build_fsdp_model, compile_pointwise, shard_packed_model
@@ -124,11 +127,21 @@ def train_fsdp(config: dict) -> None:
 
     attempt = _Attempt(recipe=recipe, rank=rank, world=world, device=device, log=log, model=model, opt=opt,
                        params=params, state=state, feed=feed, total_steps=total_steps, window=window,
-                       probes=probes, saver=saver, jit=jit, export=export)
+                       probes=probes, saver=saver, jit=jit, export=export,
+                       cp=_context_parallel(recipe, world, device, log))
     try:
         _train(attempt)
     finally:
         saver.close()
+
+
+def _context_parallel(recipe: Recipe, world: int, device: torch.device, log: WorkerLog) -> CPGroup | None:
+    """This rank's context-parallel group (a collective), said once in the log."""
+    size = recipe.scaling.context_parallel
+    if size > 1:
+        log.info(f"context parallelism: {world // size} data-parallel groups of {size} ranks, each block split "
+                 f"into {2 * size} chunks of {recipe.data.seq_len // (2 * size)} tokens")
+    return cp_group(size, device)
 
 
 @dataclass
@@ -151,6 +164,7 @@ class _Attempt:
     saver: Checkpointer
     jit: jit_cache.JitCache | None      # what the first step compiled, saved for the next node and run
     export: Callable[[str], None]       # writes the final checkpoint's hf/ folder
+    cp: CPGroup | None = None           # scaling.context_parallel's group (train/context_parallel.py)
 
 
 def _train(a: _Attempt) -> None:
@@ -191,7 +205,7 @@ def _optimizer_step(a: _Attempt, step: int, blocks: list) -> None:
     scheduled LR; its losses, tokens and FLOPs go into the window (on the device, no host sync)."""
     t_cfg = a.recipe.train
     mbs = t_cfg.micro_batch_size
-    micro_batches = [StepBatch.from_blocks(blocks[i:i + mbs], a.device) for i in range(0, len(blocks), mbs)]
+    micro_batches = step_micro_batches(blocks, mbs, a.device, a.cp)
     loss_sum, denom = forward_backward(a.model, micro_batches, a.world, a.device)
     grad_norm = clip_gradients(a.params, t_cfg.max_grad_norm)
     lr = t_cfg.lr * lr_at(step, t_cfg, a.total_steps)

@@ -27,15 +27,18 @@ class PackedCausalLM(nn.Module):
         self.lm = lm
         self.loss_chunk = loss_chunk
 
-    def forward(self, labels: torch.Tensor | None, logits_at: torch.Tensor | None = None, **packed_kwargs):
+    def forward(self, labels: torch.Tensor | None, logits_at: torch.Tensor | None = None, shift: bool = True,
+                **packed_kwargs):
         """(loss sum, supervised count) of `labels`; with `logits_at` (token positions of the packed
-        row) the fp32 logits at those positions instead (sampling), inside the root's forward too."""
+        row) the fp32 logits at those positions instead (sampling), inside the root's forward too.
+        shift=False: `labels` are already each token's target (a context-parallel share's)."""
         from raytune_ft.models.loss import chunked_cross_entropy
 
         hidden = self.lm.model(**packed_kwargs).last_hidden_state
         if logits_at is not None:
             return self.lm.lm_head(hidden[0, logits_at]).float()
-        return chunked_cross_entropy(hidden, self.lm.lm_head.weight, labels, chunk_size=self.loss_chunk)
+        return chunked_cross_entropy(hidden, self.lm.lm_head.weight, labels, chunk_size=self.loss_chunk,
+                                     shift=shift)
 
 
 def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
