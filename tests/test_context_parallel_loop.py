@@ -1,11 +1,15 @@
 """The FSDP2 loop with `scaling.context_parallel` (issue 59): two Ray Train workers forming one CP group train
-the same steps as two data-parallel workers, on the same blocks each rank reads (real local Ray, gloo)."""
+the same steps as two data-parallel workers, on the same blocks each rank reads (real local Ray, gloo), and
+the 27B job's --local run with CP 2 gives the suite's local run's losses."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 
 from raytune_ft.recipe.recipe import RecipeError, apply_overrides, validate
+from tests.conftest import local_job_process, train_state
 from tests.train.test_fsdp_loop import fit, fixed_blocks, tiny_recipe
 
 
@@ -27,6 +31,25 @@ def test_two_workers_in_one_cp_group_train_as_two_data_parallel_workers(ray_loca
     np.testing.assert_allclose([h["grad_norm"] for h in cp["history"]],
                                [h["grad_norm"] for h in plain["history"]], rtol=1e-4)
     assert cp["tokens_total"] == plain["tokens_total"] > 0        # a block's tokens counted once, by its reader
+
+
+@pytest.mark.timeout(900)
+def test_the_local_job_with_context_parallel_2_trains_as_the_local_job(local_job, tmp_path):
+    """`jobs/qwen27b_b300.py --local --set scaling.context_parallel=2` (its 2 workers one CP group): the
+    losses and gradient norms of the suite's local run (CP 1) at each of its 20 steps, through its evaluation,
+    samples, checkpoints and the cosine schedule."""
+    runs = tmp_path / "runs"
+    with local_job_process(tmp_path, ["scaling.context_parallel=2", "registry.enabled=false",
+                                      f"tracking.storage_path={runs}"]) as (proc, _):
+        out = proc.stdout.decode()
+    assert proc.returncode == 0, out[-3000:]
+    assert "context parallelism: groups of 2 ranks split each block into 4 chunks of 128 tokens" in out
+    split = train_state(json.loads((runs / "qwen27b-local" / "summary.json").read_text())["checkpoint"])
+    plain = train_state(local_job["summary"]["checkpoint"])
+    assert len(split["history"]) == len(plain["history"]) == 20
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([h[key] for h in split["history"]], [h[key] for h in plain["history"]],
+                                   rtol=1e-4)
 
 
 def test_context_parallel_is_refused_where_it_cannot_split_or_run():

@@ -139,8 +139,8 @@ def _context_parallel(recipe: Recipe, world: int, device: torch.device, log: Wor
     """This rank's context-parallel group (a collective), said once in the log."""
     size = recipe.scaling.context_parallel
     if size > 1:
-        log.info(f"context parallelism: {world // size} data-parallel groups of {size} ranks, each block split "
-                 f"into {2 * size} chunks of {recipe.data.seq_len // (2 * size)} tokens")
+        log.info(f"context parallelism: groups of {size} ranks split each block into {2 * size} chunks of "
+                 f"{recipe.data.seq_len // (2 * size)} tokens ({world // size} data-parallel)")
     return cp_group(size, device)
 
 
