@@ -125,8 +125,7 @@ def cp_gated_delta_rule(x: DeltaRuleInputs, shard: CPShard, backend: str | None 
     starts: dict[int, torch.Tensor | None] = {0: None}
     state = rows[0][..., :dv]
     for chunk in range(1, max(shard.chunks) + 1):       # the scan, in sequence order
-        # zeros through `where`, not a fresh tensor: the gathered rows stay in this rank's graph even
-        # where no state crosses, so every rank's backward runs the gather's collective
+        # zeros by `where`, not a new tensor: the gathered rows stay in the graph, so every backward gathers
         starts[chunk] = torch.where(carries[chunk], state, 0.0)
         state = rows[chunk][..., :dv] + rows[chunk][..., dv:] @ starts[chunk]
     outs = []
