@@ -63,7 +63,7 @@ SLOW_TESTS = {"test_fsdp2_sharded_load_matches_unsharded", "test_random_init_of_
               "test_dry_run_prints_resolved_recipe_and_bad_recipe_exits_before_ray",
               "test_turned_on_the_monitor_logs_system_metrics_of_this_node",
               "test_rank_0_alone_reads_the_held_out_split_and_every_rank_gets_its_rows"}
-# a parametrized test's value that starts a server when the test asks for it (tests/test_storage.py's `where`)
+# a parametrized test's value that starts a server when the test asks for it (tests/storage/test_storage.py's `where`)
 SLOW_PARAMS = {"s3"}
 
 
@@ -368,7 +368,7 @@ def _isolated_mlflow_uris():
 @pytest.fixture
 def mlflow_run(tmp_path):
     """A default recipe whose MLflow store is a sqlite file under tmp_path, and a real run in it (rank 0's
-    logging: tests/test_step_metrics.py, tests/test_mlflow_sender.py)."""
+    logging: tests/train/test_step_metrics.py, tests/tracking/test_mlflow_sender.py)."""
     from raytune_ft.tracking import mlflow_run as tracking
     from raytune_ft.recipe.recipe import Recipe
 

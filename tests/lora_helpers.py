@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from raytune_ft.recipe.recipe import Recipe, validate
-from tests.test_train_state import one_rank_group  # noqa: F401 - the one-rank gloo group these tests run in
+from tests.train.test_train_state import one_rank_group  # noqa: F401 - the one-rank gloo group these tests run in
 
 
 def recipe(storage, *, name: str | None = None, **train) -> Recipe:

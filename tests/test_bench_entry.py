@@ -16,7 +16,7 @@ import pytest
 
 from bench import gpu_kit
 from bench.__main__ import main as bench_main
-from tests.test_save_final import assert_trained_without_a_checkpoint
+from tests.train.test_save_final import assert_trained_without_a_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -175,7 +175,7 @@ def test_cpu_smoke_of_the_resubmit_bench_submits_twice_to_its_own_head_and_stops
         assert 0 < fig["submit_command_s"] < 60
         assert fig["submit_to_first_step_s"] == pytest.approx(fig["submit_command_s"] + fig["startup"]["total_s"],
                                                              abs=0.01)
-        # the bench's throughput runs save no final checkpoint: neither left one (tests/test_save_final.py)
+        # the bench's throughput runs save no final checkpoint: neither left one (tests/train/test_save_final.py)
         assert_trained_without_a_checkpoint(os.path.join(rec["settings"]["storage"], rec["settings"]["run_name"]),
                                             rec["settings"]["steps"], "train/lr")
     head = re.search(r"=== ray head: .* --temp-dir=(\S+)", proc.stdout).group(1)

@@ -1,5 +1,5 @@
 """The project's own lines only on the console (issue 37): `raytune-ft register`, the kernel check and a TRL
-recipe (its run is tests/test_trl_recipes.py's LoRA job, checked with `noise` from here), each run as a
+recipe (its run is tests/train/test_trl_recipes.py's LoRA job, checked with `noise` from here), each run as a
 user runs it (a fresh process, real libraries), print none of the libraries' noise; the libraries'
 warnings land in the command's log file instead."""
 from __future__ import annotations

@@ -34,26 +34,26 @@ SKIPPED = {
                                            "then finds the run finished)",
     "python jobs/qwen27b_b300.py --set train.lr=2e-5 --set data.max_rows=1000": "the full 27B recipe: GPUs",
     "raytune-ft run qwen2_05b_lora --local": "a second --local training run (minutes on 2 cores); "
-                                             "tests/test_trl_recipes.py runs this recipe's loop on local Ray",
+                                             "tests/train/test_trl_recipes.py runs this recipe's loop on local Ray",
     "python jobs/qwen27b_b300.py --set 'data.template_kwargs={\"enable_thinking\": false}'":
         "the full 27B recipe: GPUs",
     "python jobs/qwen27b_b300.py --set 'data.template_kwargs={\"reasoning_effort\": \"low\"}'":
         "the full 27B recipe: GPUs",
-    "ray get-auth-token --generate > /dev/null": "writes the user's ~/.ray/auth_token; tests/test_job_submit.py "
+    "ray get-auth-token --generate > /dev/null": "writes the user's ~/.ray/auth_token; tests/driver/test_job_submit.py "
                                                  "gives its head a token file of its own",
-    "ray start --head": "a Ray cluster (tests/test_job_submit.py starts one on loopback)",
+    "ray start --head": "a Ray cluster (tests/driver/test_job_submit.py starts one on loopback)",
     "export RAY_AUTH_MODE=token": "a Ray cluster",
     "ray job submit --working-dir . -- python jobs/qwen27b_b300.py": "a Ray cluster and GPUs",
-    "ray start --head --num-cpus 8": "a Ray cluster (tests/test_job_submit.py starts one with 8 logical CPUs "
+    "ray start --head --num-cpus 8": "a Ray cluster (tests/driver/test_job_submit.py starts one with 8 logical CPUs "
                                      "on loopback)",
     "ray job submit --working-dir . -- python jobs/qwen27b_b300.py --local "
     "--set tracking.storage_path=$HOME/raytune_runs":
-        "a Ray cluster: tests/test_job_submit.py submits this --local job with an absolute run folder",
+        "a Ray cluster: tests/driver/test_job_submit.py submits this --local job with an absolute run folder",
     "ray job submit --working-dir . -- python jobs/qwen27b_b300.py --set scaling.num_workers=16 "
     "--set tracking.storage_path=/mnt/shared/raytune_runs --set tracking.tracking_uri=http://HEAD_NODE:5000":
         "a Ray cluster of two GPU nodes",
 }
-SKIPPED["raytune-ft data check qwen27b_b300 --local --set data.source=s3://my-bucket/chat/"] = "an S3 bucket: tests/test_data_s3.py reads a two-source mixture " \
+SKIPPED["raytune-ft data check qwen27b_b300 --local --set data.source=s3://my-bucket/chat/"] = "an S3 bucket: tests/data/test_data_s3.py reads a two-source mixture " \
                                                   "from a SeaweedFS server"
 SERVERS = {"mlflow ui --backend-store-uri sqlite:///runs/qwen27b-local/mlflow.db": "http://127.0.0.1:5000"}
 

@@ -9,8 +9,8 @@ MLflow store (the sqlite file, the registered model's artifacts), in the checkpo
 summary.json.
 
 A registration that fails with the token inside its exception (a registry that quotes the credential it
-refused, as some do), through the post-fit Ray task and the command line: tests/test_registry.py's refusing
-registry. A password in the tracking URI: tests/test_job_submit.py's job.
+refused, as some do), through the post-fit Ray task and the command line: tests/registry/test_registry.py's refusing
+registry. A password in the tracking URI: tests/driver/test_job_submit.py's job.
 """
 from __future__ import annotations
 

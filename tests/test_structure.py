@@ -296,3 +296,13 @@ def test_bench_has_no_import_circle():
         graph[f"bench.{path.stem}"] = deps - {f"bench.{path.stem}"}
     assert len(graph) > 10 and graph["bench.gpu_lora"]
     assert find_cycle(graph) is None, f"import cycle in bench/: {' -> '.join(find_cycle(graph))}"
+
+
+def test_the_tests_mirror_the_package():
+    """Issue 58 item 1: tests/ has a folder per package folder it tests (tests/gpu: the GPU suite), so a test is
+    found beside the part it pins."""
+    tests = Path(__file__).resolve().parent
+    folders = {p.parent.name for p in tests.glob("*/__init__.py")} - {"gpu"}
+    packages = {p.parent.name for p in PKG.glob("*/__init__.py")}
+    assert folders and folders <= packages, folders - packages
+    assert {"data", "driver", "train", "tracking", "storage", "planning"} <= folders

@@ -1,5 +1,5 @@
 """The plan's and the projection's measured inputs, read from one dated data file (data/measured.json) in which
-each figure names the bench record it comes from; tests/test_measured.py holds every figure to its record."""
+each figure names the bench record it comes from; tests/planning/test_measured.py holds every figure to its record."""
 from __future__ import annotations
 
 import functools

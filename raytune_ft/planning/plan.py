@@ -24,7 +24,7 @@ The memory model (bytes per GPU; every line is a stated estimate, not a measurem
                       (plan_lora.py says which is which).
 The components are summed (the loss's logits chunk, freed before the first recompute, shares its memory with the
 recomputed layer); other phases that do not overlap are counted together, so the total is an upper estimate;
-tests/test_plan.py holds it against measured peaks. A plan "fits" when the total is within the GPU's memory
+tests/planning/test_plan.py holds it against measured peaks. A plan "fits" when the total is within the GPU's memory
 less a margin (default 10%) for the CUDA context, NCCL buffers and allocator fragmentation.
 
 The time model: tokens of one pass / (tokens/s per GPU x GPUs), tokens/s per GPU = MFU x bf16 peak /

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from raytune_ft.planning.hardware import GiB, gpu_spec
 from raytune_ft.planning.measured import figure, measured_64
 
-# the measured inputs, each with its bench record (planning/data/measured.json; tests/test_measured.py)
+# the measured inputs, each with its bench record (planning/data/measured.json; tests/planning/test_measured.py)
 MEASURED_64: dict | None = measured_64()
 DATA_TOK_S_PER_CORE = float(figure("data_tok_s_per_core")["values"]["tok_s"])
 # NVIDIA HGX B300: fifth-generation NVLink, 1.8 TB/s per GPU in both directions together

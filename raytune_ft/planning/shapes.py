@@ -3,7 +3,7 @@
 `model_shape(recipe)` reads them from the real config (the tiny one with `model.local_tiny`, a local
 folder's config.json, or models/tiny.py's real configs) and falls back to a table of known shapes when
 transformers' config for the model is not importable. Parameter counts are derived from the module
-definitions of transformers' Qwen2 / Qwen3 / Qwen3.5 layers (tests/test_plan.py checks them against
+definitions of transformers' Qwen2 / Qwen3 / Qwen3.5 layers (tests/planning/test_plan.py checks them against
 instantiated models).
 """
 from __future__ import annotations
@@ -149,7 +149,7 @@ class ModelShape:
 
 
 # Known real shapes, used when raytune_ft.models.tiny.real_config is not importable (it is the source of
-# truth; tests/test_plan.py checks this table against it). Keys: the last part of the hub id, lower case.
+# truth; tests/planning/test_plan.py checks this table against it). Keys: the last part of the hub id, lower case.
 KNOWN_SHAPES: dict[str, ModelShape] = {
     "qwen3.8-27b": ModelShape(
         family="qwen3_5", vocab=248320, hidden=5120, intermediate=17408,

@@ -149,7 +149,7 @@ def test_a_job_on_a_file_in_no_known_format_exits_2_in_seconds_before_ray(tmp_pa
 
     bad = tmp_path / "notes.jsonl"
     bad.write_text("".join(json.dumps({"id": i, "body": "text"}) + "\n" for i in range(20)))
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.time()
     out = subprocess.run([sys.executable, str(repo / "jobs" / "qwen27b_b300.py"), "--local",

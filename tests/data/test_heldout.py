@@ -12,7 +12,7 @@ from raytune_ft.cli import resolve
 from raytune_ft.data.builtin import builtin_chat, row_hash, split_rows
 from raytune_ft.data.pipeline import BUILTIN_DEFAULT_ROWS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _local_recipe():

@@ -2,7 +2,7 @@
 training began; the same kind of error raised by a worker mid-run (a RecipeError, a lost run folder) exits 1
 with the line that says which checkpoint is kept; a refused run leaves no run folder behind. Before, a
 worker's RunFolderInUse mid-run exited 2 as if nothing had started, though a checkpoint existed. The same
-error from a real TRL run that has a checkpoint: tests/test_trl_resume_edges.py."""
+error from a real TRL run that has a checkpoint: tests/train/test_trl_resume_edges.py."""
 from __future__ import annotations
 
 import pytest
@@ -81,7 +81,7 @@ def test_a_worker_finding_its_run_folder_taken_mid_run_exits_1_naming_the_kept_c
     """The real case: the TRL --local job killed after its step-2 checkpoint, its lease written as another job's
     meanwhile; the retry's worker finds the folder taken and stops the run (RunFolderInUse)."""
     from raytune_ft.driver.endings import exit_lines
-    from tests.test_trl_resume_edges import COUNTED, EPOCH_STEPS, _recipe as trl_recipe, _run_with_fault
+    from tests.train.test_trl_resume_edges import COUNTED, EPOCH_STEPS, _recipe as trl_recipe, _run_with_fault
 
     result, error = _run_with_fault(trl_recipe(tmp_path, "taken", 1, *COUNTED), f"{EPOCH_STEPS}:0:saved",
                                     take_lease="1")

@@ -19,7 +19,7 @@ import pytest
 from mlflow import MlflowClient
 
 from raytune_ft.env import scoped_env
-from tests.test_fault_tolerance import EVERY, STATE_TRACKING_ENV, STEPS, RankKiller, _job
+from tests.train.test_fault_tolerance import EVERY, STATE_TRACKING_ENV, STEPS, RankKiller, _job
 
 RUN = "multinode"
 

@@ -17,7 +17,7 @@ loss or samples, which other modules check):
 Nothing of the run is written under the local storage default (./runs of the launch folder).
 
 TRL 4B recipe (1 worker, two epochs of 2 steps, a checkpoint and an evaluation at the end of each: the setting of
-tests/test_trl_resume_edges.py, whose other edges run on local storage): a straight reference, submitted again
+tests/train/test_trl_resume_edges.py, whose other edges run on local storage): a straight reference, submitted again
 once finished (nothing trained); then the same run with its worker SIGKILLing itself at the end of step 4
 (tests/faults.py kill_at_step). Ray restarts it, it rebuilds the trainer from the epoch-boundary checkpoint of
 step 2 read from S3 and trains epoch 2 exactly as the reference did: step 3, trained by both attempts, logs the
@@ -31,7 +31,7 @@ ends with the uninterrupted run's losses and data counters. Then rank 1's backgr
 instead (fail_after_write, max_failures=0): the run stops with that error at the next step boundary, and
 no checkpoint is registered.
 
-A worker SIGKILLed from outside (no fault hook), its group restarted and resumed from S3: tests/test_multinode.py,
+A worker SIGKILLed from outside (no fault hook), its group restarted and resumed from S3: tests/driver/test_multinode.py,
 on two nodes.
 
 Small storage: the free-space probe is patched (tests/faults.py free_bytes, in the workers; no filesystem
@@ -57,15 +57,15 @@ from raytune_ft.storage import fs as storage
 from raytune_ft.env import scoped_env
 from tests.conftest import run_with_fault
 from tests.faults import RUNTIME_ENV, fault_plan
-from tests.test_fault_tolerance import STATE_TRACKING_ENV, STEPS, _assert_history_matches, run_attempts
-from tests.test_trl_resume_edges import EPOCH_STEPS, EPOCH_TWO, _history, _weights
+from tests.train.test_fault_tolerance import STATE_TRACKING_ENV, STEPS, _assert_history_matches, run_attempts
+from tests.train.test_trl_resume_edges import EPOCH_STEPS, EPOCH_TWO, _history, _weights
 
 EVERY = 4
 REL_TOL = 1e-5
 # the post-fit registration task asks for more CPUs than this local Ray has: it never starts, and is given up
 NO_ROOM_TO_REGISTER = ("registry.num_cpus=512", "registry.timeout_s=2")
-# the 27B runs here check faults, storage and resume, not the held-out loss or the samples (tests/test_eval_samples.py,
-# tests/test_local_job.py): off, each attempt starts a few seconds sooner (no held-out pipeline, no generation)
+# the 27B runs here check faults, storage and resume, not the held-out loss or the samples (tests/train/test_eval_samples.py,
+# tests/driver/test_local_job.py): off, each attempt starts a few seconds sooner (no held-out pipeline, no generation)
 NO_EVAL_OR_SAMPLES = ("train.eval_every=0", "train.sample_prompts=0")
 
 
@@ -179,7 +179,7 @@ def s3_runs(s3_server, s3_ray):
     out["folders_after_again"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
 
     # ---- TRL 4B recipe, two epochs: a straight reference, the same killed at the end of step 4 and resumed from
-    # the epoch-boundary checkpoint on S3 (tests/test_trl_resume_edges.py's other edges run on local storage)
+    # the epoch-boundary checkpoint on S3 (tests/train/test_trl_resume_edges.py's other edges run on local storage)
     out["r4_ref"] = _recipe("qwen3_4b_full", root, "s3-4b-ref", *EPOCH_TWO, "scaling.max_failures=0",
                             "registry.enabled=false")
     out["trl_ref"] = run(out["r4_ref"], local=True)

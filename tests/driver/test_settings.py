@@ -1,6 +1,6 @@
 """What a setting says is what the run does, in both loops: the LR floor on the last step, no clipping
-when `train.max_grad_norm` is 0 or null, several epochs, a schedule as long as the data. (Tokens/s of a resumed run: tests/test_s3_runs.py; the data
-guard of a resume: tests/test_s3_runs.py for the FSDP2 loop, tests/test_trl_resume_edges.py for TRL.)
+when `train.max_grad_norm` is 0 or null, several epochs, a schedule as long as the data. (Tokens/s of a resumed run: tests/driver/test_s3_runs.py; the data
+guard of a resume: tests/driver/test_s3_runs.py for the FSDP2 loop, tests/train/test_trl_resume_edges.py for TRL.)
 
 The unit tests drive the functions the loops call (`lr_at`, `recipe_scheduler`, `clip_gradients`, the
 TRL trainer on CPU); the `slow` ones run the real loops inside Ray Train on local Ray (gloo).
@@ -15,7 +15,7 @@ import torch
 
 from raytune_ft.recipe.recipe import Recipe, TrainConfig, validate
 from tests.conftest import train_state
-from tests.test_fsdp_loop import tiny_recipe
+from tests.train.test_fsdp_loop import tiny_recipe
 
 
 # ---------------------------------------------------------------- the LR floor, both loops

@@ -1,7 +1,7 @@
 """FSDP2 through Ray Train on every GPU of the machine: the 27B recipe's --local job (tiny qwen3_5 model,
 generated chat data) moved onto the GPUs (bf16 compute, fp32 master weights, NCCL).
 
-Three runs on one local Ray, as tests/test_fault_tolerance.py does on CPU:
+Three runs on one local Ray, as tests/train/test_fault_tolerance.py does on CPU:
 - "straight": 8 steps, a checkpoint at step 4, the final one (with the hf/ export) at step 8;
 - "resumed": the same recipe whose rank 0 exits right after uploading its part of the step-8 checkpoint,
   before Ray registers it (tests/faults.py, exit_after_upload); with max_failures=0 the run fails and step 4's

@@ -11,7 +11,7 @@ from raytune_ft.planning.plan import GiB, memory_plan
 from raytune_ft.recipe.checkpointing import parse_checkpointing
 from raytune_ft.recipe.recipe import (DataConfig, ModelConfig, Recipe, RecipeError, ScalingConfig, TrainConfig,
                                       apply_overrides, validate)
-from tests.test_plan import job
+from tests.planning.test_plan import job
 
 
 # ---------------------------------------------------------------- the choices
@@ -153,7 +153,7 @@ def _fsdp2(name: str, layers: int | None, seq: int, ac: str, master: str, ranks:
 # Peaks (torch.cuda.max_memory_allocated) of the FSDP2 loop's step, bench/RESULTS.md, one GPU, world size 1
 # (`bench/gpu_compare.py`: the 27B cut to 16 layers, and the Qwen3-4B shape), on one H200, code g1 (2026-11-29
 # morning) or g2 (evening): torch 2.11.0+cu130, transformers 5.17.0, triton 3.6.0, fla 0.6.0. Full checkpointing
-# at 64 layers (rank 0 of 8, H100, g11, 64.16 GiB) is held by tests/test_plan.py.
+# at 64 layers (rank 0 of 8, H100, g11, 64.16 GiB) is held by tests/planning/test_plan.py.
 # Outside 10% and not held: every:2 and none on the 4B shape uncompiled (84.8 GiB, plan 73.4, -13%; 133.5 GiB,
 # plan 107.4, -20%: the plan counts no uncompiled norm or rotary copies of a dense Qwen3 layer); full on the
 # 27B 16-layer cut at 32k compiled (83.3 GiB, plan 92.5, +11%) and on the 10-layer cut at 32k on an H100
@@ -217,7 +217,7 @@ def _tiny_step(ac: str):
     from raytune_ft.train.batch import StepBatch
     from raytune_ft.train.fsdp_loop import forward_backward, shard_packed_model
     from raytune_ft.train.recompute import checkpointed, layer_parts
-    from tests.test_fp8 import _blocks
+    from tests.train.test_fp8 import _blocks
 
     torch.manual_seed(0)
     lm = AutoModelForCausalLM.from_config(tiny_config("qwen3_5", vocab_size=512), dtype=torch.float32)
@@ -242,7 +242,7 @@ def _tiny_step(ac: str):
 def test_the_build_checkpoints_exactly_the_chosen_parts_and_the_gradients_do_not_change():
     """Counted per kind on the built model, then seen at work: a checkpointed part's forward runs twice in a
     step (once more in the backward), any other once; the gradients equal those of no checkpointing."""
-    from tests.test_train_state import one_rank_group
+    from tests.train.test_train_state import one_rank_group
 
     with one_rank_group():
         _, _, reference = _tiny_step("none")

@@ -9,7 +9,7 @@ import pytest
 
 from raytune_ft.planning.measured import figures
 
-RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
 def _record(where: dict) -> dict:

@@ -12,7 +12,7 @@ from raytune_ft.planning.plan import GiB, memory_plan
 from raytune_ft.recipe.recipe import DataConfig, ModelConfig, Recipe, ScalingConfig, TrainConfig, apply_overrides
 from raytune_ft.planning.shapes import KNOWN_SHAPES, ModelShape
 
-JOBS = Path(__file__).resolve().parents[1] / "jobs"
+JOBS = Path(__file__).resolve().parents[2] / "jobs"
 
 
 def job(name: str):

@@ -27,7 +27,7 @@ from raytune_ft.cli import cli_register
 from raytune_ft.env import redact, scoped_env
 from raytune_ft.recipe.recipe import RegistryConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
 TOKEN = f"sk-echoed-{secrets.token_hex(16)}"      # MLFLOW_TRACKING_TOKEN for the module (quick_http)
 

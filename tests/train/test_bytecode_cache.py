@@ -5,7 +5,7 @@ every process of every job compile torch and the rest from source. The job then 
 in `<cache_dir>/bytecode`, for itself and the processes it starts. Real interpreters and a real filesystem;
 the decision's probe of torch's install is pointed at a stand-in package folder (the venv's own torch
 cannot be made bytecode-less or read-only here). The whole path through `ray job submit` is in
-tests/test_job_submit.py.
+tests/driver/test_job_submit.py.
 """
 from __future__ import annotations
 

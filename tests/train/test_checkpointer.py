@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from tests.test_train_state import full, one_rank_group, sharded_model_and_optimizer, train
+from tests.train.test_train_state import full, one_rank_group, sharded_model_and_optimizer, train
 
 
 class LetThrough:

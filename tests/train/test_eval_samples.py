@@ -12,7 +12,7 @@ import torch
 
 from raytune_ft.recipe.recipe import RecipeError, apply_overrides, validate
 from tests.conftest import train_state
-from tests.test_fsdp_loop import tiny_recipe
+from tests.train.test_fsdp_loop import tiny_recipe
 
 PROMPTS = [
     "Please list three colors.",

@@ -2,7 +2,7 @@
 second job on a live run folder; the helpers the fault scenarios share (a worker killed from outside by
 PID, the attempts Ray's state actor records, the per-step loss comparison).
 
-The worker-death scenarios themselves run once, on object storage, in tests/test_s3_runs.py (a rank dying
+The worker-death scenarios themselves run once, on object storage, in tests/driver/test_s3_runs.py (a rank dying
 in the checkpoint window on every attempt, the re-submit that resumes from the last registered checkpoint,
 a worker SIGKILLed from outside, a worker dying during a background save, a background save failing):
 what they check does not depend on where the run folder is, and S3 is the harder storage.

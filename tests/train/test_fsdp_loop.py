@@ -2,8 +2,8 @@
 
 Each test runs the real loop (`train_fsdp`) inside a real Ray Train TorchTrainer on gloo. Resume (a re-submit
 and Ray's restarts, the same losses as an uninterrupted run, read-ahead and background checkpoints on, a
-resumed run's tokens/s, the data guard) runs on S3 in tests/test_s3_runs.py; the hf/ export against the DCP
-checkpoint on the suite's `--local` job, in tests/test_local_job.py.
+resumed run's tokens/s, the data guard) runs on S3 in tests/driver/test_s3_runs.py; the hf/ export against the DCP
+checkpoint on the suite's `--local` job, in tests/driver/test_local_job.py.
 """
 from __future__ import annotations
 

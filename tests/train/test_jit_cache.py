@@ -191,7 +191,7 @@ def test_a_set_under_this_nodes_name_is_loaded_only_with_this_nodes_fingerprint_
 
 def test_the_fingerprint_holds_the_driver_and_the_models_widths(tmp_path, monkeypatch):
     from raytune_ft.train import jit_fingerprint
-    from tests.test_plan import job
+    from tests.planning.test_plan import job
 
     version = tmp_path / "version"
     version.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.124.06  Release Build  "

@@ -3,7 +3,7 @@ ran dry is lent blocks by the others (`train/lending.py`), and a resume inside t
 
 Two real gloo ranks (torch.multiprocessing), each feeding its own fixed blocks through the real `StepFeed`:
 the shares are what Ray Data's split gives a small file (every row on one rank) and an odd split; the
-Ray Data side of the same case is tests/test_data_pipeline.py's two-worker run."""
+Ray Data side of the same case is tests/data/test_data_pipeline.py's two-worker run."""
 from __future__ import annotations
 
 import numpy as np

@@ -8,7 +8,7 @@ tiny qwen3_5 model: the model `build_fsdp_model` builds, trained on packed block
   give them too.
 - A checkpoint holds the adapters and their optimizer state only, and a step trained again after a resume
   from it gives the same loss.
-The loop on Ray with this setting runs in tests/test_local_job.py (jobs/qwen27b_lora.py --local).
+The loop on Ray with this setting runs in tests/driver/test_local_job.py (jobs/qwen27b_lora.py --local).
 """
 from __future__ import annotations
 
@@ -230,7 +230,7 @@ def test_every_linear_by_default_and_a_named_target_the_model_lacks_is_refused(f
 def test_compiled_layers_with_adapters_train_as_the_eager_ones(tmp_path, monkeypatch):
     """train.compile with LoRA: each layer's MLP (its adapted gate/up/down inside) goes through torch.compile's
     graph capture, and the steps give the eager model's losses. The graphs run on dynamo's "eager" backend:
-    Inductor would spend the test's time in a C++ compiler (tests/test_eval_samples.py does the same)."""
+    Inductor would spend the test's time in a C++ compiler (tests/train/test_eval_samples.py does the same)."""
     import functools
 
     graphs = []

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from raytune_ft.train import fp8, probe
-from tests.test_fp8 import _blocks, _small_config, _train, process_group  # noqa: F401 - the fixture
+from tests.train.test_fp8 import _blocks, _small_config, _train, process_group  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -18,7 +18,7 @@ from raytune_ft.data.packing import DataCounters
 from raytune_ft.data.pipeline import iter_blocks
 from raytune_ft.train.batch import EpochFeeds, ReadAhead
 from raytune_ft.train.schedule_length import needs_counting_pass, schedule_settings
-from tests.test_fsdp_loop import tiny_recipe
+from tests.train.test_fsdp_loop import tiny_recipe
 
 SEQ_LEN = 96
 DATA = SimpleNamespace(seq_len=SEQ_LEN, pack_window=8, overlong="split", sources=None, max_skip_fraction=1.0)   # the rows include junk on purpose

@@ -3,7 +3,7 @@
 Both loops count their LR schedule's length once (a pass over the data per epoch) and keep it in the
 checkpoint; a re-submit with another train.epochs or data.max_rows must count again, not stop at the
 old length. The FSDP2 loop's `_schedule_length` runs here on real packed blocks (no Ray: the count is
-not a collective outside torch.distributed); the TRL loop's side is in tests/test_trl_resume_edges.py.
+not a collective outside torch.distributed); the TRL loop's side is in tests/train/test_trl_resume_edges.py.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from raytune_ft.train.batch import EpochFeeds
 from raytune_ft.train.schedule_length import run_schedule_steps, schedule_settings
 from raytune_ft.train.common import WorkerLog
 from raytune_ft.train.fsdp_loop import _schedule_length
-from tests.test_fsdp_loop import tiny_recipe
+from tests.train.test_fsdp_loop import tiny_recipe
 
 SEQ_LEN = 64
 

@@ -70,7 +70,7 @@ def _block(first: int) -> dict:
 
 def test_the_fsdp_loops_feed_runs_train_max_steps_past_one_pass(tmp_path):
     from raytune_ft.train.fsdp_loop import _open_data
-    from tests.test_fsdp_loop import tiny_recipe
+    from tests.train.test_fsdp_loop import tiny_recipe
 
     recipe = tiny_recipe(tmp_path, "repeat", max_steps=7)
     recipe.data.seq_len = 8
@@ -108,7 +108,7 @@ def test_a_run_past_one_pass_trains_its_steps_and_takes_no_empty_step(ray_local,
     """The real loop on local Ray, 2 workers: 3 blocks each a pass, the middle step holding no supervised token
     on either rank. 7 steps at 2 steps a pass: 4 passes, no loss of 0, the schedule ending on the 7th step
     (before: 3 steps, the second logged as loss 0.0000 and grad norm 0.000)."""
-    from tests.test_fsdp_loop import fit, fixed_blocks, tiny_recipe
+    from tests.train.test_fsdp_loop import fit, fixed_blocks, tiny_recipe
 
     blocks = fixed_blocks(4)
     empty = dict(blocks[0], labels=np.full_like(blocks[0]["labels"], -100))
@@ -127,7 +127,7 @@ def test_the_trl_loop_trains_train_max_steps_past_one_pass(ray_local, tmp_path):
     """The TRL loop (the Qwen3-4B recipe's --local job, 2 steps a pass on 40 rows): Hugging Face's trainer asks
     for pass after pass until max_steps; it had stopped at the end of the first, its warning in a log file."""
     from raytune_ft.driver.run import run
-    from tests.test_trl_resume_edges import EPOCH_STEPS, _recipe as trl_recipe
+    from tests.train.test_trl_resume_edges import EPOCH_STEPS, _recipe as trl_recipe
 
     recipe = trl_recipe(tmp_path, "trl_passes", 0, "data.max_rows=40", "train.max_steps=5", "train.eval_every=0",
                         "train.load_best_at_end=false", "train.checkpoint_every=5")

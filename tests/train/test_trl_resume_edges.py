@@ -8,7 +8,7 @@ With data.max_rows=40 a pass is 2 optimizer steps (4 packed blocks, 2 per step),
 
 - The epoch boundary (2 epochs, killed at the end of step 4, resumed from the step-2 checkpoint, epoch 2
   trained exactly as a straight run) and a finished run submitted again run once, on S3, in
-  tests/test_s3_runs.py, with this module's settings (EPOCH_TWO).
+  tests/driver/test_s3_runs.py, with this module's settings (EPOCH_TWO).
 - "end": 1 epoch, killed once the last save of the pass (step 2) is registered, before the final
   checkpoint: the retry has nothing left to train and must finish, not fail in SFTTrainer.__init__.
 - "grow": the same, its lease written as another job's before the kill (as if this job's heartbeat had gone
@@ -65,7 +65,7 @@ def _weights(ckpt: str, fs=None) -> dict:
 
 COUNTED = ("train.max_steps=null", "data.max_rows=40", f"train.checkpoint_every={EPOCH_STEPS}",
            f"train.eval_every={EPOCH_STEPS}")
-EPOCH_TWO = ("train.epochs=2", "train.log_every=1", *COUNTED)     # tests/test_s3_runs.py's TRL runs too
+EPOCH_TWO = ("train.epochs=2", "train.log_every=1", *COUNTED)     # tests/driver/test_s3_runs.py's TRL runs too
 
 
 def _run_with_fault(recipe, spec: str | None, **more: str):
