@@ -25,14 +25,16 @@ RUN_ID_WAIT_S = 120.0
 
 
 class RunLifecycle:
-    """A run's life in the driver, a context manager that `run()` reads top-down through. It takes, in order:
+    """A run's life in the driver, a context manager that `run()` reads top-down through. It holds what a run
+    holds (the lease, the MLflow run, Ray) and nothing else (the datasets and the tokenizing processes are the
+    launch's: driver/launch.py). It takes, in order:
 
-    1. the run folder: `hold_folder` takes its lease (lease.py), once its storage is checked;
-    2. the MLflow run: `start` opens it ahead, in a process of its own (run_opening.RunOpening), beside the
+    1. the run folder: `hold_folder` takes its lease (storage/lease.py), once every check has passed;
+    2. the MLflow run: `start` opens it ahead, in a process of its own (tracking/opening.RunOpening), beside the
        driver's imports and tokenizer (a thread); on a cluster joined it opens once the cluster is checked;
-    3. Ray: `start_ray` starts or joins it, then starts what Ray Train waits for (Ray Data's coordinator, the
-       tokenizing processes); `run_key` hands the run id to rank 0 (run_opening.RunIdHandoff), the one way
-       it reaches the workers, so the trainer never waits for the run to open;
+    3. Ray: `start_ray` starts or joins it, then starts what Ray Train waits for (Ray Data's coordinator);
+       `run_key` hands the run id to rank 0 (tracking/opening.RunIdHandoff), the one way it reaches the
+       workers, so the trainer never waits for the run to open;
     4. `finish` ends the MLflow run of a job that returned, with its outcome.
 
     `fit` runs the trainer. However the block ends (a return, an exception, Ctrl-C, SIGTERM from `ray job
@@ -125,18 +127,6 @@ class RunLifecycle:
             self.open_run()
         start_train_helpers()
         self._prepared.result()
-        from raytune_ft.driver.launch import start_tokenizing
-
-        # beside Ray Train's start, with the tokenizer loaded (the driver's choice of class) by the first read
-        start_tokenizing(self.recipe)
-
-    def datasets(self):
-        """The datasets, built while the MLflow run opens in its own process."""
-        from raytune_ft.driver.launch import build_datasets
-
-        out = build_datasets(self.recipe)
-        self.marks["datasets"] = time.time()
-        return out
 
     def run_key(self) -> str:
         """Where rank 0 finds the run id: handed over once the run is open (at once if it is; a run that

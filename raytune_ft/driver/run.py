@@ -266,10 +266,14 @@ def _check_before_ray(recipe: Recipe, *, local: bool, joins: bool) -> list[str]:
 def _fit(recipe: Recipe, life: RunLifecycle):
     """Ray Train's result and the MLflow run's id. An error no retry can fix (storage full, ...) is said in
     plain words, not as Ray's wrapping of it; the lifecycle ends the MLflow run with it."""
-    from raytune_ft.driver.launch import build_trainer, unfixable_error
+    from raytune_ft.driver.launch import build_datasets, build_trainer, start_tokenizing, unfixable_error
     from raytune_ft.train.common import JobStart
 
-    datasets = life.datasets()
+    # the launch's own: the tokenizing processes (beside Ray Train's start, the tokenizer loaded by the first
+    # read) and the datasets, built while the MLflow run opens in its own process
+    start_tokenizing(recipe)
+    datasets = build_datasets(recipe)
+    life.marks["datasets"] = time.time()
     trainer = build_trainer(recipe, mlflow_run_key=life.run_key(), lease_token=life.lease.token,
                             job=JobStart(life.job_start, life.marks), prebuilt=datasets)
     try:
