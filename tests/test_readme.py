@@ -56,9 +56,9 @@ SKIPPED = {
 SKIPPED["raytune-ft data check qwen27b_b300 --local --set data.source=s3://my-bucket/chat/"] = "an S3 bucket: tests/data/test_data_s3.py reads a two-source mixture " \
                                                   "from a SeaweedFS server"
 SKIPPED["python jobs/qwen27b_b300.py --set data.seq_len=131072 --set scaling.context_parallel=8"] = \
-    "an 8-GPU node; the same path on CPU: tests/test_context_parallel_loop.py (--local, context_parallel=2)"
+    "an 8-GPU node; the same path on CPU: tests/train/test_context_parallel_loop.py (--local, context_parallel=2)"
 SKIPPED["python jobs/qwen27b_b300.py --set data.seq_len=65536 --set scaling.context_parallel=4"] = \
-    "an 8-GPU node; the same path on CPU: tests/test_context_parallel_loop.py (--local, context_parallel=2)"
+    "an 8-GPU node; the same path on CPU: tests/train/test_context_parallel_loop.py (--local, context_parallel=2)"
 SERVERS = {"mlflow ui --backend-store-uri sqlite:///runs/qwen27b-local/mlflow.db": "http://127.0.0.1:5000"}
 
 
