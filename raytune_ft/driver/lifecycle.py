@@ -16,6 +16,8 @@ from raytune_ft.recipe.recipe import Recipe, check_tracking_store
 # process (at most tracking.opening.END_WAIT_S of it), the checkpoint's step read, the opener's process
 # closed, the lease given back, the handed-over key deleted; each part's own cap below
 END_BOUND_S = 15.0
+# of it, kept for the process's own exit after the ending (its exit handlers, a loaded host's teardown)
+EXIT_RESERVE_S = 2.5
 CKPT_READ_S = 2.0
 CLOSE_WAIT_S = 2.0
 RELEASE_WAIT_S = 3.0
@@ -186,7 +188,7 @@ class RunLifecycle:
 
         for s in self._signals:      # the ending is not cut short; the handlers before the run come back last
             signal.signal(s, signal.SIG_IGN)
-        deadline = Deadline(END_BOUND_S)     # every part below waits for what is left of it, no more
+        deadline = Deadline(END_BOUND_S - EXIT_RESERVE_S)   # every part below waits for what is left, no more
         try:
             if exc is not None:
                 self._end(exc, deadline)
