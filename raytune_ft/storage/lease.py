@@ -120,7 +120,8 @@ class Lease:
         self.lost_to: LeaseRecord | None = None
         self.made_folder = False          # the run folder did not exist before this lease: released, it goes if empty
         self._stop = threading.Event()
-        self._released = False
+        self._released = False       # the lease file is gone (or was not this job's)
+        self._attempted = False      # a release was tried (the ending's, with its deadline)
         self._thread: threading.Thread | None = None
 
     @property
@@ -195,9 +196,9 @@ class Lease:
         storage that does not answer the file is left behind (said), goes stale and is taken over."""
         from raytune_ft.channel import call_within
 
-        if self._released:           # given back once: the ending's and the context manager's release are one
+        if self._released:           # given back already: a second release neither waits nor touches storage
             return
-        self._released = True
+        self._attempted = True
         deadline = time.monotonic() + timeout_s
         self._stop.set()
         if self._thread is not None:   # a beat under way on a storage that hangs is left to its thread
@@ -214,14 +215,16 @@ class Lease:
 
         try:
             call_within(max(deadline - time.monotonic(), 0.1), "lease release", delete)
-        except OSError as e:  # NoAnswer too: left behind, it goes stale and is taken over
+            self._released = True
+        except OSError as e:  # NoAnswer too: left behind, it goes stale and is taken over (a later release retries)
             self.log(f"could not release the lease of {self.uri}: {type(e).__name__}")
 
     def __enter__(self) -> "Lease":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.release()
+        if not self._attempted:      # the ending released it already, within its deadline: not a second wait
+            self.release()
 
 
 def hold(st: storage.Storage, run_path: str, **kwargs) -> Lease:
