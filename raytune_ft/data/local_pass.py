@@ -21,7 +21,7 @@ from raytune_ft.data.pipeline import BUNDLE_ROWS, adapter_of, iter_blocks
 from raytune_ft.data.reading import iter_source_rows
 from raytune_ft.data.rows import Carve, adapt_rows, tokenize_rows
 from raytune_ft.data.sources import Adapter
-from raytune_ft.data.specs import SourceSpec, source_specs
+from raytune_ft.data.specs import SourceSpec, one_stream, source_specs
 
 
 def rank_shares(bundles: list[list], world: int) -> list[list]:
@@ -89,7 +89,7 @@ def stream_bundles(data, tokenizer, *, limit: int | None = None) -> tuple[list[l
         source_split, carve = split_plan(spec, data, "train")
         plans.append((spec, _raw_rows(spec, source_split, data, limit, seen[spec.name]),
                       dataclasses.replace(carve, held_out=keys)))
-    if len(specs) == 1:
+    if one_stream(specs):
         spec, raw, carve = plans[0]
         adapter = adapter_of(spec)
     else:

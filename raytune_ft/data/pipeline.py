@@ -47,7 +47,7 @@ from raytune_ft.data.reading import BUILTIN_DEFAULT_ROWS, HF_ROOT_ENV, read_sour
 from raytune_ft.data.rows import Carve, SkipCheck, TooManySkipped, _split_bucket, adapt_rows, tokenize_rows  # noqa: F401
 from raytune_ft.data.rows import STREAM_COLUMNS
 from raytune_ft.data.sources import Adapter, Skip
-from raytune_ft.data.specs import SourceSpec, adapter_of, source_specs  # noqa: F401
+from raytune_ft.data.specs import SourceSpec, adapter_of, one_stream, source_specs  # noqa: F401
 
 __all__ = ["DataCounters", "build_dataset", "iter_blocks", "read_rows", "gather_counters",
            "train_data_config", "resolve_hf_parquet", "HF_ROOT_ENV"]
@@ -234,7 +234,7 @@ def build_dataset(data, tokenizer, *, split: str = "train", chat_template: str |
         plans = [(i, spec, split_plan(spec, data, split), share) for i, spec, share in evaluating(data, specs)]
     if not plans:
         raise ValueError("no validation data: set data.validation_fraction or data.validation_split")
-    if len(specs) == 1:
+    if one_stream(specs):
         i, spec, (source_split, carve), _ = plans[0]
         ds = _read(spec, data, source_split, split == "validation" and spec.validation_split is not None)
         if split == "train":        # the bundles Ray Data's split hands the ranks: local_pass.rank_shares

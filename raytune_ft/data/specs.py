@@ -49,6 +49,12 @@ def adapter_of(spec: SourceSpec) -> Adapter:
     return Adapter(spec.schema, spec.fields, spec.roles)
 
 
+def one_stream(specs: list[SourceSpec]) -> bool:
+    """Whether the sources are read as one stream in their rows' order: one source, each row used once. A weighted
+    one goes the mixture's way, which uses each row its weight's times (README: 0.5 a seeded half, 2 twice)."""
+    return len(specs) == 1 and specs[0].weight == 1
+
+
 def source_kind(src: str) -> str:
     """builtin | hf | remote (an object store URI) | local."""
     if src.startswith("builtin:"):
