@@ -11,7 +11,7 @@ import functools
 import json
 from dataclasses import dataclass
 
-from raytune_ft.data.reading import iter_raw_rows
+from raytune_ft.data.reading import iter_raw_rows, iter_source_rows
 from raytune_ft.data.rows import Carve, _unwrap, held_out_key, held_out_row
 from raytune_ft.data.specs import SourceSpec, adapter_of, source_specs
 
@@ -52,10 +52,13 @@ def evaluating(data, specs: list[SourceSpec]) -> list[tuple[int, SourceSpec, int
 @dataclass(frozen=True)
 class NamedSplit:
     """The first rows of a named held-out split that a run evaluates: their content keys, how many, and
-    whether the split has more rows than are evaluated."""
+    whether the split has more rows than are evaluated; `usable`: how many of them hold a conversation, and why
+    the first one that does not is skipped."""
     keys: frozenset
     rows: int
     more: bool
+    usable: int = 0
+    first_skip: str = ""
 
 
 def named_split(spec: SourceSpec, share: int | None, seed: int) -> NamedSplit:
@@ -67,44 +70,47 @@ def named_split(spec: SourceSpec, share: int | None, seed: int) -> NamedSplit:
 def _named_split(spec_json: str, share: int | None, seed: int) -> NamedSplit:
     # the checks before Ray and the dataset's build both ask, in one process: the split read once
     spec = SourceSpec(**json.loads(spec_json))
-    adapter, keys, n = adapter_of(spec), set(), 0
-    for raw in iter_raw_rows(spec, spec.validation_split, held_out=True, seed=seed):
+    adapter, keys, n, usable, first_skip = adapter_of(spec), set(), 0, 0, ""
+    for file, number, raw in iter_source_rows(spec, spec.validation_split, held_out=True, seed=seed):
         if share is not None and n == share:
-            return NamedSplit(frozenset(keys), n, True)
+            return NamedSplit(frozenset(keys), n, True, usable, first_skip)
         n += 1
-        messages, _ = adapter(_unwrap(raw))
+        messages, why = adapter(_unwrap(raw))
+        usable += messages is not None
+        first_skip = first_skip or (f"{file} row {number}: {why}: {getattr(why, 'detail', '')}" if why else "")
         # a generated source's held-out rows are made apart from its training rows (builtin.split_rows)
         if messages is not None and spec.kind != "builtin":
             keys.add(held_out_key(messages, seed))
-    return NamedSplit(frozenset(keys), n, False)
+    return NamedSplit(frozenset(keys), n, False, usable, first_skip)
 
 
-def _carved_keys(spec: SourceSpec, data) -> set[int]:
-    """The content keys of the rows a source's own carve holds out (a mixture source settled before Ray)."""
-    adapter, fraction, keys = adapter_of(spec), source_fraction(spec, data), set()
+def _carved_keys(spec: SourceSpec, data, share: int | None) -> set[int]:
+    """The content keys of the rows a source's own carve holds out and its held-out set evaluates (its first
+    `share`, or all)."""
+    adapter, fraction, keys, held = adapter_of(spec), source_fraction(spec, data), set(), 0
     for n, raw in enumerate(iter_raw_rows(spec, spec.split, seed=data.seed)):
-        if spec.max_rows is not None and n >= spec.max_rows:
+        if (spec.max_rows is not None and n >= spec.max_rows) or (share is not None and held >= share):
             break
         row = _unwrap(raw)
         messages, _ = adapter(row)
         if messages is not None and held_out_row(messages, row, fraction, data.seed):
             keys.add(held_out_key(messages, data.seed))
+            held += 1
     return keys
 
 
 def held_out_keys(data) -> frozenset:
     """The content keys of every row a held-out set evaluates and the carve alone does not keep from training:
-    a named split's evaluated rows, and, where a mixture's sources carve at different fractions (settled
-    before Ray), those sources' held-out rows (the same conversation in another source falls on the same
-    side of one threshold only). Empty when no source names a held-out split and the fractions agree."""
+    a named split's evaluated rows, and the evaluated rows of each source whose carve's fraction (settled before
+    Ray) is above the lowest that any source's training rows are carved at (0 for a source naming a split or
+    evaluating none): a conversation in two sources falls on the same side of one threshold only. Empty when no
+    source names a held-out split and every source carves at one fraction."""
     specs = source_specs(data)
+    lowest = min(0.0 if s.validation_split else source_fraction(s, data) for s in specs)
     keys: set[int] = set()
     for _, spec, share in evaluating(data, specs):
         if spec.validation_split:
             keys |= named_split(spec, share, data.seed).keys
-    carved = [s for s in specs if not s.validation_split and source_fraction(s, data) > 0]
-    if len({source_fraction(s, data) for s in carved}) > 1:
-        for spec in carved:
-            if spec.validation_fraction is not None:
-                keys |= _carved_keys(spec, data)
+        elif source_fraction(spec, data) > lowest:
+            keys |= _carved_keys(spec, data, share)
     return frozenset(keys)

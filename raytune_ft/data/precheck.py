@@ -126,7 +126,16 @@ def settle_carve(data, i: int, spec: SourceSpec, share: int | None) -> tuple[str
                           "hold any out and train on the rest; set data.validation_fraction=0 and train.eval_every=0")
     buckets.sort()
     want = sum(b < f for b in buckets)
-    held = min(max(want, 1), min(share or len(buckets) - 1, len(buckets) - 1))
+    cap = min(share or len(buckets) - 1, len(buckets) - 1)
+    held = min(max(want, 1), cap)
+    if held != want:            # a repeated conversation is on one side of a threshold: the counts one can hold out
+        cuts = [k for k in range(1, cap + 1) if buckets[k - 1] < buckets[k]]
+        if not cuts:
+            raise RecipeError(f"{_where(data, i)}: {spec.source} has {len(buckets)} usable row(s) of {n}, "
+                              f"{len(set(buckets))} distinct conversation(s): too few to hold out at least one and "
+                              f"at most {cap} and train on the rest; set data.validation_fraction=0 and "
+                              "train.eval_every=0")
+        held = max((k for k in cuts if k <= held), default=cuts[0])
     moved = f
     if held != want:            # the threshold between the held-th and the next smallest hash
         moved = (buckets[held - 1] + buckets[held]) / 2
@@ -149,6 +158,10 @@ def named_split_note(data, i: int, spec: SourceSpec, share: int | None) -> tuple
     if not split.rows:
         raise RecipeError(f"{where}: {spec.validation_split!r} of {spec.source} has no rows to evaluate on")
     rows = f"the first {split.rows} rows" if split.more else f"{split.rows} row{'s' * (split.rows != 1)}"
+    if not split.usable:            # the run would evaluate skipped rows alone: no block to evaluate on
+        raise RecipeError(f"{where}: {spec.validation_split!r} of {spec.source}: {rows}, the rows a run evaluates, "
+                          f"hold no conversation to evaluate on (first: {split.first_skip}); fix them"
+                          + (" or raise data.validation_max_rows" if split.more else ""))
     return (f"split {spec.validation_split} of {spec.name}, {rows}; training rows with the same content are "
             f"skipped ({IN_HELD_OUT})", split.rows)
 
