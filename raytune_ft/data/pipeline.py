@@ -253,6 +253,10 @@ def build_dataset(data, tokenizer, *, split: str = "train", chat_template: str |
     return ds
 
 
+def _as_they_are(batch):
+    return batch
+
+
 def _mixture(data, plans: list, split: str):
     """A mixture's sources read, turned into messages and carved, each a validation split's share after its
     carve (`held_out.shares`); the training rows ordered by their seeded key, in blocks of a fixed row count."""
@@ -266,8 +270,12 @@ def _mixture(data, plans: list, split: str):
     ds.context.execution_options.preserve_order = True
     if split == "train":
         # Ray's sort samples its range boundaries at random, so its blocks differ from run to run: the
-        # fixed-size blocks after it make the ranks' shares (and a resume's skipped blocks) the same
-        ds = ds.sort("mix_key").repartition(target_num_rows_per_block=BUNDLE_ROWS, strict=True)
+        # fixed-size blocks after it make the ranks' shares (and a resume's skipped blocks) the same. Ray fuses
+        # the map after a sort into its reduce tasks, which would cut each range apart: a pass-through map takes
+        # that place, so the repartition cuts the whole sorted stream
+        ds = ds.sort("mix_key").map_batches(_as_they_are, batch_format="pyarrow", batch_size=None,
+                                            num_cpus=data.num_cpus_per_op)
+        ds = ds.repartition(target_num_rows_per_block=BUNDLE_ROWS, strict=True)
         if data.max_rows is not None:
             ds = ds.limit(data.max_rows)
     return ds
