@@ -21,7 +21,6 @@ LONG: dict[tuple[str, str], str] = {}
 MANY_PARAMS = {
     # another change of this round owns these files (the data path, context parallelism in attention and the
     # gated delta rule, the step feed, the driver's ending): split there
-    ("raytune_ft.data.rows", "_append"): "the data path is being rewritten",
     ("raytune_ft.models.attention", "_native_gqa_ok"): "context parallelism is being added to attention",
     ("raytune_ft.models.attention", "varlen_attention"): "context parallelism is being added to attention",
     ("raytune_ft.models.attention", "raytune_varlen_attention"): "transformers' attention interface's own "
@@ -34,7 +33,6 @@ MANY_PARAMS = {
 }
 # module: how many NOTES.md pointers it may still hold
 NOTES_POINTERS = {
-    "raytune_ft.data.packing": 1, "raytune_ft.data.pipeline": 3,       # the data path is being rewritten
     "raytune_ft.models.gated_delta": 2,                                 # context parallelism is being added
     "raytune_ft.train.fsdp_loop": 1, "raytune_ft.train.fsdp_model": 1,  # context parallelism is being added
 }

@@ -22,7 +22,7 @@ dropped. Memory: at most `window` conversations plus one block's worth held back
 The windows ramp up: the first is `RAMP_FROM` conversations (or `window`, if smaller), each next one
 twice the last, up to `window`. A run's first block then leaves after `RAMP_FROM` conversations have been
 tokenized, not a full window on every rank; the price is the first few blocks' packing, best fit over
-fewer conversations (bench/NOTES.md).
+fewer conversations (a little more padding in those blocks only).
 The ramp is part of the layout: a checkpoint taken before it was added resumes with a data fingerprint
 mismatch, not silently on other blocks.
 

@@ -173,11 +173,10 @@ def start_tokenizing_processes(tokenizer, processes: int, num_cpus: float) -> No
 
     The tokenizing map's first tasks start only when a training worker first reads, at the end of a chain of
     new processes (Ray Train's controller, its dataset manager, Ray Data's split coordinator), and each then
-    starts a Python process and loads the tokenizer before its first row, and the first step waits for it
-    (bench/NOTES.md, start-up). Ray hands a finished task's idle process to the
-    job's next task of the same runtime environment, so these run in the one the map's tasks inherit from
-    Ray Train's controller; the tokenizer, loaded once per process, is there when they come. A head start
-    only: nothing waits for these tasks."""
+    starts a Python process and loads the tokenizer before its first row, and the first step waits for it.
+    Ray hands a finished task's idle process to the job's next task of the same runtime environment, so these
+    run in the one the map's tasks inherit from Ray Train's controller; the tokenizer, loaded once per process,
+    is there when they come. A head start only: nothing waits for these tasks."""
     import ray
 
     task = ray.remote(num_cpus=num_cpus, max_retries=0,
@@ -242,7 +241,7 @@ def build_dataset(data, tokenizer, *, split: str = "train", chat_template: str |
         # at most `processes` tokenizing tasks at a time (Ray reuses their worker processes): left to itself Ray
         # Data runs one per `num_cpus_per_op` of free CPU, each a new process importing transformers and
         # loading the tokenizer, and they take the node's cores from the model build while nothing waits for
-        # their rows but the first block (bench/NOTES.md, start-up)
+        # their rows but the first block
         ds = ds.map_batches(_map_fn(tok, adapter_of(spec), dict(data.template_kwargs), carve), **compute)
     else:
         ds = _mixture(data, plans, split)
@@ -290,7 +289,7 @@ def _iter_rows(shard: Any) -> Iterator[dict]:
     Blocks are passed on as they come (`batch_size=None`, `prefetch_batches=0`): the tokenizing map makes
     them 64 rows, the first packing window's size, so the first block packs from the first tokenizing batch.
     Ray Data's prefetching (its default) holds each batch back until the next one's blocks exist, so the first
-    rows came late (bench/NOTES.md, start-up). Reading ahead is the loop's
+    block would wait for several tokenizing batches instead of one. Reading ahead is the loop's
     (`train.read_ahead`, a thread that keeps two steps' blocks ready)."""
     empty = {"skip_reason": "", "skip_detail": "", "source": 0, "copy": 0, "file": "", "row": 0}
     if hasattr(shard, "iter_batches"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 from raytune_ft.data.packing import HELD_OUT, NOT_DRAWN, DataCounters
 from raytune_ft.data.sft import SpanNotFound, render_sft
@@ -77,15 +77,23 @@ def _unwrap(row: Any) -> Any:
 STREAM_COLUMNS = ("skip_reason", "skip_detail", "source", "copy", "file", "row")
 
 
-def _append(out: dict, ids, mask, reason, source: int, copy: int, where: tuple) -> None:
+class RowOrigin(NamedTuple):
+    """Where a stream row comes from: its source's index, its use (`copy`) and where it was read (file, row)."""
+    source: int
+    copy: int
+    file: str
+    row: int
+
+
+def _append(out: dict, ids, mask, reason, origin: RowOrigin) -> None:
     out["input_ids"].append(ids if not reason else [])
     out["mask"].append(mask if not reason else [])
     out["skip_reason"].append(str(reason or ""))
     out["skip_detail"].append(getattr(reason, "detail", ""))
-    out["source"].append(source)
-    out["copy"].append(copy)
-    out["file"].append(where[0])
-    out["row"].append(where[1])
+    out["source"].append(origin.source)
+    out["copy"].append(origin.copy)
+    out["file"].append(origin.file)
+    out["row"].append(origin.row)
 
 
 def tokenize_rows(rows: Iterable[Any], tokenizer, *, template_kwargs: dict | None = None, carve: Carve = Carve(),
@@ -105,18 +113,18 @@ def tokenize_rows(rows: Iterable[Any], tokenizer, *, template_kwargs: dict | Non
         if isinstance(row, dict) and "mix_key" in row:        # adapted (and carved) already: a mixture's row
             messages = json.loads(row["text"]) if row["text"] else None
             reason = Skip(row["skip_reason"], row.get("skip_detail") or "") if row["skip_reason"] else None
-            src, copy, where = row["source"], row.get("copy", 0), (row.get("file", ""), row.get("row", 0))
+            origin = RowOrigin(row["source"], row.get("copy", 0), row.get("file", ""), row.get("row", 0))
         else:
             where = (row.get("file", ""), row.get("row", 0)) if isinstance(row, dict) and "file" in row else ("", 0)
             row = _unwrap(row)
-            (messages, reason), src, copy = adapt(row), source, 0
+            (messages, reason), origin = adapt(row), RowOrigin(source, 0, *where)
             place = carve.place(messages, row)
             if place is None:
                 continue
             if place:
                 messages, reason = None, place
         ids, mask, reason = render_or_reason(tokenizer, messages, reason, kwargs)
-        _append(out, ids, mask, reason, src, copy, where)
+        _append(out, ids, mask, reason, origin)
     return out
 
 
