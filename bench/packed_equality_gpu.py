@@ -73,7 +73,7 @@ def cu_of(lens, dev):
 # ----------------------------------------------------------------- 1. ops
 
 def check_attention(lens, dev, dtype, gen) -> dict:
-    from raytune_ft.models.attention import select_attention_backend, varlen_attention
+    from raytune_ft.models.attention import QKV, select_attention_backend, varlen_attention
 
     T, H, Hkv, d = sum(lens), 24, 4, 256
     if gc.SHAPE == "tiny":
@@ -81,7 +81,7 @@ def check_attention(lens, dev, dtype, gen) -> dict:
     q, k, v = (torch.randn(T, h, d, generator=gen, device=dev, dtype=torch.float32) for h in (H, Hkv, Hkv))
     do = torch.randn(T, H, d, generator=gen, device=dev)
     xs = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
-    out = varlen_attention(*xs, cu_of(lens, dev), max(lens), scaling=d ** -0.5)
+    out = varlen_attention(QKV(*xs), cu_of(lens, dev), max(lens), scaling=d ** -0.5)
     out.float().backward(do)
     refs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     outs, s = [], 0
@@ -124,8 +124,8 @@ def check_conv(lens, dev, dtype, gen) -> dict:
 
 
 def check_gated_delta(lens, dev, dtype, gen) -> dict:
-    from raytune_ft.models.gated_delta import (_torch_reference_gated_delta_rule, gated_delta_backends,
-                                               segment_gated_delta_rule)
+    from raytune_ft.models.gated_delta import (DeltaRuleInputs, _torch_reference_gated_delta_rule,
+                                               gated_delta_backends, segment_gated_delta_rule)
 
     T = sum(lens)
     Hk, Hv, dk, dv = (16, 48, 128, 128) if gc.SHAPE != "tiny" else (2, 4, 16, 16)
@@ -138,7 +138,7 @@ def check_gated_delta(lens, dev, dtype, gen) -> dict:
     do = torch.randn(1, T, Hv, dv, generator=gen, device=dev)
     ins = [q.to(dtype), k.to(dtype), v.to(dtype), g, beta.to(dtype)]   # g stays fp32, as the layer passes it
     ins = [t.detach().clone().requires_grad_() for t in ins]
-    out = segment_gated_delta_rule(*ins[:3], ins[3], ins[4], cu_of(lens, dev))
+    out = segment_gated_delta_rule(DeltaRuleInputs(*ins), cu_of(lens, dev))
     out.float().backward(do)
     ref_fn = _torch_reference_gated_delta_rule()
     refs = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta)]

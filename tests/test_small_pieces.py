@@ -21,21 +21,16 @@ LONG: dict[tuple[str, str], str] = {}
 MANY_PARAMS = {
     # another change of this round owns these files (the data path, context parallelism in attention and the
     # gated delta rule, the step feed, the driver's ending): split there
-    ("raytune_ft.models.attention", "_native_gqa_ok"): "context parallelism is being added to attention",
-    ("raytune_ft.models.attention", "varlen_attention"): "context parallelism is being added to attention",
-    ("raytune_ft.models.attention", "raytune_varlen_attention"): "transformers' attention interface's own "
-                                                                  "arguments; the file is being rewritten",
-    ("raytune_ft.models.gated_delta", "segment_gated_delta_rule"): "the gated delta rule's own arguments; the "
-                                                                    "file is being rewritten",
+    ("raytune_ft.models.attention", "raytune_varlen_attention"): (
+        "registered with transformers' AttentionInterface, whose layers call it with transformers' own attention "
+        "arguments (module, query, key, value, attention_mask, dropout=, scaling=, **kwargs), as they call "
+        "transformers' eager_attention_forward: the signature is transformers'"),
     ("raytune_ft.train.batch", "StepFeed.__init__"): "the step feed is being rewritten",
     ("raytune_ft.train.batch", "EpochFeeds.__init__"): "the step feed is being rewritten",
     ("raytune_ft.driver.run", "_register_and_close"): "the driver's ending is being rewritten",
 }
 # module: how many NOTES.md pointers it may still hold
-NOTES_POINTERS = {
-    "raytune_ft.models.gated_delta": 2,                                 # context parallelism is being added
-    "raytune_ft.train.fsdp_loop": 1, "raytune_ft.train.fsdp_model": 1,  # context parallelism is being added
-}
+NOTES_POINTERS: dict[str, int] = {}
 
 
 def functions() -> dict[tuple[str, str], ast.FunctionDef]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -176,16 +177,26 @@ def _sdpa_blockdiag(q, k, v, cu, scaling):
     return torch.cat(outs, dim=2)
 
 
+class QKV(NamedTuple):
+    """Queries (total_tokens, heads, head_dim) and keys/values (total_tokens, kv_heads, head_dim) of a flattened
+    packed batch (GQA when fewer kv heads)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
 _NATIVE_GQA: dict[tuple, bool] = {}
 
 
-def _native_gqa_ok(fn, q, k, v, cu, max_len: int, kw: dict) -> bool:
+def _native_gqa_ok(fn, x: QKV, cu, max_len: int, kw: dict) -> bool:
     """Whether this torch's varlen_attn takes fewer key/value heads than query heads as they are.
 
     Torch versions before `enable_gqa` existed (2.11) pass k/v straight to the flash kernel, which
     shares each KV head among its query-head group; repeating k/v 6x for Qwen3.5 costs memory traffic in
     every full-attention layer. Checked once per (heads, kv heads, head_dim, dtype) against the repeated
     result on the first call (forward only, no grad) and logged; any error or mismatch keeps the repeat."""
+    q, k, v = x
     key = (q.shape[1], k.shape[1], q.shape[2], q.dtype)
     if key not in _NATIVE_GQA:
         rep = q.shape[1] // k.shape[1]
@@ -205,12 +216,13 @@ def _native_gqa_ok(fn, q, k, v, cu, max_len: int, kw: dict) -> bool:
     return _NATIVE_GQA[key]
 
 
-def varlen_attention(q_THD, k_THD, v_THD, cu_seqlens, max_len: int, scaling: float | None = None,
+def varlen_attention(x: QKV, cu_seqlens, max_len: int, scaling: float | None = None,
                      backend: str | None = None) -> torch.Tensor:
     """Causal attention within each conversation of a flattened packed batch.
 
-    q_THD: (total_tokens, heads, head_dim); k/v: (total_tokens, kv_heads, head_dim) (GQA when fewer);
+    x: q (total_tokens, heads, head_dim), k/v (total_tokens, kv_heads, head_dim) (GQA when fewer);
     cu_seqlens: int32 (N+1,). Returns (total_tokens, heads, head_dim)."""
+    q_THD, k_THD, v_THD = x
     backend = backend or select_attention_backend(q_THD.device.type)
     half = q_THD.dtype in (torch.float16, torch.bfloat16)
     cu = cu_seqlens.to(device=q_THD.device, dtype=torch.int32)
@@ -229,7 +241,7 @@ def varlen_attention(q_THD, k_THD, v_THD, cu_seqlens, max_len: int, scaling: flo
         if q_in.shape[1] != k_in.shape[1]:
             if "enable_gqa" in params:
                 kw["enable_gqa"] = True
-            elif not _native_gqa_ok(fn, q_in, k_in, v_in, cu, max_len, kw):
+            elif not _native_gqa_ok(fn, QKV(q_in, k_in, v_in), cu, max_len, kw):
                 rep = q_in.shape[1] // k_in.shape[1]
                 k_in, v_in = k_in.repeat_interleave(rep, dim=1), v_in.repeat_interleave(rep, dim=1)
         return fn(q_in, k_in, v_in, cu, cu, max_len, max_len, **kw)
@@ -255,7 +267,7 @@ def raytune_varlen_attention(module, query, key, value, attention_mask, scaling=
         q = query.transpose(1, 2).reshape(b * t, h, d)
         k = key.transpose(1, 2).reshape(b * t, key.shape[1], d)
         v = value.transpose(1, 2).reshape(b * t, value.shape[1], d)
-        out = varlen_attention(q, k, v, cu, _max_len(kwargs, cu), scaling)
+        out = varlen_attention(QKV(q, k, v), cu, _max_len(kwargs, cu), scaling)
         return out.reshape(b, t, h, d), None
     # Not packed: ordinary causal attention, honouring a padding mask if there is one.
     gqa = h != key.shape[1]

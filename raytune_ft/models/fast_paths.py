@@ -159,11 +159,12 @@ def recurrence_path(cfg, candidates: list[Kernel]) -> FastPath:
                     ("q", "k", "v", "g", "beta"), keep_fp32=("g",), out_token_axis=1)
 
     def reference(x):
-        from raytune_ft.models.gated_delta import segment_gated_delta_rule
+        from raytune_ft.models.gated_delta import DeltaRuleInputs, segment_gated_delta_rule
 
         n = x["q"].shape[1]
         cu = torch.tensor([0, n], dtype=torch.int32)
-        return segment_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu, backend="torch_per_segment")
+        return segment_gated_delta_rule(DeltaRuleInputs(x["q"], x["k"], x["v"], x["g"], x["beta"]), cu,
+                                        backend="torch_per_segment")
 
     return FastPath("gdn_recurrence", "gated-delta-net recurrence", make_case, reference, candidates,
                     fallback="torch_per_segment")
@@ -204,9 +205,10 @@ def _attention_kernels() -> list[Kernel]:
 
 
 def _varlen(x, cu, max_len, *, backend):
-    from raytune_ft.models.attention import varlen_attention
+    from raytune_ft.models.attention import QKV, varlen_attention
 
-    return varlen_attention(x["q"], x["k"], x["v"], cu, max_len, scaling=x["q"].shape[-1] ** -0.5, backend=backend)
+    return varlen_attention(QKV(x["q"], x["k"], x["v"]), cu, max_len, scaling=x["q"].shape[-1] ** -0.5,
+                            backend=backend)
 
 
 def _conv_kernels() -> list[Kernel]:
@@ -228,7 +230,8 @@ def _recurrence_kernels() -> list[Kernel]:
         return []
 
     def fn(x, cu, max_len):
-        return gd.segment_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu, backend="fla_chunk")
+        return gd.segment_gated_delta_rule(gd.DeltaRuleInputs(x["q"], x["k"], x["v"], x["g"], x["beta"]), cu,
+                                           backend="fla_chunk")
 
     return [Kernel("fla_chunk", fn, ("fla", "fla_core", "triton", "tilelang", "torch"))]
 

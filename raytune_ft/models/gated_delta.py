@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +52,7 @@ def _causal_conv1d_fn():
 # flash-linear-attention's package __init__ imports every layer and model class it ships (fla.layers,
 # fla.models: dozens of modules, transformers' model classes among them) to re-export them, and `fla.ops`'
 # __init__ imports every op (abc, comba, kda, rwkv7, ...); the loop needs one op and the modules. Importing
-# only those keeps the worker's start-up short (bench/NOTES.md).
+# only those keeps the worker's start-up short.
 FLA_OPS = ("fla.ops.gated_delta_rule", "fla.modules")     # ours, and what transformers' Qwen3.5 code takes
 FLA_BARE_PACKAGES = ("fla", "fla.ops")                    # put in place without running their __init__
 
@@ -232,11 +232,25 @@ def segment_causal_conv1d(x_BCT: torch.Tensor, weight_CK: torch.Tensor, bias: to
     return out.to(x_BCT.dtype)
 
 
-def segment_gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor, backend: str | None = None) -> torch.Tensor:
-    """Gated delta rule over a flattened packed batch (B = 1), each conversation from a zero state.
+class DeltaRuleInputs(NamedTuple):
+    """The gated delta rule's inputs along one sequence: q/k (1, T, Hk, dk), v (1, T, Hv, dv), g/beta
+    (1, T, Hv); q and k are L2-normalised inside, as Qwen3.5 does."""
 
-    q/k: (1, T, Hk, dk); v: (1, T, Hv, dv); g/beta: (1, T, Hv). q and k are L2-normalised inside, as
-    Qwen3.5 does. Returns (1, T, Hv, dv)."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+    def rows(self, start: int, end: int) -> "DeltaRuleInputs":
+        return DeltaRuleInputs(*(x[:, start:end] for x in self))
+
+
+def segment_gated_delta_rule(x: DeltaRuleInputs, cu_seqlens: torch.Tensor, backend: str | None = None
+                             ) -> torch.Tensor:
+    """Gated delta rule over a flattened packed batch (B = 1), each conversation from a zero state.
+    Returns (1, T, Hv, dv)."""
+    q, k, v, g, beta = x
     backend = backend or gated_delta_backends(q.device)["recurrence"]
     if backend == "fla_chunk":
         fla = _fla_chunk_gated_delta_rule()
@@ -247,8 +261,8 @@ def segment_gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor, backend
     ref = _torch_reference_gated_delta_rule()
     rep = v.shape[2] // q.shape[2]
     if rep > 1:
-        # Qwen3.5 has more value heads than key heads. Some transformers releases' reference
-        # wants q/k per value head and fails otherwise (bench/NOTES.md); others repeat_interleave
+        # Qwen3.5 has more value heads than key heads. Some transformers releases' reference (5.17)
+        # wants q/k per value head and fails otherwise; others (5.2x) repeat_interleave
         # inside, so doing it here gives the same result on both.
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
     bounds = cu_seqlens.tolist()
@@ -301,7 +315,7 @@ def _packed_gdn_forward(self, hidden_states: torch.Tensor, cache=None, attention
     if cp is not None:
         core = cp.gated_delta_rule(query, key, value, g, beta)
     else:
-        core = segment_gated_delta_rule(query, key, value, g, beta, cu)
+        core = segment_gated_delta_rule(DeltaRuleInputs(query, key, value, g, beta), cu)
 
     core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(core.reshape(bsz, seq_len, -1))

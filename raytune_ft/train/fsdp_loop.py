@@ -86,7 +86,7 @@ def train_fsdp(config: dict) -> None:
     # start on the first read), read ahead while the attempt sets up and the model is built, checked and
     # compiled (a resume's replay waits for the first step, after the storage check); after the model when
     # the schedule's length takes a counting pass over the same shard first. Off on CPU workers: on a
-    # small machine the reading takes the cores the model build needs (bench/NOTES.md)
+    # small machine the reading takes the cores the model build needs (start-up got slower, not faster)
     feed = held_out = None
     if t_cfg.read_ahead == "on" or (t_cfg.read_ahead == "auto" and device.type == "cuda"):
         early = _checkpoint_position(rank)

@@ -128,8 +128,8 @@ def resolve_on_worker(recipe: Recipe, config, device: torch.device, log: WorkerL
 def compile_pointwise(lm: nn.Module) -> None:
     """torch.compile the memory-bound pieces of each decoder layer: SwiGLU MLP and the fp32 RMSNorms
     (and the gated norm of gated-delta-net layers): unfused, these element-wise kernels are a visible
-    share of the step (bench/NOTES.md). Blocks have a fixed length, so each module kind
-    compiles one graph."""
+    share of the step (about half of it at the 27B's layer shapes). Blocks have a fixed length, so each module
+    kind compiles one graph."""
     from raytune_ft.models.build import decoder_layers
     from raytune_ft.train.fp8 import compile_fp8_linears
 

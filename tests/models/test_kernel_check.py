@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from raytune_ft.models import fast_paths as fp
 from raytune_ft.models import kernel_check as kc
-from raytune_ft.models.attention import (DISABLED_KERNELS, disable_kernel, reset_disabled_kernels,
+from raytune_ft.models.attention import (QKV, DISABLED_KERNELS, disable_kernel, reset_disabled_kernels,
                                          select_attention_backend, varlen_attention)
-from raytune_ft.models.gated_delta import segment_causal_conv1d, segment_gated_delta_rule
+from raytune_ft.models.gated_delta import DeltaRuleInputs, segment_causal_conv1d, segment_gated_delta_rule
 from raytune_ft.models.tiny import tiny_config
 
 CFG = tiny_config("qwen3_5", 512)
@@ -29,7 +29,7 @@ ON_CPU = kc.KernelUse(CFG, "cpu", F32)     # the stand-ins, checked in fp32
 # ----------------------------------------------------------------- stand-ins (CPU)
 
 def good_attention(x, cu, max_len):
-    return varlen_attention(x["q"], x["k"], x["v"], cu, max_len, scaling=x["q"].shape[-1] ** -0.5,
+    return varlen_attention(QKV(x["q"], x["k"], x["v"]), cu, max_len, scaling=x["q"].shape[-1] ** -0.5,
                             backend="sdpa_blockdiag")
 
 
@@ -67,11 +67,12 @@ def leaky_conv(x, cu, max_len):
 
 
 def good_recurrence(x, cu, max_len):
-    return segment_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu, backend="torch_per_segment")
+    return segment_gated_delta_rule(DeltaRuleInputs(x["q"], x["k"], x["v"], x["g"], x["beta"]), cu,
+                                    backend="torch_per_segment")
 
 
 def leaky_recurrence(x, cu, max_len):
-    return segment_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu[[0, -1]],
+    return segment_gated_delta_rule(DeltaRuleInputs(x["q"], x["k"], x["v"], x["g"], x["beta"]), cu[[0, -1]],
                                     backend="torch_per_segment")
 
 

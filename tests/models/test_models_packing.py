@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from raytune_ft.models import attention as attn_mod
 from raytune_ft.models.build import load_causal_lm
-from raytune_ft.models.gated_delta import (enable_packing, is_packing_enabled, packed_forward_kwargs,
+from raytune_ft.models.gated_delta import (DeltaRuleInputs, enable_packing, is_packing_enabled, packed_forward_kwargs,
                                            segment_causal_conv1d, segment_gated_delta_rule)
 from raytune_ft.models.loss import chunked_cross_entropy
 from tests.loss_helpers import enable_chunked_loss
@@ -240,7 +240,7 @@ def test_segment_gated_delta_matches_per_segment():
     g = -torch.rand(1, t, 4)
     beta = torch.rand(1, t, 4)
     cu = torch.tensor([0, 65, 67, 97], dtype=torch.int32)
-    got = segment_gated_delta_rule(q, k, v, g, beta, cu)
+    got = segment_gated_delta_rule(DeltaRuleInputs(q, k, v, g, beta), cu)
     from raytune_ft.models.gated_delta import _torch_reference_gated_delta_rule
 
     ref_fn = _torch_reference_gated_delta_rule()
@@ -264,7 +264,7 @@ def test_varlen_attention_cpu_paths_match_per_conversation(monkeypatch, dense_li
     q, k, v = torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8)
     cu = torch.tensor([0, 7, 27, 28, 40], dtype=torch.int32)
     assert attn_mod.select_attention_backend("cpu") == "sdpa_blockdiag"
-    got = attn_mod.varlen_attention(q, k, v, cu, max_len=20, scaling=0.3)
+    got = attn_mod.varlen_attention(attn_mod.QKV(q, k, v), cu, max_len=20, scaling=0.3)
     s = 0
     for n in lens:
         qs, ks, vs = (x[s:s + n].transpose(0, 1)[None] for x in (q, k, v))

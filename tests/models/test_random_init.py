@@ -172,7 +172,7 @@ def test_varlen_gqa_is_used_natively_only_when_it_matches(monkeypatch):
     cu = torch.tensor([0, 15, 40], dtype=torch.int32)
     for fn, expect in ((sdpa_varlen, True), (refusing, False), (wrong, False)):
         monkeypatch.setattr(att, "_NATIVE_GQA", {})
-        assert att._native_gqa_ok(fn, q, k, v, cu, 25, {"window_size": (-1, 0)}) is expect, fn.__name__
+        assert att._native_gqa_ok(fn, att.QKV(q, k, v), cu, 25, {"window_size": (-1, 0)}) is expect, fn.__name__
 
 
 def test_save_final_false_needs_registry_off():

@@ -47,8 +47,8 @@ import torch
 
 from raytune_ft.models.context_parallel.full_attention import cp_attention
 from raytune_ft.models.context_parallel.layout import CPShard, Piece, make_shard, shard_block, zigzag_index
-from raytune_ft.models.context_parallel.linear_attention import (DeltaRuleInputs, cp_causal_conv1d,
-                                                                  cp_gated_delta_rule)
+from raytune_ft.models.context_parallel.linear_attention import cp_causal_conv1d, cp_gated_delta_rule
+from raytune_ft.models.gated_delta import DeltaRuleInputs
 
 __all__ = ["CPShard", "LayerPaths", "Piece", "cp_forward_kwargs", "make_shard", "shard_block", "zigzag_index"]
 

@@ -2,15 +2,14 @@
 predecessor chunks' last inputs, and the recurrence from the state the chunks before it leave."""
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 import torch
 
 from raytune_ft.models.context_parallel.exchange import by_chunk, gather_ranks
 from raytune_ft.models.context_parallel.layout import CPShard
-from raytune_ft.models.gated_delta import (_fla_chunk_gated_delta_rule, _torch_reference_gated_delta_rule,
-                                           gated_delta_backends, segment_causal_conv1d)
+from raytune_ft.models.gated_delta import (DeltaRuleInputs, _fla_chunk_gated_delta_rule,
+                                           _torch_reference_gated_delta_rule, gated_delta_backends,
+                                           segment_causal_conv1d)
 
 
 # ----------------------------------------------------------------- gated-delta-net: conv
@@ -55,20 +54,6 @@ def _segment_keys(shard: CPShard, slot: int, tokens: range) -> np.ndarray:
 
 
 # ----------------------------------------------------------------- gated-delta-net: recurrence
-
-class DeltaRuleInputs(NamedTuple):
-    """The gated delta rule's inputs along one sequence: q/k (1, T, Hk, dk), v (1, T, Hv, dv), g/beta
-    (1, T, Hv); q and k are L2-normalised inside, as Qwen3.5 does."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor
-
-    def rows(self, start: int, end: int) -> "DeltaRuleInputs":
-        return DeltaRuleInputs(*(x[:, start:end] for x in self))
-
 
 def _run_pieces(x: DeltaRuleInputs, bounds: list[int], first_state: torch.Tensor | None, backend: str):
     """The gated delta rule over consecutive pieces of `x` (boundaries `bounds`, from 0 to its length),
