@@ -39,6 +39,9 @@ DRIVER = textwrap.dedent("""
             print("READY", flush=True)
             time.sleep(600)
     except BaseException as e:
+        if ending_line(e) is None:                 # ended before the run began: the test says why
+            import traceback
+            traceback.print_exc()
         print("LINE", ending_line(e), flush=True)
         from raytune_ft.channel import exit_if_abandoned
         exit_if_abandoned(exit_code(e))    # as cli.job_main does
@@ -47,21 +50,26 @@ DRIVER = textwrap.dedent("""
 
 
 def _recipe(tmp_path, *overrides):
-    return _job_recipe("qwen27b_b300", True, [f"tracking.storage_path={tmp_path / 'runs'}", *overrides])
+    return _job_recipe("qwen27b_b300", True, [f"tracking.storage_path={tmp_path / 'runs'}",
+                                               f"tracking.run_name=lifecycle-{tmp_path.name}", *overrides])
 
 
 def _driver(tmp_path, wait: str, *overrides, env: dict | None = None) -> tuple[subprocess.Popen, dict]:
     """The driver started, and what it printed up to READY (its run id under "RUN" where it waited for it)."""
-    args = [f"tracking.storage_path={tmp_path / 'runs'}", *overrides]
+    # a run name of its own: the `mlflow server` is the session's, and other tests finish runs of the job's name
+    args = [f"tracking.storage_path={tmp_path / 'runs'}", f"tracking.run_name=lifecycle-{tmp_path.name}", *overrides]
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(args), wait], cwd=REPO,
-                            env={**env_with_path(REPO), **(env or {})}, stdout=subprocess.PIPE, text=True)
-    said = {}
+                            env={**env_with_path(REPO), **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    said, lines = {}, []
     for line in proc.stdout:
+        lines.append(line.rstrip())
         key, _, value = line.strip().partition(" ")
         said[key] = value
         if key == "READY":
             return proc, said
-    raise AssertionError(f"the driver exited with {proc.wait()} before it was ready: {said}")
+    tail = "\n".join(lines[-30:])
+    raise AssertionError(f"the driver exited with {proc.wait()} before it was ready: {said}\n{tail}")
 
 
 def _ended(proc: subprocess.Popen, sig: int) -> tuple[int, float, str, list[psutil.Process]]:
@@ -288,7 +296,8 @@ def _interrupt_and_resume(tmp_path) -> None:
     import re
 
     from raytune_ft.storage import fs as storage
-    overrides = [f"tracking.storage_path={tmp_path / 'runs'}", "train.max_steps=8", "train.checkpoint_every=3"]
+    overrides = [f"tracking.storage_path={tmp_path / 'runs'}", f"tracking.run_name=lifecycle-{tmp_path.name}",
+                 "train.max_steps=8", "train.checkpoint_every=3"]
     recipe = _recipe(tmp_path, *overrides[1:])
     folder = os.path.join(recipe.tracking.storage_path, recipe.tracking.run_name)
     proc = _local_job(tmp_path, overrides)
