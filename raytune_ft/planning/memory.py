@@ -38,6 +38,11 @@ def tokens_per_micro_batch(recipe: Recipe) -> int:
     return per_row * t.micro_batch_size
 
 
+def tokens_per_rank(recipe: Recipe) -> int:
+    """Tokens of one micro-batch a rank holds: under context parallelism its 1/C share of every block."""
+    return tokens_per_micro_batch(recipe) // recipe.scaling.context_parallel
+
+
 def memory_lines(recipe: Recipe, shape: ModelShape, g: GpuSpec | None,
                  choice: Checkpointing) -> tuple[list[MemoryLine], list[str], int]:
     """The plan's memory lines under the checkpointing `choice`, its notes, and the trainable parameters."""
@@ -48,6 +53,8 @@ def memory_lines(recipe: Recipe, shape: ModelShape, g: GpuSpec | None,
     notes: list[str] = []
     trainable = _state_lines(recipe, shape, compute_b, shard, lines, notes)
     acts = _activation_lines(recipe, shape, compute_b, choice, lines)
+    if recipe.scaling.context_parallel > 1:
+        lines.append(_exchange_line(recipe, shape, compute_b, choice))
     _loss_lines(recipe, shape, g, compute_b, acts, lines)
     return lines, notes, trainable
 
@@ -97,10 +104,11 @@ class _Activations(NamedTuple):
 def _activation_lines(recipe: Recipe, shape: ModelShape, compute_b: int, choice: Checkpointing,
                       lines: list[MemoryLine]) -> _Activations:
     """The activations under `choice` (and float8's casts)."""
-    t, tokens_mb = recipe.train, tokens_per_micro_batch(recipe)
+    t, tokens_mb, cp = recipe.train, tokens_per_rank(recipe), recipe.scaling.context_parallel
     kept, recompute = activation_elems(shape, choice)
+    share = f" (1/{cp} of {tokens_per_micro_batch(recipe):,}: context parallelism)" if cp > 1 else ""
     lines.append(MemoryLine("activations", (kept + recompute) * tokens_mb * compute_b,
-                            f"{tokens_mb:,} tokens x {fmt_count(kept + recompute)} elements x {compute_b} B "
+                            f"{tokens_mb:,} tokens{share} x {fmt_count(kept + recompute)} elements x {compute_b} B "
                             f"({describe(choice)})"))
     if t.loop == "fsdp2" and t.precision == "fp8":
         from raytune_ft.planning.shapes import fp8_linear_filter_dims
@@ -115,6 +123,33 @@ def _activation_lines(recipe: Recipe, shape: ModelShape, compute_b: int, choice:
                 f"({tokens_mb:,} x {go:,}) and weight, each with its transpose for backward ({t.fp8_recipe}; "
                 "the float8 all-gather's smaller weights are not subtracted above)"))
     return _Activations(tokens_mb, recompute)
+
+
+def _exchange_line(recipe: Recipe, shape: ModelShape, compute_b: int, choice: Checkpointing) -> MemoryLine:
+    """What context parallelism adds per rank (models/context_parallel): each full-attention layer all-gathers
+    the block's K and V and selects its queries' keys from them, both saved for the backward where the layer
+    keeps its tensors, and the one layer the backward works on holds them again with the gathered gradient;
+    each gated-delta-net layer gathers its chunks' [B | M] state summaries (fp32), with their gradient."""
+    cp, tokens = recipe.scaling.context_parallel, tokens_per_micro_batch(recipe)
+    kv = tokens * shape.kv_heads * 2 * shape.head_dim * compute_b
+    kinds = list(shape.layer_types)
+
+    def keeping(kind: str, part: str) -> int:
+        return sum(1 for i, k in enumerate(kinds) if k == kind and not choice.whole(i) and part not in choice.kinds)
+
+    kept_attn, total = keeping("full_attention", "attention"), 0.0
+    how = f"K/V of the whole block ({tokens:,} tokens x {shape.kv_heads} x 2 x {shape.head_dim} x {compute_b} B)"
+    if "full_attention" in kinds:
+        total = (2 * kept_attn + 3) * kv
+        how = (f"{how} {fmt_bytes(kv).strip()}, gathered and selected: kept by {kept_attn} attention layers, + "
+               "gathered, selected and its gradient in the layer the backward works on")
+    if "linear_attention" in kinds:
+        summaries = 2 * cp * shape.lin_v_heads * shape.lin_k_dim * (shape.lin_v_dim + shape.lin_k_dim) * 4
+        kept_gdn = keeping("linear_attention", "gated_delta")
+        total += (kept_gdn + 2) * summaries
+        how += (f"; state summaries of {2 * cp} chunks (fp32, {fmt_bytes(summaries).strip()} a layer): kept by "
+                f"{kept_gdn} gated-delta-net layers, + gathered and its gradient")
+    return MemoryLine("context-parallel exchange", float(total), how)
 
 
 def _loss_lines(recipe: Recipe, shape: ModelShape, g: GpuSpec | None, compute_b: int, acts: _Activations,

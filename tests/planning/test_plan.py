@@ -346,3 +346,31 @@ def test_the_b300_plan_states_its_margin_and_the_projection_labels_its_inputs():
     cut = apply_overrides(job("qwen27b_b300").recipe(), ["scaling.num_workers=8"])
     from raytune_ft.models.tiny import real_config
     assert project(cut, memory_plan(cut, shape=ModelShape.from_config(real_config("qwen3.8-27b", num_hidden_layers=16)))) is None
+
+
+def test_the_plan_under_context_parallelism_holds_a_share_of_each_block_and_the_exchange():
+    """Issue 59 item 5: with scaling.context_parallel=C a rank's activations and loss are those of 1/C of each
+    block's tokens, and a line of its own holds what the ranks exchange (the gathered K/V of the whole block in
+    each attention layer that keeps its tensors, the gated-delta-net layers' fp32 state summaries). The 27B at
+    131,072 tokens fits 8 H100s (bf16 master weights) with CP 4 or 8 and not with CP 1 or 2; under full
+    checkpointing the exchange is the one layer the backward works on."""
+    long = ["data.seq_len=131072", "train.activation_checkpointing=full"]
+    base = job("qwen27b_b300").recipe()
+    plain = memory_plan(apply_overrides(base, long))
+    cp = memory_plan(apply_overrides(base, [*long, "scaling.context_parallel=8"]))
+    assert cp.component("activations") == pytest.approx(plain.component("activations") / 8)
+    assert cp.component("loss") < plain.component("loss")
+    assert "context-parallel exchange" not in {l.name for l in plain.lines}
+    shape = cp.shape
+    kv = 131072 * shape.kv_heads * 2 * shape.head_dim * 2
+    summaries = 16 * shape.lin_v_heads * shape.lin_k_dim * (shape.lin_v_dim + shape.lin_k_dim) * 4
+    assert cp.component("context-parallel exchange") == pytest.approx(3 * kv + 2 * summaries)
+    assert "1/8 of 131,072" in cp.render()
+    fits = {c: memory_plan(apply_overrides(base, [long[0], "train.master_weights=bf16",
+                                                  f"scaling.context_parallel={c}"]), gpu="H100").fits
+            for c in (1, 2, 4, 8)}
+    assert fits == {1: False, 2: False, 4: True, 8: True}
+    # keeping layers keeps their gathered K/V: the exchange grows with the attention layers that keep theirs
+    none = memory_plan(apply_overrides(base, [long[0], "scaling.context_parallel=8",
+                                              "train.activation_checkpointing=none"]))
+    assert none.component("context-parallel exchange") == pytest.approx((2 * 16 + 3) * kv + (48 + 2) * summaries)
