@@ -34,6 +34,28 @@ def test_two_workers_in_one_cp_group_train_as_two_data_parallel_workers(ray_loca
 
 
 @pytest.mark.timeout(900)
+def test_a_cp_run_that_loses_a_worker_resumes_from_its_checkpoint_exactly(ray_local, tmp_path):
+    """Under CP 2, rank 1 dies once the step-4 checkpoint is written locally (step 2's registered): Ray Train
+    restarts the attempt from step 2, whose sharded model, optimizer and each rank's data position load into
+    the CP mesh again, and every step's loss and gradient norm equal an uninterrupted CP run's."""
+    from tests.faults import fault_plan
+
+    blocks = fixed_blocks(12)
+    by_rank = {0: blocks[0::2], 1: blocks[1::2]}
+    cp2 = ["scaling.context_parallel=2"]
+    _, straight = fit(validate(apply_overrides(tiny_recipe(tmp_path, "cp2-straight", max_steps=6), cp2)), by_rank)
+    faulted = apply_overrides(tiny_recipe(tmp_path, "cp2-resumed", max_steps=6), cp2)
+    faulted.scaling.max_failures = 1
+    with fault_plan(exit_after_write="4:1:after=2"):
+        _, resumed = fit(validate(faulted), by_rank)
+    assert resumed["resumed_from"] == [2]
+    assert len(resumed["history"]) == len(straight["history"]) == 6
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([h[key] for h in resumed["history"]], [h[key] for h in straight["history"]],
+                                   rtol=1e-5)
+
+
+@pytest.mark.timeout(900)
 def test_the_local_job_with_context_parallel_2_trains_as_the_local_job(local_job, tmp_path):
     """`jobs/qwen27b_b300.py --local --set scaling.context_parallel=2` (its 2 workers one CP group): the
     losses and gradient norms of the suite's local run (CP 1) at each of its 20 steps, through its evaluation,
