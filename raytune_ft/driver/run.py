@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 from raytune_ft.env import process_start, public_uri, redact_exception
 from raytune_ft.recipe.recipe import Recipe, absolute_local_paths, check_tracking_store, nodes_of, validate
@@ -287,7 +288,14 @@ def _fit(recipe: Recipe, life: RunLifecycle):
     return result, life.run_id()
 
 
-def _summarize(recipe: Recipe, result, run_id: str, st, run_path: str) -> tuple[RunSummary, dict, str | None]:
+class _Ending(NamedTuple):
+    """What a fit ends with: the run's summary, its final checkpoint's meta and URI (None without one)."""
+    summary: RunSummary
+    meta: dict
+    ckpt_uri: str | None
+
+
+def _summarize(recipe: Recipe, result, run_id: str, st, run_path: str) -> _Ending:
     """The run's summary from Ray Train's result and its final checkpoint's small files (plots made); the
     checkpoint's meta and URI."""
     from raytune_ft.storage import fs as storage
@@ -316,7 +324,7 @@ def _summarize(recipe: Recipe, result, run_id: str, st, run_path: str) -> tuple[
         tracking_uri=public_uri(recipe.tracking_uri), data=data, plots=plots)
     _set_throughput(summary, metrics)
     summary.startup = {k[len("startup/"):]: float(v) for k, v in metrics.items() if k.startswith("startup/")}
-    return summary, meta, ckpt_uri
+    return _Ending(summary, meta, ckpt_uri)
 
 
 def _run(recipe: Recipe, life: RunLifecycle, *, register: bool | None) -> RunSummary:
@@ -340,25 +348,28 @@ def _run(recipe: Recipe, life: RunLifecycle, *, register: bool | None) -> RunSum
     # fit
     result, run_id = _fit(recipe, life)
     # end: the summary from the final checkpoint
-    summary, meta, ckpt_uri = _summarize(recipe, result, run_id, st, run_path)
+    ending = _summarize(recipe, result, run_id, st, run_path)
     # register, close the MLflow run, write summary.json
-    return _register_and_close(recipe, summary, meta, ckpt_uri, do_register, st, run_path, life, data_notes)
+    return _register_and_close(recipe, ending, life, data_notes, register=do_register)
 
 
-def _register_and_close(recipe: Recipe, summary: RunSummary, meta: dict, ckpt_uri: str | None, do_register: bool,
-                        st, run_path: str, life: RunLifecycle, data_notes: list[str]) -> RunSummary:
+def _register_and_close(recipe: Recipe, ending: _Ending, life: RunLifecycle, data_notes: list[str], *,
+                        register: bool) -> RunSummary:
     """Register the final checkpoint (once: a re-submit finds the version it has), close the MLflow run with
-    the outcome and the data's params (data/report.data_params), write summary.json."""
+    the outcome and the data's params (data/report.data_params), write summary.json to the run folder `life`
+    holds."""
     from raytune_ft.data.report import data_params
 
     from raytune_ft.storage import fs as storage
 
     from raytune_ft.tracking import mlflow_run as tracking
+    summary, meta, ckpt_uri = ending
+    st, run_path = life.storage, life.run_path
     run_id, data = summary.mlflow_run_id, summary.data
     # a run that ended without its final checkpoint (train.save_final=false) is resumed by a re-submit
     status_tags = {"raytune.status": "trained", "raytune.checkpoint": ckpt_uri or "",
                    tracking.FINAL_CHECKPOINT_TAG: "true" if meta.get("final") else "false"}
-    if do_register:
+    if register:
         from raytune_ft.registry import find_registered_version, run_registration
         from raytune_ft.registry.base import RegistrationOutcome
 
