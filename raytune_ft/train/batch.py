@@ -302,6 +302,16 @@ def pass_line(epoch: int, epoch_steps: list[int], step: int) -> str:
             f"its rows in a new seeded order (data.seed + {epoch})")
 
 
+@dataclass(frozen=True)
+class RankSteps:
+    """A rank's steps: `per_step` blocks of `seq_len` tokens each, taken by `rank` in step with the other ranks
+    of `group` (None: the default process group)."""
+    per_step: int
+    seq_len: int
+    rank: int = 0
+    group: Any = None
+
+
 class EpochFeeds:
     """`epochs` passes over this rank's data, a `StepFeed` each, resumable inside any of them. `epochs=None`:
     pass after pass until the loop stops (`train.max_steps`, which repeats the data as transformers' does),
@@ -314,9 +324,9 @@ class EpochFeeds:
     """
 
     def __init__(self, open_blocks: Callable[[int, DataCounters], Iterable[dict]], *, epochs: int | None,
-                 per_step: int, seq_len: int, rank: int, state: dict, group: Any = None, read_ahead: int = 0):
-        self.open_blocks, self.epochs, self.per_step, self.seq_len = open_blocks, epochs, per_step, seq_len
-        self.rank, self.group = rank, group
+                 steps: RankSteps, state: dict, read_ahead: int = 0):
+        self.open_blocks, self.epochs, self.per_step, self.seq_len = open_blocks, epochs, steps.per_step, steps.seq_len
+        self.rank, self.group = steps.rank, steps.group
         self.read_ahead = read_ahead          # > 0: each pass read by a `ReadAhead` thread, this many blocks ahead
         self._reader: ReadAhead | None = None
         self.epoch = int(state.get("epoch", 0))
@@ -324,7 +334,7 @@ class EpochFeeds:
         self.finished = [DataCounters.from_dict(c) for c in saved[:self.epoch]]
         current = DataCounters.from_dict(saved[self.epoch]) if len(saved) > self.epoch else DataCounters()
         skip = int(state.get("blocks_consumed", 0))
-        self.counters = feed_owned_counts(current, seq_len) if skip else current
+        self.counters = feed_owned_counts(current, self.seq_len) if skip else current
         self.epoch_steps = list(state.get("epoch_steps", []))
         self.epoch_fingerprints = list(state.get("epoch_fingerprints", []))
         self.steps_in_epoch = int(state.get("steps_in_epoch", 0))

@@ -27,7 +27,7 @@ from raytune_ft.recipe.recipe import Recipe
 from raytune_ft.train import checkpoint as ckpt_io
 from raytune_ft.train import ckpt_storage, jit_cache
 from raytune_ft.train.checkpointer import Checkpointer, SaveSettings, async_enabled
-from raytune_ft.train.batch import EpochFeeds, StepBatch, pass_line, worker_blocks
+from raytune_ft.train.batch import EpochFeeds, RankSteps, StepBatch, pass_line, worker_blocks
 from raytune_ft.train.schedule_length import (count_run_steps, needs_counting_pass, run_schedule_steps,
                                               schedule_settings, short_of_steps)
 from raytune_ft.train.common import WorkerLog, lr_at, recipe_from_config, report
@@ -298,8 +298,8 @@ def _open_data(recipe: Recipe, config: dict, state: dict, *, rank: int, device: 
     group = dist.new_group(backend="gloo") if dist.is_initialized() and device.type == "cuda" else None
     per_step = recipe.train.grad_accum * recipe.train.micro_batch_size
     epochs = None if recipe.train.max_steps else recipe.train.epochs
-    return EpochFeeds(open_blocks, epochs=epochs, per_step=per_step, seq_len=recipe.data.seq_len,
-                      rank=rank, state=state, group=group, read_ahead=2 * per_step if read_ahead else 0)
+    return EpochFeeds(open_blocks, epochs=epochs, steps=RankSteps(per_step, recipe.data.seq_len, rank, group),
+                      state=state, read_ahead=2 * per_step if read_ahead else 0)
 
 
 def _schedule_length(recipe: Recipe, state: TrainState, feed: EpochFeeds, log: WorkerLog) -> int:

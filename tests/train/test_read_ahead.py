@@ -16,7 +16,7 @@ import pytest
 
 from raytune_ft.data.packing import DataCounters
 from raytune_ft.data.pipeline import iter_blocks
-from raytune_ft.train.batch import EpochFeeds, ReadAhead
+from raytune_ft.train.batch import EpochFeeds, RankSteps, ReadAhead
 from raytune_ft.train.schedule_length import needs_counting_pass, schedule_settings
 from tests.train.test_fsdp_loop import tiny_recipe
 
@@ -114,8 +114,8 @@ def test_an_error_of_the_data_path_is_raised_where_the_loop_reaches_it():
 
 def _run_feed(rows, *, epochs: int, read_ahead: int, state: dict, steps: int | None = None):
     """Steps of an EpochFeeds over `rows` (epoch e>0 shuffled with seed e); the position after each."""
-    feed = EpochFeeds(lambda e, c: _open(rows, seed=e or None)(c), epochs=epochs, per_step=2, seq_len=SEQ_LEN,
-                      rank=0, state=state, read_ahead=read_ahead)
+    feed = EpochFeeds(lambda e, c: _open(rows, seed=e or None)(c), epochs=epochs,
+                      steps=RankSteps(per_step=2, seq_len=SEQ_LEN), state=state, read_ahead=read_ahead)
     out = []
     while steps is None or len(out) < steps:
         blocks = feed.next_blocks()
@@ -176,14 +176,14 @@ def test_a_resumed_feed_read_ahead_replays_at_its_first_step_and_still_checks_th
     plain = _run_feed(rows, epochs=1, read_ahead=0, state={})
     position = dict(plain[2][1])
 
-    early = EpochFeeds(lambda e, c: _open(rows)(c), epochs=1, per_step=2, seq_len=SEQ_LEN, rank=0,
+    early = EpochFeeds(lambda e, c: _open(rows)(c), epochs=1, steps=RankSteps(per_step=2, seq_len=SEQ_LEN),
                        state=position, read_ahead=4)
     assert early.feed.blocks_consumed == 0          # nothing replayed yet
     assert early.position()["blocks_consumed"] == position["blocks_consumed"]   # asked: replayed first
     assert [b["input_ids"].tolist() for b in early.next_blocks()] == [x.tolist() for x in plain[3][0]]
     early.close()
 
-    changed = EpochFeeds(lambda e, c: _open(rows[1:])(c), epochs=1, per_step=2, seq_len=SEQ_LEN, rank=0,
+    changed = EpochFeeds(lambda e, c: _open(rows[1:])(c), epochs=1, steps=RankSteps(per_step=2, seq_len=SEQ_LEN),
                          state=position, read_ahead=4)      # constructed: no error yet
     with pytest.raises(DataOrderChanged):
         changed.next_blocks()

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from raytune_ft.data.packing import pack_blocks
-from raytune_ft.train.batch import EpochFeeds
+from raytune_ft.train.batch import EpochFeeds, RankSteps
 from raytune_ft.train.schedule_length import run_schedule_steps, schedule_settings
 from raytune_ft.train.common import WorkerLog
 from raytune_ft.train.fsdp_loop import _schedule_length
@@ -43,7 +43,7 @@ class _Opened:
 
 
 def _length(recipe, state, opened: _Opened) -> tuple[int, str]:
-    feed = EpochFeeds(opened, epochs=recipe.train.epochs, per_step=1, seq_len=SEQ_LEN, rank=0,
+    feed = EpochFeeds(opened, epochs=recipe.train.epochs, steps=RankSteps(per_step=1, seq_len=SEQ_LEN),
                       state=state.data.state_dict())
     out = io.StringIO()
     return _schedule_length(recipe, state, feed, WorkerLog(0, recipe, None, stream=out)), out.getvalue()

@@ -30,12 +30,12 @@ def _feeds(rows, state: dict):
     """Passes over `rows` until the loop stops, each after the first shuffled by its own seed (as
     `batch.worker_blocks` does), from the checkpointed `state`."""
     from raytune_ft.data.pipeline import iter_blocks
-    from raytune_ft.train.batch import EpochFeeds
+    from raytune_ft.train.batch import EpochFeeds, RankSteps
 
     def open_blocks(epoch, counters):
         return iter_blocks(rows, DATA, counters=counters, shuffle_seed=(7 + epoch) if epoch else None)
 
-    return EpochFeeds(open_blocks, epochs=None, per_step=2, seq_len=SEQ_LEN, rank=0, state=state)
+    return EpochFeeds(open_blocks, epochs=None, steps=RankSteps(per_step=2, seq_len=SEQ_LEN), state=state)
 
 
 def _conversations(blocks) -> list[int]:
@@ -82,9 +82,9 @@ def test_the_fsdp_loops_feed_runs_train_max_steps_past_one_pass(tmp_path):
 
 
 def test_a_feed_with_no_data_ends_instead_of_repeating_nothing():
-    from raytune_ft.train.batch import EpochFeeds
+    from raytune_ft.train.batch import EpochFeeds, RankSteps
 
-    feed = EpochFeeds(lambda e, c: iter(()), epochs=None, per_step=1, seq_len=8, rank=0, state={})
+    feed = EpochFeeds(lambda e, c: iter(()), epochs=None, steps=RankSteps(per_step=1, seq_len=8), state={})
     assert feed.next_blocks() is None and feed.done
 
 
