@@ -100,10 +100,15 @@ def source_files(spec: SourceSpec, split: str, *, held_out: bool = False) -> tup
     return pick_split(files, path, split, "data.source", single_ok=not held_out), pafs.LocalFileSystem()
 
 
+# an unbuffered pyarrow stream on object storage asks the store once per read of the text layer above it (8 KiB):
+# a 3 MB jsonl file took 6.3 s from a loopback S3 server, 0.19 s buffered
+_STREAM_BUFFER = 1 << 20
+
+
 def _open(fs, path: str):
     """A binary stream of a file, decompressed by its extension, on a pyarrow or fsspec filesystem."""
     if hasattr(fs, "open_input_stream"):
-        return fs.open_input_stream(path, compression="detect")
+        return fs.open_input_stream(path, compression="detect", buffer_size=_STREAM_BUFFER)
     return fs.open(path, "rb", compression="infer")
 
 

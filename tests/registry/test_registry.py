@@ -468,6 +468,7 @@ def test_databricks_token_is_written_nowhere(server, checkpoint, tmp_path, monke
                 assert secret.encode() not in f.read_bytes(), f"secret found in {f}"
 
 
+@pytest.mark.slow          # registers twice, each in a child process of its own
 @pytest.mark.timeout(600)
 def test_cli_register_retried_without_a_run_id_keeps_one_version(checkpoint, tmp_path, capsys):
     """`raytune-ft register CKPT --name ...` run again (after a transient error that hid its answer, say)

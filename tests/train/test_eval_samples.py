@@ -165,6 +165,8 @@ def _training_compiles(samples: bool) -> list[tuple]:
     return graphs
 
 
+@pytest.mark.slow          # two compiled training runs
+@pytest.mark.timeout(600)
 def test_samples_and_eval_leave_the_training_graphs_alone():
     """Issue 36: the step-0 generation ran variable-length rows through the compiled layers, so the training
     step's graphs recompiled (then went dynamic) until the recompile limit. With samples and evaluation on,
