@@ -3,9 +3,8 @@
 docstring that points into bench/NOTES.md instead of giving its reason. Read with `ast` and as text;
 nothing is imported.
 
-The exception lists name what is still allowed, each with its reason: a signature another library imposes
-(kept for good), or a function whose callers another change of this round still holds (split once it lands).
-Each entry must still be a violation, so the lists only shrink.
+The exception lists name what is still allowed, each with its reason (today only a signature another library
+imposes, kept for good). Each entry must still be a violation, so the lists only shrink.
 """
 from __future__ import annotations
 
@@ -24,9 +23,6 @@ MANY_PARAMS = {
         "registered with transformers' AttentionInterface, whose layers call it with transformers' own attention "
         "arguments (module, query, key, value, attention_mask, dropout=, scaling=, **kwargs), as they call "
         "transformers' eager_attention_forward: the signature is transformers'"),
-    ("raytune_ft.train.batch", "StepFeed.__init__"): (
-        "a caller is tests/data/test_data_properties.py, which another change of this round is writing: to take "
-        "its per_step, seq_len, rank and group as one batch.RankSteps, as EpochFeeds does, once that lands"),
 }
 # module: how many NOTES.md pointers it may still hold
 NOTES_POINTERS: dict[str, int] = {}

@@ -179,12 +179,11 @@ class StepFeed:
     `fingerprint` (of those blocks).
     """
 
-    def __init__(self, blocks: Iterable[dict], *, per_step: int, seq_len: int, counters: DataCounters,
-                 rank: int = 0, skip_blocks: int = 0, fingerprint: int | None = None,
-                 flag_device: torch.device | None = None, group: Any = None, defer_replay: bool = False):
-        self.per_step, self.seq_len, self.counters, self.rank = per_step, seq_len, counters, rank
-        self.flag_device = flag_device or torch.device("cpu")
-        self.group = group
+    def __init__(self, blocks: Iterable[dict], *, steps: RankSteps, counters: DataCounters, skip_blocks: int = 0,
+                 fingerprint: int | None = None, defer_replay: bool = False):
+        self.per_step, self.seq_len, self.counters, self.rank = steps.per_step, steps.seq_len, counters, steps.rank
+        self.flag_device = steps.flag_device or torch.device("cpu")
+        self.group = steps.group
         self._it = iter(blocks)
         self._dry = False
         self.blocks_consumed = 0
@@ -305,11 +304,12 @@ def pass_line(epoch: int, epoch_steps: list[int], step: int) -> str:
 @dataclass(frozen=True)
 class RankSteps:
     """A rank's steps: `per_step` blocks of `seq_len` tokens each, taken by `rank` in step with the other ranks
-    of `group` (None: the default process group)."""
+    of `group` (None: the default process group), whose step flags travel on `flag_device` (None: the CPU)."""
     per_step: int
     seq_len: int
     rank: int = 0
     group: Any = None
+    flag_device: Any = None
 
 
 class EpochFeeds:
@@ -326,7 +326,7 @@ class EpochFeeds:
     def __init__(self, open_blocks: Callable[[int, DataCounters], Iterable[dict]], *, epochs: int | None,
                  steps: RankSteps, state: dict, read_ahead: int = 0):
         self.open_blocks, self.epochs, self.per_step, self.seq_len = open_blocks, epochs, steps.per_step, steps.seq_len
-        self.rank, self.group = steps.rank, steps.group
+        self.rank, self.group, self.steps = steps.rank, steps.group, steps
         self.read_ahead = read_ahead          # > 0: each pass read by a `ReadAhead` thread, this many blocks ahead
         self._reader: ReadAhead | None = None
         self.epoch = int(state.get("epoch", 0))
@@ -347,9 +347,8 @@ class EpochFeeds:
             self._reader = blocks = ReadAhead(lambda c: self.open_blocks(epoch, c), self.counters, self.read_ahead)
         else:
             blocks = self.open_blocks(epoch, self.counters)
-        return StepFeed(blocks, per_step=self.per_step, seq_len=self.seq_len,
-                        counters=self.counters, rank=self.rank, skip_blocks=skip, fingerprint=fingerprint,
-                        group=self.group, defer_replay=True)
+        return StepFeed(blocks, steps=self.steps, counters=self.counters, skip_blocks=skip, fingerprint=fingerprint,
+                        defer_replay=True)
 
     def next_blocks(self) -> list[dict] | None:
         """The next step's blocks, moving on to the next epoch when one ends; None after the last."""

@@ -70,7 +70,7 @@ def _worker_loop(config):
     import ray.train
 
     from raytune_ft.data.pipeline import gather_counters, iter_blocks
-    from raytune_ft.train.batch import StepFeed
+    from raytune_ft.train.batch import RankSteps, StepFeed
 
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
@@ -78,7 +78,7 @@ def _worker_loop(config):
     counters = DataCounters()
     blocks = iter_blocks(ray.train.get_dataset_shard("train"), data, counters=counters)
     steps, convs, padding_steps = 0, [], 0
-    for block in StepFeed(blocks, per_step=1, seq_len=data.seq_len, counters=counters, rank=rank):
+    for block in StepFeed(blocks, steps=RankSteps(1, data.seq_len, rank=rank), counters=counters):
         steps += 1
         padding_steps += not block["input_ids"].any()
         cu = block["cu_seqlens"]

@@ -626,7 +626,7 @@ def test_a_resume_at_any_block_or_step_trains_the_rest_exactly_once(case, tok, s
     exactly the blocks an unbroken pass gives after them and counts the whole pass, in a later epoch's seeded
     shuffle too (`shuffled`); the pass's blocks are the ones counted; a `StepFeed` resumed at any step from the
     checkpoint's blocks consumed and fingerprint gives the unbroken pass's remaining steps."""
-    from raytune_ft.train.batch import StepFeed, real_seq_lens
+    from raytune_ft.train.batch import RankSteps, StepFeed, real_seq_lens
 
     got = settled(case, scratch())
     if got is None:
@@ -644,7 +644,7 @@ def test_a_resume_at_any_block_or_step_trains_the_rest_exactly_once(case, tok, s
     assert len(blocks) == c_whole.blocks and sum(int(real_seq_lens(b).sum()) for b in blocks) == c_whole.real_tokens
 
     def feed(skip: int = 0, fingerprint: int | None = None) -> StepFeed:
-        return StepFeed(iter_blocks(share, data, shuffle_seed=seed), per_step=case.per_step, seq_len=case.seq_len,
+        return StepFeed(iter_blocks(share, data, shuffle_seed=seed), steps=RankSteps(case.per_step, case.seq_len),
                         counters=DataCounters(), skip_blocks=skip, fingerprint=fingerprint)
 
     unbroken = feed()

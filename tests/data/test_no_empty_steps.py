@@ -61,10 +61,10 @@ def _block(first: int, supervised: bool) -> dict:
 
 
 def _steps(blocks: list[dict], skip: int = 0, fingerprint=None, rank: int = 0) -> dict:
-    from raytune_ft.train.batch import StepFeed
+    from raytune_ft.train.batch import RankSteps, StepFeed
 
     counters = DataCounters()
-    feed = StepFeed(iter(blocks), per_step=1, seq_len=8, counters=counters, rank=rank, skip_blocks=skip,
+    feed = StepFeed(iter(blocks), steps=RankSteps(1, 8, rank=rank), counters=counters, skip_blocks=skip,
                     fingerprint=fingerprint)
     steps, positions = [], []
     while (got := feed.next_blocks()) is not None:

@@ -237,14 +237,14 @@ def _count_on_ranks(config):
 
     from raytune_ft.data.packing import DataCounters
     from raytune_ft.data.pipeline import gather_counters, iter_blocks
-    from raytune_ft.train.batch import StepFeed
+    from raytune_ft.train.batch import RankSteps, StepFeed
 
     rank = ray.train.get_context().get_world_rank()
     for name, recipe in config["recipes"].items():
         counters = DataCounters()
         blocks = iter_blocks(ray.train.get_dataset_shard(name), recipe.data, counters=counters)
-        for _ in StepFeed(blocks, per_step=recipe.train.grad_accum * recipe.train.micro_batch_size,
-                          seq_len=recipe.data.seq_len, counters=counters, rank=rank):
+        per_step = recipe.train.grad_accum * recipe.train.micro_batch_size
+        for _ in StepFeed(blocks, steps=RankSteps(per_step, recipe.data.seq_len, rank=rank), counters=counters):
             pass
         total = gather_counters(counters)
         if rank == 0:

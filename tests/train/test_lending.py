@@ -24,10 +24,10 @@ def _blocks(rank: int, n: int) -> list[dict]:
 
 def _run(rank: int, n: int, per_step: int, skip: int = 0, fingerprint=None) -> dict:
     """One pass of a StepFeed: the block names trained at each step, and its position after each step."""
-    from raytune_ft.train.batch import StepFeed
+    from raytune_ft.train.batch import RankSteps, StepFeed
 
     counters = DataCounters()
-    feed = StepFeed(iter(_blocks(rank, n)), per_step=per_step, seq_len=SEQ_LEN, counters=counters, rank=rank,
+    feed = StepFeed(iter(_blocks(rank, n)), steps=RankSteps(per_step, SEQ_LEN, rank=rank), counters=counters,
                     skip_blocks=skip, fingerprint=fingerprint)
     steps, positions = [], []
     while (got := feed.next_blocks()) is not None:

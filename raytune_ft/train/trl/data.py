@@ -15,7 +15,7 @@ import torch
 
 from raytune_ft.data.packing import DataCounters, padding_block
 from raytune_ft.recipe.recipe import Recipe
-from raytune_ft.train.batch import StepFeed, real_seq_lens, worker_blocks
+from raytune_ft.train.batch import RankSteps, StepFeed, real_seq_lens, worker_blocks
 
 
 class RankBlocks(torch.utils.data.IterableDataset):
@@ -66,10 +66,9 @@ class RankBlocks(torch.utils.data.IterableDataset):
             self.epoch += 1
         self._passes += 1
         while self.recipe.train.max_steps or self.epoch < self.recipe.train.epochs:
-            self._feed = StepFeed(worker_blocks(self.recipe, counters=self.counters, epoch=self.epoch),
-                                  per_step=self.per_step,
-                                  seq_len=self.recipe.data.seq_len, counters=self.counters, rank=self.rank,
-                                  skip_blocks=skip, fingerprint=fingerprint, flag_device=self.flag_device)
+            steps = RankSteps(self.per_step, self.recipe.data.seq_len, rank=self.rank, flag_device=self.flag_device)
+            self._feed = StepFeed(worker_blocks(self.recipe, counters=self.counters, epoch=self.epoch), steps=steps,
+                                  counters=self.counters, skip_blocks=skip, fingerprint=fingerprint)
             fed = False
             for block in self._feed:
                 fed, self.passes_fed = True, self.epoch + 1
