@@ -145,6 +145,22 @@ def test_every_private_attribute_is_found_on_its_class_and_one_gone_fails_naming
         gone.read(object())
 
 
+def test_a_method_another_library_wrapped_in_place_is_still_read_through_its_wrapper(monkeypatch):
+    """torch's dynamo wraps nn.Module.__init__ in place in every process that compiles (mutation_guard's
+    generation tagging); the check reads through the wrapper's closure, as the suite's whole run met it."""
+    import torch
+
+    from torch._dynamo.mutation_guard import install_generation_tagging_init
+
+    monkeypatch.setattr(torch.nn.Module, "__init__", torch.nn.Module.__init__)
+    monkeypatch.setattr(torch.nn.Module, "__setstate__", torch.nn.Module.__setstate__)
+    monkeypatch.setattr(torch.nn.Module, "___needs_generation_tag_patch", True, raising=False)
+    install_generation_tagging_init()
+    assert "_non_persistent_buffers_set" not in torch.nn.Module.__init__.__code__.co_consts     # the wrapper's own
+    entry = compat.private_attrs()["TORCH_NON_PERSISTENT_BUFFERS"]
+    assert entry.check() is torch.nn.Module
+
+
 def test_a_private_attribute_is_read_and_set_through_compat_only_where_it_is():
     from ray.train import DataConfig
 

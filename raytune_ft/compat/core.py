@@ -55,6 +55,24 @@ def private_attr(obj: Any, name: str, package: str, known: str) -> Any:
     return getattr(obj, name)
 
 
+def _codes(fn: Any, depth: int = 3) -> list:
+    """The code of `fn` and of the functions its closure holds, `depth` wrappers deep: a method another library
+    wrapped in place (torch's dynamo wraps nn.Module.__init__ in every process that compiles) still counts."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    inner = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _filled(c)]
+    return [code, *(x for f in inner if callable(f) and depth > 0 for x in _codes(f, depth - 1))]
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:           # a cell not assigned yet
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class PrivateAttr:
     """The private attribute `name` of `package`'s class `cls` (in `module`); `named_in`: for an attribute
@@ -76,8 +94,8 @@ class PrivateAttr:
         if self.named_in is None:
             found = hasattr(owner, self.name)
         else:
-            code = getattr(getattr(owner, self.named_in, None), "__code__", None)
-            found = code is not None and self.name in (*code.co_names, *code.co_consts)
+            found = any(self.name in (*code.co_names, *code.co_consts)
+                        for code in _codes(getattr(owner, self.named_in, None)))
         if not found:
             where = f"{self.cls}.{self.named_in} names no {self.name}" if self.named_in else \
                 f"{self.cls} has no {self.name}"
