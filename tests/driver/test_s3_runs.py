@@ -163,9 +163,7 @@ def s3_runs(s3_server, s3_ray):
     watcher.start()
     out["faulty_error"] = run_with_fault(r27, dict(exit_after_upload=f"{STEPS}:1"))   # every attempt dies
     out["after_faulty"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
-    t = time.time()
     out["finished"] = run(r27, local=True)
-    out["finished_s"] = time.time() - t
     watcher.stop.set()
     watcher.join(timeout=10)
     out["watcher"] = watcher
@@ -173,9 +171,9 @@ def s3_runs(s3_server, s3_ray):
     out["retry"] = _run_cli(cmd, dict(os.environ), work) if cmd else None
     out["folders_before_again"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
     out["losses_before_again"] = _losses(out["finished"])
-    t = time.time()
+    out["attempts_before_again"] = len(run_attempts("s3-27b"))
     out["again"] = run(r27, local=True)
-    out["again_s"] = time.time() - t
+    out["attempts_after_again"] = len(run_attempts("s3-27b"))
     out["folders_after_again"] = storage.checkpoint_dirs(fs, f"{bucket}/runs/s3-27b")
 
     # ---- TRL 4B recipe, two epochs: a straight reference, the same killed at the end of step 4 and resumed from
@@ -322,7 +320,9 @@ def test_finished_fsdp_run_submitted_again_ends_at_once_with_one_version(s3_runs
     # the re-submit names the run's MLflow run, and trains no step: not one loss more there
     assert again.mlflow_run_id == first.mlflow_run_id
     assert _losses(again) == s3_runs["losses_before_again"]
-    assert s3_runs["again_s"] < s3_runs["finished_s"]
+    # and starts no Ray Train run: no attempt more (a time against the finished run's, which trained no step
+    # either, only measured the machine's load: 28.1 s against 27.6 s at load 7)
+    assert s3_runs["attempts_after_again"] == s3_runs["attempts_before_again"] > 0
 
 
 @pytest.mark.timeout(1500)
