@@ -477,8 +477,16 @@ def test_cli_register_retried_without_a_run_id_keeps_one_version(checkpoint, tmp
 
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
     name = "main.default.retried"
+    # the run folder's record, as a run whose own registration failed leaves it
+    record = checkpoint.parent / "summary.json"
+    record.write_text(json.dumps({"status": "trained_not_registered", "checkpoint": str(checkpoint),
+                                  "registration_error": "ConnectionError", "retry_command": "raytune-ft register"}))
     argv = [str(checkpoint), "--name", name, "--tracking-uri", tracking, "--timeout", "300"]
     assert cli_register(argv) == 0
+    # the record now says registered: `raytune-ft runs` lists it so, and a re-submit answers from it without Ray
+    assert json.loads(record.read_text()) == {"status": "registered", "checkpoint": str(checkpoint),
+                                              "registered_name": name, "registered_version": "1",
+                                              "registration_error": None, "retry_command": None}
     assert cli_register(argv) == 0
     out = capsys.readouterr().out
     assert out.count(f"registered {name} version 1:") == 2
