@@ -69,6 +69,7 @@ def test_closing_an_opening_still_running_ends_its_process(tmp_path, own_tempdir
         opening.result()
 
 
+@pytest.mark.slow          # starts the opening process
 @pytest.mark.timeout(300)
 def test_a_run_failing_early_leaves_no_opening_process_or_file(tmp_path, own_tempdir, monkeypatch):
     """`run()` failing right after the MLflow run began to open (here Ray's start, made to fail: Ray cannot

@@ -63,6 +63,7 @@ def test_a_workers_mlflow_calls_are_made_in_order_by_a_process_of_their_own(mlfl
         os.kill(got["sender_pid"], 0)
 
 
+@pytest.mark.slow          # starts sender processes and kills one
 @pytest.mark.timeout(300)
 def test_a_sender_that_dies_hands_the_next_calls_to_a_new_process(mlflow_run):
     import signal
