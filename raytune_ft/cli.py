@@ -250,6 +250,7 @@ def cli_register(argv: list[str]) -> int:
 
     log_file = own_lines_only(library_log("register", per_call=True), preload=("torch", "mlflow", "transformers"))
     from raytune_ft.registry import RegistrationError, RegistryTarget, record_failure, register_checkpoint
+    from raytune_ft.registry.outcome import record_registered
 
     try:
         result = register_checkpoint(args.checkpoint, args.name,
@@ -263,31 +264,12 @@ def cli_register(argv: list[str]) -> int:
         return 1
     print(f"registered {result.name} version {result.version}: {result.model_uri} (run {result.run_id})\n"
           f"the libraries' warnings: {log_file}")
-    _note_registered(args.checkpoint, result)
-    return 0
-
-
-def _note_registered(checkpoint: str, result) -> None:
-    """The summary.json of the checkpoint's run folder, where it names this checkpoint, says the run is
-    registered now: the record `raytune-ft runs` lists, and what a re-submit of the finished run answers from
-    without starting Ray. A folder that cannot be written is said, the registration stands."""
-    import posixpath
-
-    from raytune_ft.storage import fs as storage
-
-    st = storage.resolve(checkpoint if storage.is_uri(checkpoint) else os.path.abspath(checkpoint))
-    folder, name = posixpath.split(st.root.rstrip("/"))
-    path = f"{folder}/summary.json"
     try:
-        summary = storage.read_json(st.fs, path)
-        if not isinstance(summary, dict) or posixpath.basename(str(summary.get("checkpoint", "")).rstrip("/")) != name:
-            return
-        summary.update(status="registered", registered_name=result.name, registered_version=str(result.version),
-                       registration_error=None, retry_command=None)
-        storage.write_json(st.fs, path, summary)
-    except OSError as e:
+        record_registered(args.checkpoint, result.name, result.version)
+    except OSError as e:        # the registration stands
         print(f"the run's summary.json could not be updated ({type(e).__name__}): `raytune-ft runs` still lists "
               "the run as not registered", file=sys.stderr)
+    return 0
 
 
 # ------------------------------------------------------------------ the entry point

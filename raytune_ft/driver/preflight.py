@@ -161,7 +161,7 @@ def finished_run_summary(recipe: Recipe, st, run_path: str, register: bool) -> d
     holds the run as finished with its final checkpoint, with the same training settings (else
     FinishedRunError), and registered under this recipe's name when registering. None: the run goes on."""
     from raytune_ft.storage import fs as storage
-    summary = storage.read_json(st.fs, f"{run_path.rstrip('/')}/summary.json")
+    summary = storage.read_json(st.fs, f"{run_path.rstrip('/')}/{storage.SUMMARY_FILE}")
     if not summary or summary.get("status") not in ("registered", "trained"):
         return None
     if register and (summary["status"] != "registered" or summary.get("registered_name") != recipe.registry.name):

@@ -402,7 +402,7 @@ def _register_and_close(recipe: Recipe, ending: _Ending, life: RunLifecycle, dat
     # the run is trained and (maybe) registered: a store that does not answer loses none of it (said)
     artifacts = _data_files(st, run_path, record, data)
     summary.mlflow_experiment_id = life.finish(status_tags, ends, artifacts or None, data_params(data_notes, data))
-    storage.write_json(st.fs, f"{run_path}/summary.json", asdict(summary))
+    storage.write_json(st.fs, f"{run_path}/{storage.SUMMARY_FILE}", asdict(summary))
     tracking.keep_tracking_db(recipe, st, run_path)
     return summary
 

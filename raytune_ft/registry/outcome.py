@@ -31,13 +31,18 @@ def retry_command(checkpoint_path: str, name: str, tracking_uri: str | None,
     return shlex.join(parts)
 
 
-def failure_file_for(checkpoint_path: str | os.PathLike) -> Path | str:
-    """registration_failed.json sits beside the checkpoint (in the run folder), not inside it: a local
-    Path, or a URI next to a checkpoint on object storage."""
+def _beside(checkpoint_path: str | os.PathLike, filename: str) -> Path | str:
+    """A file of the run folder the checkpoint sits in: a local Path, or a URI next to a checkpoint on object
+    storage."""
     ckpt = checkpoint_id(checkpoint_path)
     if storage.is_uri(ckpt):
-        return f"{ckpt.rsplit('/', 1)[0]}/{FAILURE_FILE}"
-    return Path(ckpt).parent / FAILURE_FILE
+        return f"{ckpt.rsplit('/', 1)[0]}/{filename}"
+    return Path(ckpt).parent / filename
+
+
+def failure_file_for(checkpoint_path: str | os.PathLike) -> Path | str:
+    """registration_failed.json sits beside the checkpoint (in the run folder), not inside it."""
+    return _beside(checkpoint_path, FAILURE_FILE)
 
 
 def _write_record(path: Path | str, record: dict) -> None:
@@ -48,18 +53,37 @@ def _write_record(path: Path | str, record: dict) -> None:
         storage.write_json(st.fs, st.root, record)
 
 
+def _read_record(path: Path | str) -> dict | None:
+    if isinstance(path, Path):
+        return json.loads(path.read_text())
+    st = storage.resolve(path)
+    return storage.read_json(st.fs, st.root)
+
+
 def read_failure_record(checkpoint_path: str | os.PathLike) -> dict | None:
     """The failure record beside the checkpoint when it is about this checkpoint, else None."""
-    path = failure_file_for(checkpoint_path)
     try:
-        if isinstance(path, Path):
-            record = json.loads(path.read_text())
-        else:
-            st = storage.resolve(path)
-            record = storage.read_json(st.fs, st.root)
+        record = _read_record(failure_file_for(checkpoint_path))
     except (OSError, ValueError):
         return None
     return record if record and record.get("checkpoint") == checkpoint_id(checkpoint_path) else None
+
+
+def record_registered(checkpoint_path: str | os.PathLike, name: str, version: str) -> None:
+    """The run folder's summary.json, where it names this checkpoint, says the run is registered now (a retried
+    registration): the record `raytune-ft runs` lists, and what a re-submit of the finished run answers from
+    without starting Ray. OSError when the folder cannot be read or written."""
+    path = _beside(checkpoint_path, storage.SUMMARY_FILE)
+    try:
+        summary = _read_record(path)
+    except (FileNotFoundError, ValueError):     # no summary, or one this code did not write: left as it is
+        return
+    ours = isinstance(summary, dict) and checkpoint_id(summary.get("checkpoint") or "") == checkpoint_id(checkpoint_path)
+    if not ours:
+        return
+    summary.update(status="registered", registered_name=name, registered_version=str(version),
+                   registration_error=None, retry_command=None)
+    _write_record(path, summary)
 
 
 def _tag_not_registered(tracking_uri: str, run_id: str, error: str) -> bool:

@@ -39,6 +39,8 @@ from raytune_ft.storage.errors import (FileTooLargeError, StorageFullError, disk
 # Ray Train V2 (ray/train/v2/_internal/constants.py): the checkpoint manager's record of every
 # registered checkpoint, rewritten in the run folder at each registration.
 SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
+# a run folder's record of how it ended (driver/run.py writes it; `raytune-ft runs` lists it)
+SUMMARY_FILE = "summary.json"
 # Ray's checkpoint folder names: checkpoint_<date_str(include_ms=True)>
 CHECKPOINT_DIR = re.compile(r"^checkpoint_\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}\.\d+$")
 ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")

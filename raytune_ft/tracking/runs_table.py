@@ -43,12 +43,12 @@ def _run_row(st, run_path: str, name: str) -> dict | None:
 
     from raytune_ft.storage import fs as st_mod
     uri = st.uri(run_path)
-    files = {f: st.fs.get_file_info(f"{run_path}/{f}") for f in ("summary.json", "mlflow.db")}
+    files = {f: st.fs.get_file_info(f"{run_path}/{f}") for f in (st_mod.SUMMARY_FILE, "mlflow.db")}
     found = {f: i for f, i in files.items() if i.type == pafs.FileType.File}
-    if "summary.json" in found:
-        when = found["summary.json"].mtime.timestamp()
+    if st_mod.SUMMARY_FILE in found:
+        when = found[st_mod.SUMMARY_FILE].mtime.timestamp()
         try:
-            s = json.loads(st_mod.read_bytes(st.fs, f"{run_path}/summary.json"))
+            s = json.loads(st_mod.read_bytes(st.fs, f"{run_path}/{st_mod.SUMMARY_FILE}"))
         except (OSError, ValueError) as e:
             return {"run_name": name, "status": f"unreadable summary.json ({type(e).__name__})", "path": uri,
                     "time": when}

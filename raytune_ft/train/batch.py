@@ -325,8 +325,7 @@ class EpochFeeds:
 
     def __init__(self, open_blocks: Callable[[int, DataCounters], Iterable[dict]], *, epochs: int | None,
                  steps: RankSteps, state: dict, read_ahead: int = 0):
-        self.open_blocks, self.epochs, self.per_step, self.seq_len = open_blocks, epochs, steps.per_step, steps.seq_len
-        self.rank, self.group, self.steps = steps.rank, steps.group, steps
+        self.open_blocks, self.epochs, self.steps = open_blocks, epochs, steps
         self.read_ahead = read_ahead          # > 0: each pass read by a `ReadAhead` thread, this many blocks ahead
         self._reader: ReadAhead | None = None
         self.epoch = int(state.get("epoch", 0))
@@ -334,7 +333,7 @@ class EpochFeeds:
         self.finished = [DataCounters.from_dict(c) for c in saved[:self.epoch]]
         current = DataCounters.from_dict(saved[self.epoch]) if len(saved) > self.epoch else DataCounters()
         skip = int(state.get("blocks_consumed", 0))
-        self.counters = feed_owned_counts(current, self.seq_len) if skip else current
+        self.counters = feed_owned_counts(current, steps.seq_len) if skip else current
         self.epoch_steps = list(state.get("epoch_steps", []))
         self.epoch_fingerprints = list(state.get("epoch_fingerprints", []))
         self.steps_in_epoch = int(state.get("steps_in_epoch", 0))

@@ -313,7 +313,7 @@ def _schedule_length(recipe: Recipe, state: TrainState, feed: EpochFeeds, log: W
     total = int(t.max_steps or 0)
     if not total and t.schedule != "constant":
         total = run_schedule_steps(recipe, schedule.state_dict(), lambda: count_run_steps(
-            feed.open_blocks, feed.per_step, t.epochs, group=feed.group), log.info)
+            feed.open_blocks, feed.steps.per_step, t.epochs, group=feed.steps.group), log.info)
         schedule.counted_steps, schedule.counted_for = total, schedule_settings(recipe)
     schedule.total_steps = total
     return total
