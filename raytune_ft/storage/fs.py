@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import time
 import urllib.parse
 import uuid
 from dataclasses import dataclass
@@ -287,9 +288,27 @@ class Reported:
         return set(self.kept) | ({self.latest} if self.latest else set())
 
 
-def reported_checkpoints(fs: pafs.FileSystem, run_path: str) -> Reported | None:
-    """Ray's record of the run's checkpoints (None: no checkpoint was ever registered)."""
-    snap = read_json(fs, f"{run_path.rstrip('/')}/{SNAPSHOT_FILE}")
+class TornRecordError(ValueError):
+    """Ray's checkpoint record stayed unreadable (empty or cut short) for longer than a rewrite takes."""
+
+
+def _read_snapshot(fs: pafs.FileSystem, path: str, wait_s: float) -> Any:
+    """Ray's controller rewrites its snapshot in place (open, write, close: not a rename), so a reader on
+    another process can meet it empty or half-written; such a read is retried until it parses."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return read_json(fs, path)
+        except json.JSONDecodeError as e:
+            if time.monotonic() >= deadline:
+                raise TornRecordError(f"{path} did not parse for {wait_s:g} s (Ray rewrites it in place): {e}") from e
+            time.sleep(0.05)
+
+
+def reported_checkpoints(fs: pafs.FileSystem, run_path: str, wait_s: float = 5.0) -> Reported | None:
+    """Ray's record of the run's checkpoints (None: no checkpoint was ever registered). A record caught
+    mid-rewrite is read again for up to `wait_s` seconds; one that stays torn raises TornRecordError."""
+    snap = _read_snapshot(fs, f"{run_path.rstrip('/')}/{SNAPSHOT_FILE}", wait_s)
     if snap is None:
         return None
     kept, metrics = [], {}
@@ -315,7 +334,12 @@ def orphan_checkpoints(fs: pafs.FileSystem, run_path: str, protect: Iterable[str
     writing: at the start of an attempt, or before `fit`.
     """
     protect = set(protect)
-    reported = reported_checkpoints(fs, run_path)
+    try:
+        reported = reported_checkpoints(fs, run_path)
+    except TornRecordError as e:
+        if log is not None:
+            log(f"the run's record of reported checkpoints is unreadable ({e}): unreported folders left in place")
+        return []
     if reported is None and protect:
         if log is not None:
             log("no record of the run's reported checkpoints: unreported folders left in place")
@@ -346,8 +370,12 @@ def remove_orphans(fs: pafs.FileSystem, run_path: str, log: Callable[[str], None
 
 
 def latest_checkpoint_bytes(fs: pafs.FileSystem, run_path: str) -> int | None:
-    """Size of the run's latest registered checkpoint, the best guess for the next one."""
-    reported = reported_checkpoints(fs, run_path)
+    """Size of the run's latest registered checkpoint, the best guess for the next one (None: no record,
+    or one that stayed unreadable: the caller falls back to its own estimate)."""
+    try:
+        reported = reported_checkpoints(fs, run_path)
+    except TornRecordError:
+        return None
     if not reported or not reported.latest:
         return None
     return tree_bytes(fs, f"{run_path.rstrip('/')}/{reported.latest}") or None

@@ -107,6 +107,34 @@ def test_orphan_checkpoints_removed_reported_ones_kept(where):
     assert storage.checkpoint_dirs(fs, run) == [names[1], names[3], names[4]]
 
 
+def test_ray_record_caught_mid_rewrite_is_read_again_and_a_torn_one_removes_nothing(tmp_path):
+    """Ray's controller rewrites its checkpoint record in place (open, write), so a worker reading it at that
+    moment saw an empty file: the final save's room check failed a whole run with a JSONDecodeError."""
+    import threading
+
+    where = storage.resolve(str(tmp_path / "runs"), create=True)
+    fs, run = where.fs, where.path("run3")
+    names = [f"checkpoint_2026-11-30_10-00-0{i}.000000" for i in range(2)]
+    for n in names:
+        storage.write_bytes(fs, f"{run}/{n}/dcp/__0_0.distcp", b"x" * 100)
+    record = f"{run}/{storage.SNAPSHOT_FILE}"
+    with open(record, "w"):
+        pass                                           # truncated, the rewrite not yet written
+    later = threading.Timer(0.3, lambda: open(record, "w").write(_snapshot([names[1]], names[1])))
+    later.start()
+    rep = storage.reported_checkpoints(fs, run)
+    later.join()
+    assert rep.latest == names[1] and rep.kept == [names[1]]
+    # a record that stays torn is an error of its own, never "no checkpoint registered"
+    with open(record, "w") as f:
+        f.write('{"checkpoint_results": [')
+    with pytest.raises(storage.TornRecordError, match="did not parse"):
+        storage.reported_checkpoints(fs, run, wait_s=0.2)
+    logged = []
+    assert storage.orphan_checkpoints(fs, run, log=logged.append) == []       # nothing deleted on a torn read
+    assert storage.checkpoint_dirs(fs, run) == names and "unreadable" in logged[0]
+
+
 def test_room_check_and_disk_full_wording(where):
     free = storage.free_bytes(where)
     if where.remote:
