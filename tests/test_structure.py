@@ -264,21 +264,83 @@ def _in_compat(module: str) -> bool:
     return module == "raytune_ft.compat" or module.startswith("raytune_ft.compat.")
 
 
-def test_run_reads_top_down_each_step_once_and_holds_nothing_before_its_checks():
-    """Issue 58 item 2: `_run` (what `run()` does inside its lifecycle) calls each step of a run once, in the
-    order a run happens: validate, every check before Ray (storage and tracking in _validate, a finished run,
-    the data and resources), then hold the folder, open tracking, start Ray, fit, summarize, register and
-    close. A check after the hold would leave a refused run holding its folder."""
-    steps = ["_validate", "finished_run_summary", "_check_before_ray", "hold_folder", "start", "start_ray", "_fit",
-             "_summarize", "_register_and_close"]
-    body = _function("raytune_ft.driver.run", "_run")
+def _calls_in_order(body: ast.FunctionDef) -> list[str]:
+    """The names a function calls (`f(...)` and `x.f(...)`), in the order they are written."""
     calls = sorted((n.lineno, n.col_offset, n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id)
                    for n in ast.walk(body) if isinstance(n, ast.Call)
                    and isinstance(n.func, (ast.Attribute, ast.Name)))
-    assert [name for _, _, name in calls if name in steps] == steps
+    return [name for _, _, name in calls]
+
+
+def _callee_modules(module: str, name: str, local_objects: dict[str, str]) -> list[str]:
+    """The package modules a function's calls go to, in the order they are written: a name imported from
+    raytune_ft (at module or function level) goes to its module, `obj.f()` to `local_objects[obj]`'s, a call of
+    a function defined in `module` itself to `module`. Calls into anything else are left out."""
+    tree = ast.parse(modules()[module].read_text())
+    body = _function(module, name)
+    where: dict[str, str] = {}
+    for node in [*tree.body, *ast.walk(body)]:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("raytune_ft"):
+            for alias in node.names:
+                target = f"{node.module}.{alias.name}"
+                where[alias.asname or alias.name] = target if target in modules() else node.module
+    own = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    out = []
+    for node in sorted((n for n in ast.walk(body) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset)):
+        f = node.func
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name):
+            target = local_objects.get(f.value.id) or where.get(f.value.id)
+        elif isinstance(f, ast.Name):
+            target = module if f.id in own else where.get(f.id)
+        else:
+            target = None
+        if target is not None:
+            out.append(target)
+    return out
+
+
+# the base layer's helpers every layer calls (the process environment, printing): used, not a stop of the path
+_UTILITIES = ("raytune_ft.env", "raytune_ft.console", "raytune_ft.channel")
+
+
+def _stretches(seq: list[str]) -> list[str]:
+    """`seq` with each run of one value kept once: a value that appears twice here was left and re-entered."""
+    return [m for i, m in enumerate(seq) if i == 0 or seq[i - 1] != m]
+
+
+def test_run_reads_top_down_each_step_once_and_holds_nothing_before_its_checks():
+    """Issue 58 item 2: `_run` (what `run()` does inside its lifecycle) calls each step of a run once, in the
+    order a run happens: every check before Ray in one call (the recipe, tracking store, storage, a finished
+    run, the data and resources), then hold the folder, open tracking, start Ray, fit, summarize, register and
+    close. A check after the hold would leave a refused run holding its folder."""
+    steps = ["check_before_ray", "hold_folder", "start", "start_ray", "_fit", "_summarize", "_register_and_close"]
+    assert [c for c in _calls_in_order(_function("raytune_ft.driver.run", "_run")) if c in steps] == steps
     run = _function("raytune_ft.driver.run", "run")
     assert [n.func.id for n in ast.walk(run) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
             and n.func.id.startswith("_")] == ["_run"]
+    checks = ["validate", "absolute_local_paths", "check_tracking_store", "check_durable_paths", "check_storage",
+              "run_storage", "finished_run_summary", "check_data_source", "check_resources"]
+    order = [c for c in _calls_in_order(_function("raytune_ft.driver.preflight", "check_before_ray")) if c in checks]
+    assert sorted(order, key=checks.index) == order and set(order) == set(checks) and len(order) == len(checks)
+
+
+def test_the_driver_path_leaves_each_module_once():
+    """Issue 58 item 2, "no module is re-entered once the path has left it", at the driver's scale: the steps
+    of `_run`, each taken to the module that does it (its own helpers: the driver itself), form one stretch per
+    module (the checks, then the lifecycle's holds, then fit and end); and the checks before Ray, past their
+    own module's helpers, go to each module once. Before, `_run` went run -> preflight -> run -> lifecycle and
+    the checks went recipe -> storage -> recipe -> storage."""
+    steps = [m for m in _callee_modules("raytune_ft.driver.run", "_run", {"life": "raytune_ft.driver.lifecycle"})
+             if m not in _UTILITIES]
+    assert steps[:2] == ["raytune_ft.driver.preflight", "raytune_ft.driver.lifecycle"], steps
+    assert len(_stretches(steps)) == len(set(steps)), f"re-entered: {_stretches(steps)}"
+    checks = [m.rsplit(".", 1)[0] if m.startswith("raytune_ft.storage") else m for m in
+              _callee_modules("raytune_ft.driver.preflight", "check_before_ray", {})
+              if m not in ("raytune_ft.driver.preflight", *_UTILITIES)]
+    assert {"raytune_ft.recipe.recipe", "raytune_ft.storage"} <= set(checks)
+    assert len(_stretches(checks)) == len(set(checks)), f"re-entered: {_stretches(checks)}"
+    # the finder sees a re-entry where there is one
+    assert len(_stretches(["a", "b", "a"])) != len({"a", "b"})
 
 
 def test_bench_has_no_import_circle():

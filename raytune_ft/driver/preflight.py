@@ -1,13 +1,15 @@
 """Checks a run makes before Ray starts (or, on a cluster it joins, before anything of the run is placed on
 it), each failing with a one-line RecipeError: what would otherwise fail minutes later as a traceback
 (an unreachable hub after its retries), or never fail at all (a job waiting for CPUs no node has, behind
-Ray's "The job may hang forever" warning).
+Ray's "The job may hang forever" warning). `check_before_ray` makes them all, in order, in one call.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
-from raytune_ft.recipe.recipe import Recipe, RecipeError
+from raytune_ft.recipe.recipe import (Recipe, RecipeError, absolute_local_paths, check_tracking_store, nodes_of,
+                                      validate)
 
 # Ray's folder of the packages it unpacks for a job (`--working-dir`): deleted with the Ray session
 _RAY_PACKAGES = "runtime_resources"
@@ -172,3 +174,39 @@ def finished_run_summary(recipe: Recipe, st, run_path: str, register: bool) -> d
     if run_id is None or summary.get("mlflow_run_id") not in (None, run_id):
         return None
     return summary
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What the checks before Ray found: the run's storage and folder; the summary a finished run left, when a
+    re-submit of it has nothing to do (None: the run goes on); the lines that say how the data is read."""
+    storage: object                 # storage.fs.Storage
+    run_path: str
+    finished: dict | None = None
+    data_notes: list[str] = field(default_factory=list)
+
+
+def check_before_ray(recipe: Recipe, *, local: bool, joins: bool, register: bool) -> Checked:
+    """Every check that can refuse the run, in the order they cost, before anything is held: the recipe with
+    every local path made absolute (once, here: Ray workers resolve nothing against their own folders), a
+    tracking store every node reaches, paths that would be lost with Ray's session, object storage, a finished run
+    (nothing further to check then), the data sources, and the resources of a Ray this job starts (a cluster
+    joined is checked when joined: RunLifecycle.start_ray)."""
+    from raytune_ft.driver.start_ahead import local_cpus
+    from raytune_ft.storage import fs as storage
+    from raytune_ft.storage.check import check_storage
+
+    validate(absolute_local_paths(recipe))
+    check_tracking_store(recipe, nodes_of(recipe.scaling), f"scaling.num_workers={recipe.scaling.num_workers} "
+                         f"with {recipe.scaling.gpus_per_node} GPUs per node")
+    check_durable_paths(recipe)
+    check_storage(recipe)       # object storage that cannot be used fails here, in words
+    st, run_path = storage.run_storage(recipe)
+    finished = finished_run_summary(recipe, st, run_path, register)
+    if finished is not None:
+        return Checked(st, run_path, finished)
+    notes = check_data_source(recipe)
+    if not joins:
+        check_resources(recipe, {"CPU": local_cpus(local) or os.cpu_count() or 1,
+                                 "GPU": local_gpus() if recipe.scaling.use_gpu else 0}, "this machine")
+    return Checked(st, run_path, None, notes)

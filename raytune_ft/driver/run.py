@@ -8,9 +8,8 @@ from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 from raytune_ft.env import process_start, public_uri, redact_exception
-from raytune_ft.recipe.recipe import Recipe, absolute_local_paths, check_tracking_store, nodes_of, validate
+from raytune_ft.recipe.recipe import Recipe
 from raytune_ft.driver.lifecycle import RunLifecycle
-from raytune_ft.driver.start_ahead import local_cpus
 
 
 # `mlflow ui`'s page of an experiment's training runs (its routes are behind a # in MLflow 3's UI)
@@ -234,36 +233,6 @@ def run(recipe: Recipe, *, local: bool = False, register: bool | None = None) ->
         return _run(recipe, life, register=register)
 
 
-def _validate(recipe: Recipe):
-    """The checks that need neither Ray nor the MLflow run: the run's storage and its folder."""
-    from raytune_ft.driver import preflight
-    from raytune_ft.storage import fs as storage
-    from raytune_ft.storage.check import check_storage
-
-    # every local path absolute here, once: Ray workers resolve nothing against their own folders
-    validate(absolute_local_paths(recipe))
-    preflight.check_durable_paths(recipe)
-    # object storage that cannot be used fails here, in words: before Ray starts or an MLflow run is opened
-    check_storage(recipe)
-    # a run over several nodes needs a tracking store they all reach: the scaling's nodes before Ray
-    # starts, then those of the cluster joined (RunLifecycle.start_ray)
-    check_tracking_store(recipe, nodes_of(recipe.scaling), f"scaling.num_workers={recipe.scaling.num_workers} "
-                         f"with {recipe.scaling.gpus_per_node} GPUs per node")
-    return storage.run_storage(recipe)
-
-
-def _check_before_ray(recipe: Recipe, *, local: bool, joins: bool) -> list[str]:
-    """The data sources (their notes returned), and the resources of a Ray this job starts (a cluster joined:
-    RunLifecycle.start_ray)."""
-    from raytune_ft.driver import preflight
-    notes = preflight.check_data_source(recipe)
-    if not joins:   # the Ray this job starts: what ensure_ray gives it
-        preflight.check_resources(recipe, {"CPU": local_cpus(local) or os.cpu_count() or 1,
-                                           "GPU": preflight.local_gpus() if recipe.scaling.use_gpu else 0},
-                                  "this machine")
-    return notes
-
-
 def _fit(recipe: Recipe, life: RunLifecycle):
     """Ray Train's result and the MLflow run's id. An error no retry can fix (storage full, ...) is said in
     plain words, not as Ray's wrapping of it; the lifecycle ends the MLflow run with it."""
@@ -333,24 +302,22 @@ def _run(recipe: Recipe, life: RunLifecycle, *, register: bool | None) -> RunSum
     from raytune_ft.driver import preflight
 
     t0 = time.time()
-    # validate, and check everything before Ray: storage, tracking store, data, resources
-    st, run_path = _validate(recipe)
     do_register = recipe.registry.enabled if register is None else register
-    finished = preflight.finished_run_summary(recipe, st, run_path, do_register)
-    if finished is not None:   # nothing to train or register: nothing is held, Ray is not started
-        known = {k: v for k, v in finished.items() if k in RunSummary.__dataclass_fields__}
+    # validate, and check everything before Ray: storage, tracking store, a finished run, data, resources
+    checked = preflight.check_before_ray(recipe, local=life.local, joins=life.joins, register=do_register)
+    if checked.finished is not None:   # nothing to train or register: nothing is held, Ray is not started
+        known = {k: v for k, v in checked.finished.items() if k in RunSummary.__dataclass_fields__}
         return RunSummary(**{**known, "seconds": time.time() - min(process_start() or t0, t0)})
-    data_notes = _check_before_ray(recipe, local=life.local, joins=life.joins)
     # hold the run folder, open the MLflow run, start Ray beside it
-    life.hold_folder(st, run_path)
+    life.hold_folder(checked.storage, checked.run_path)
     life.start(t0)
     life.start_ray()
     # fit
     result, run_id = _fit(recipe, life)
     # end: the summary from the final checkpoint
-    ending = _summarize(recipe, result, run_id, st, run_path)
+    ending = _summarize(recipe, result, run_id, checked.storage, checked.run_path)
     # register, close the MLflow run, write summary.json
-    return _register_and_close(recipe, ending, life, data_notes, register=do_register)
+    return _register_and_close(recipe, ending, life, checked.data_notes, register=do_register)
 
 
 def _register_and_close(recipe: Recipe, ending: _Ending, life: RunLifecycle, data_notes: list[str], *,
