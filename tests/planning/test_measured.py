@@ -32,9 +32,13 @@ def test_each_measured_figure_equals_its_bench_record(name):
     assert fig["kind"] in ("measured", "calibrated") and fig["date"] and fig["what"]
     if fig["kind"] == "calibrated":       # named with the runs it was fitted on, each checked as a record
         assert fig["fitted_on"]
-        for run in fig["fitted_on"]:
+        for run in fig["fitted_on"] + fig.get("checked_on", []):
             rec = _record(run)
             assert all(_at(rec, k) == v for k, v in run["values"].items()), run
+        for run in fig.get("checked_on", []):      # its setting, as the record names it
+            assert _record(run)["settings"].get("train.precision", "bf16") == run.get("precision", "bf16")
+        # a run it is checked on is one it was not fitted on
+        assert not {r["date"] for r in fig["fitted_on"]} & {r["date"] for r in fig.get("checked_on", [])}
         return
     if fig["record"] is None:             # a figure older than the records: its RESULTS.md row holds it
         row = fig["results_row"]

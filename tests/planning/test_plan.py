@@ -290,6 +290,28 @@ def test_lora_plan_within_10_percent_over_the_measured_h100_peaks(layers, seq, p
     assert "cause not identified" in plan.render()
 
 
+def test_lora_plan_over_a_peak_it_was_not_fitted_on():
+    """Issue 58 item 5: the LoRA allowance (12%) was chosen on the two peaks above; this measurement was not
+    used: the same job with float8 matmuls over the frozen base (10 layers, 32,768 tokens, one H100, the
+    record in raytune_ft/planning/data/measured.json). The plan is an upper estimate of it, and the record's
+    plan is today's. It is 10.5% over, past the 10% the fitted peaks hold: the peak equals the bf16 run's, so the
+    plan's float8 casts line (2.29 GiB) was not resident at the peak; without it the plan is 3.9% over."""
+    from raytune_ft.models.tiny import real_config
+    from raytune_ft.planning.measured import figure
+
+    (held,) = figure("lora_allowance")["checked_on"]
+    peak = held["values"]["figures.peak_gib"]
+    recipe = apply_overrides(job("qwen27b_lora").recipe(), [f"data.seq_len={held['seq']}", "scaling.num_workers=1",
+                                                          "scaling.gpus_per_node=1", f"train.precision={held['precision']}",
+                                                          "train.activation_checkpointing=full"])   # as measured
+    plan = memory_plan(recipe, gpu="H100", shape=ModelShape.from_config(
+        real_config("qwen3.8-27b", num_hidden_layers=held["layers"])))
+    total = plan.total_bytes / GiB
+    assert total == pytest.approx(held["values"]["figures.plan_total_gib"], abs=0.001)   # the plan it ran beside
+    assert total >= peak
+    assert (total - plan.component("float8 casts") / GiB) == pytest.approx(peak, rel=0.10)
+
+
 def test_a_lora_linear_backward_holds_two_more_input_gradients_than_a_frozen_one():
     """What the "lora backward" line counts, measured (live tensor bytes, torch's MemTracker): the backward of a
     LoraLinear in bf16 (as under FSDP2's param_dtype) peaks 2 x tokens x in_features x 2 B over the same frozen
