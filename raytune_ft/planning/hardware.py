@@ -39,6 +39,7 @@ class GpuSpec:
     peak_bf16_tflops: float          # datasheet, dense (no 2:4 sparsity)
     peak_source: str
     measured_matmul_tflops: float | None = None   # a bf16 torch matmul timed on one, where one was
+    nvlink_gb_s: float | None = None  # NVLink per GPU and direction: the datasheet's both-directions figure / 2
 
 
 # Datasheet peaks are NVIDIA's dense bf16 Tensor Core figures; sheets that print the sparse figure are
@@ -46,16 +47,20 @@ class GpuSpec:
 GPUS: dict[str, GpuSpec] = {
     "B300": GpuSpec("B300", 288e9, "NVIDIA HGX B300 datasheet: 288 GB HBM3e",
                     2250.0, "NVIDIA HGX B300 datasheet: FP16/BF16 Tensor Core 36 PFLOPS for 8 GPUs with "
-                            "sparsity -> 2.25 PFLOPS dense per GPU (as B200; Blackwell Ultra raised FP4 only)"),
+                            "sparsity -> 2.25 PFLOPS dense per GPU (as B200; Blackwell Ultra raised FP4 only)",
+                    nvlink_gb_s=900.0),             # fifth-generation NVLink, 1.8 TB/s per GPU
     "B200": GpuSpec("B200", 180e9, "NVIDIA DGX B200: 180 GB usable HBM3e",
-                    2250.0, "NVIDIA HGX B200 datasheet: FP16/BF16 36 PFLOPS for 8 GPUs with sparsity"),
+                    2250.0, "NVIDIA HGX B200 datasheet: FP16/BF16 36 PFLOPS for 8 GPUs with sparsity",
+                    nvlink_gb_s=900.0),             # fifth-generation NVLink, 1.8 TB/s per GPU
     "H200": GpuSpec("H200", 139 * GiB, "torch on an H200 SXM: 139 GiB usable (141 GB marketed)",
                     989.0, "NVIDIA H200 SXM datasheet: BF16 Tensor Core 1,979 TFLOPS with sparsity",
-                    measured_matmul_tflops=790.0),
+                    measured_matmul_tflops=790.0, nvlink_gb_s=450.0),     # NVLink 4, 900 GB/s per GPU
     "H100": GpuSpec("H100", 79.1 * GiB, "H100 SXM 80 GB: 79.1 GiB as torch reports",
-                    989.0, "NVIDIA H100 SXM datasheet: BF16 Tensor Core 1,979 TFLOPS with sparsity"),
+                    989.0, "NVIDIA H100 SXM datasheet: BF16 Tensor Core 1,979 TFLOPS with sparsity",
+                    nvlink_gb_s=450.0),             # NVLink 4, 900 GB/s per GPU
     "A100": GpuSpec("A100", 79.1 * GiB, "A100 80 GB: 79.1 GiB as torch reports",
-                    312.0, "NVIDIA A100 datasheet: BF16 Tensor Core 312 TFLOPS dense"),
+                    312.0, "NVIDIA A100 datasheet: BF16 Tensor Core 312 TFLOPS dense",
+                    nvlink_gb_s=300.0),             # NVLink 3, 600 GB/s per GPU
 }
 
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from raytune_ft.planning.hardware import GPUS, GiB, GpuSpec, gpu_spec
 from raytune_ft.planning.checkpointing import choose
+from raytune_ft.planning.cp_comms import CpExchange, cp_exchange
 from raytune_ft.planning.memory import MemoryLine, fmt_bytes, fmt_count, memory_lines, tokens_per_micro_batch
 from raytune_ft.planning.shapes import ModelShape, model_shape
 from raytune_ft.recipe.checkpointing import FULL, NONE, Checkpointing, parse_checkpointing
@@ -122,6 +123,7 @@ class Plan:
     sample_how: str = ""
     checkpointing: str = ""              # the activation checkpointing planned (`auto` resolved)
     checkpointing_why: str = ""
+    cp_exchange: CpExchange | None = None   # context parallelism's traffic per step and rank (cp_comms.py)
 
     @property
     def eval_seconds(self) -> float | None:
@@ -210,6 +212,8 @@ class Plan:
         elif self.tokens_per_s_per_gpu:
             per_m = 1e6 / (self.tokens_per_s_per_gpu * self.n_workers)
             out.append(f"  time         {_fmt_duration(per_m)} per million tokens on {gpus}")
+        if self.cp_exchange is not None:
+            out += self.cp_exchange.lines()
         return "\n".join(out)
 
 
@@ -267,6 +271,11 @@ def memory_plan(recipe: Recipe, *, gpu: str | None = None, tokens_per_s_per_gpu:
                 shard=workers if t.loop == "fsdp2" else 1, lines=lines, margin=margin, trainable_params=trainable,
                 notes=notes, checkpointing=choice.label, checkpointing_why=why)
     _plan_time(plan, recipe, tokens_per_s_per_gpu, mfu)
+    if recipe.scaling.context_parallel > 1:
+        plan.cp_exchange = cp_exchange(
+            shape, cp=recipe.scaling.context_parallel, tokens=tokens_per_micro_batch(recipe),
+            grad_accum=t.grad_accum, compute_b=2 if (g is not None and recipe.model.dtype == "bfloat16") else 4,
+            choice=choice, gpu=g, tokens_per_s=plan.tokens_per_s_per_gpu)
     return plan
 
 

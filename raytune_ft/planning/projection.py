@@ -8,10 +8,13 @@ named beside it) or "stated" (a datasheet or the recipe). The arithmetic:
                      same MFU on the faster chip; scaled by tokens when the recipe's block differs.
   communication      FSDP2 per step and rank: the decoder layers' all-gather twice (forward, and again for the
                      backward, which recomputes under activation checkpointing) in the compute dtype, the
-                     root unit's once (it stays gathered), and the reduce-scatter of every gradient in fp32;
-                     a ring moves (N-1)/N of each, over the stated NVLink bandwidth. FSDP2 prefetches the next
-                     layer's all-gather and overlaps the reduce-scatters with the backward, so a step costs
-                     max(compute, communication) while communication is the smaller.
+                     root unit's once (it stays gathered), for every micro-batch of the step (grad_accum, and
+                     under context parallelism the C blocks a group trains), and the reduce-scatter of every
+                     gradient in fp32 once (the last micro-batch's); a ring moves (N-1)/N of each, over the
+                     GPU's stated NVLink bandwidth. FSDP2 prefetches the next layer's all-gather and overlaps the
+                     reduce-scatters with the backward, so a step costs max(compute, communication) while
+                     communication is the smaller.
+  context parallel   the exchange of cp_comms.py, on the critical path: added to the step.
   data path          tokens/s the 8 ranks consume against the measured render + mask + pack rate of one core.
   checkpoints        each rank's DCP shard (weights and AdamW's two moments in the master dtype); the loop is
                      held for the staging copy into pinned host memory, the write runs in the background;
@@ -23,14 +26,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raytune_ft.planning.cp_comms import COLLECTIVE_LATENCY_S
 from raytune_ft.planning.hardware import GiB, gpu_spec
 from raytune_ft.planning.measured import figure, measured_64
 
 # the measured inputs, each with its bench record (planning/data/measured.json; tests/planning/test_measured.py)
 MEASURED_64: dict | None = measured_64()
 DATA_TOK_S_PER_CORE = float(figure("data_tok_s_per_core")["values"]["tok_s"])
-# NVIDIA HGX B300: fifth-generation NVLink, 1.8 TB/s per GPU in both directions together
-NVLINK_GB_S = 900.0
 # the seed's own figure for one pass of the recipe on 8xB300
 SEED_PASS_HOURS = 2.5
 
@@ -93,21 +95,35 @@ def project(recipe, plan, measured: dict | None = None, gpu: str = "B300") -> Pr
     ratio = add("peak ratio", target.peak_bf16_tflops / source_gpu.peak_bf16_tflops, "x", "stated",
                 f"{target.name} {target.peak_bf16_tflops:,.0f} / {source_gpu.name} {source_gpu.peak_bf16_tflops:,.0f} "
                 "TFLOP/s dense bf16 (datasheets)")
+    cp = recipe.scaling.context_parallel
+    # under context parallelism a group trains its C members' blocks each step, a rank 1/C of each: the same
+    # tokens per rank and step as without it
+    split = (f"; {cp} blocks a step over the {cp} CP ranks, 1/{cp} of each a rank, attention's quadratic part "
+             "scaled as the rest" if cp > 1 else "")
     compute = add("compute per step", measured_s / ratio * seq / m["seq"], "s", "derived",
                   f"measured step / peak ratio x {seq:,} / {m['seq']:,} tokens (the same MFU on {target.name}; "
-                  f"{recipe.train.master_weights} master weights change only the optimizer step's memory traffic)")
+                  f"{recipe.train.master_weights} master weights change only the optimizer step's memory traffic"
+                  f"{split})")
     compute_b = 2 if recipe.model.dtype == "bfloat16" else 4
     layers_p = shape.total_params - shape.root_params
     ag = 2 * layers_p * compute_b + shape.root_params * compute_b
     rs = shape.total_params * 4
     ring = (n - 1) / n
-    nvlink = add("NVLink", NVLINK_GB_S, "GB/s", "stated", f"{target.name} per GPU and direction (NVLink 5)")
-    comm = add("communication", (ag + rs) * ring / (nvlink * 1e9), "s", "derived",
-               f"all-gather {ag / 1e9:,.0f} GB ({compute_b} B: layers twice, root once) + reduce-scatter "
-               f"{rs / 1e9:,.0f} GB (fp32) per step, x (N-1)/N = {ring:.3f}, over NVLink")
+    nvlink = add("NVLink", target.nvlink_gb_s, "GB/s", "stated", f"{target.name} per GPU and direction (datasheet)")
+    mb = cp * recipe.train.grad_accum   # micro-batches a step: each gathers the layers again
+    comm = add("communication", (ag * mb + rs) * ring / (nvlink * 1e9), "s", "derived",
+               f"all-gather {ag / 1e9:,.0f} GB ({compute_b} B: layers twice, root once)"
+               + (f" x {mb} micro-batches" if mb > 1 else "") + f" + reduce-scatter {rs / 1e9:,.0f} GB (fp32, once: "
+               f"the last micro-batch's) per step, x (N-1)/N = {ring:.3f}, over NVLink")
     step = max(compute, comm)
     add("step", step, "s", "derived", "hidden under compute" if comm < compute else
         "communication-bound: communication exceeds compute")
+    if cp > 1 and plan.cp_exchange is not None:     # on the critical path: added, not hidden (cp_comms.py)
+        x = plan.cp_exchange
+        cp_s = x.bytes / (nvlink * 1e9) + x.collectives * COLLECTIVE_LATENCY_S
+        step = add("step with CP", step + cp_s, "s", "derived",
+                   f"+ the CP exchange: {x.bytes / 1e9:,.1f} GB per rank over NVLink and {x.collectives:,} "
+                   f"collectives at {COLLECTIVE_LATENCY_S * 1e6:.0f} us (assumed), {cp_s:,.2f} s, not overlapped")
     tok_s = seq * n / step
     need_cores = add("data path", tok_s / DATA_TOK_S_PER_CORE, "cores", "measured",
                      f"{tok_s:,.0f} tok/s for {n} ranks / {DATA_TOK_S_PER_CORE:,.0f} tok/s render + mask + pack per "

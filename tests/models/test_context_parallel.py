@@ -12,6 +12,7 @@ padding at the end. The whole block is one conversation of 256 tokens.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -178,6 +179,31 @@ def _perturbed(block: dict) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def _counting_exchanges():
+    """What the model's exchanges move on this rank: each all-gather's whole gathered tensor (bytes) and the
+    number of gathers and of their backwards (each a collective over the same gathered size)."""
+    from raytune_ft.models.context_parallel import exchange
+
+    traffic = {"gathers": 0, "gathered_bytes": 0, "backwards": 0}
+    gather, backward = exchange._ALL_GATHER, exchange._GatherRanks.backward
+
+    def counted_gather(out, x, group=None):
+        traffic["gathers"] += 1
+        traffic["gathered_bytes"] += out.numel() * out.element_size()
+        return gather(out, x, group=group)
+
+    def counted_backward(ctx, grad):
+        traffic["backwards"] += 1
+        return backward(ctx, grad)
+
+    exchange._ALL_GATHER, exchange._GatherRanks.backward = counted_gather, staticmethod(counted_backward)
+    try:
+        yield traffic
+    finally:
+        exchange._ALL_GATHER, exchange._GatherRanks.backward = gather, staticmethod(backward)
+
+
 def _rank_main(rank, world, port, q):
     import torch.distributed as dist
 
@@ -190,7 +216,9 @@ def _rank_main(rank, world, port, q):
         out = {}
         for name, block in BLOCKS.items():
             out["cp2", name] = _cp_run(model, block, 2, rank % 2, pairs[rank // 2])
-            out["cp4", name] = _cp_run(model, block, 4, rank, dist.group.WORLD)
+            with _counting_exchanges() as traffic:
+                out["cp4", name] = _cp_run(model, block, 4, rank, dist.group.WORLD)
+            out["traffic", name] = traffic
         shard = cp.make_shard(BLOCKS["mixed"]["cu_seqlens"], T, 4, rank, dist.group.WORLD)
         out["index"] = shard.index.numpy()
         out["hidden"] = _hidden(model, BLOCKS["mixed"], shard)
@@ -239,3 +267,25 @@ def test_no_state_conv_input_or_key_crosses_a_conversation_boundary(four_ranks):
     assert diff[inside].min() > 1e-3                       # the change is there
     leaked = np.flatnonzero(~inside & (diff > 1e-6))
     assert leaked.size == 0, f"tokens {leaked.tolist()} changed with conversations they are not part of"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("name", ["mixed", "whole"])
+def test_the_plans_cp_traffic_is_what_the_exchanges_move(four_ranks, name):
+    """Issue 59: the communication `raytune-ft plan` states under CP (planning/cp_comms.py) against what the
+    model's exchanges moved on each rank of CP 4 (one micro-batch, no recompute, fp32): the same number of
+    collectives, and each one's whole gathered tensor x (C-1)/C through the rank's link."""
+    from raytune_ft.models.tiny import tiny_config
+    from raytune_ft.planning.cp_comms import cp_exchange
+    from raytune_ft.planning.shapes import ModelShape
+    from raytune_ft.recipe.checkpointing import NONE
+
+    est = cp_exchange(ModelShape.from_config(tiny_config("qwen3_5", 256)), cp=4, tokens=T, grad_accum=1,
+                      compute_b=4, choice=NONE, gpu=None, tokens_per_s=None)
+    per_micro_batch = 4                                   # the estimate is a step's: the group's 4 blocks
+    for r in range(4):
+        moved = four_ranks[r]["traffic", name]
+        assert moved["gathers"] == moved["backwards"] > 0
+        assert est.collectives / per_micro_batch == moved["gathers"] + moved["backwards"]
+        assert est.bytes / per_micro_batch == pytest.approx(2 * moved["gathered_bytes"] * 3 / 4, rel=1e-9)
