@@ -11,6 +11,11 @@ own candidates (CPU stand-ins, patched backends).
 Paths: "attention" (flash_attn, torch_varlen; else sdpa_blockdiag), "gdn_conv" (causal_conv1d; else the
 project's torch conv), "gdn_recurrence" (fla_chunk; else transformers' torch delta rule per
 conversation), "fused_ce" (Liger's fused linear cross-entropy where the TRL loop uses it; else torch).
+Under context parallelism the same kernels are also called the way models/context_parallel calls them
+("cp_attention", "cp_gdn_conv", "cp_gdn_recurrence", `cp_paths`): on a group of one, whose block still
+splits into two chunks, so the recurrence starts a chunk from a carried state, the conv reads the chunk
+before it, and attention runs with more keys than queries; a CP candidate carries its kernel's name, so a
+failure switches that kernel off for both forms.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ TOLERANCE: dict[str, dict[torch.dtype, float]] = {
     "gdn_recurrence": {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4},
     "fused_ce": {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4},
 }
+TOLERANCE.update({f"cp_{name}": TOLERANCE[name] for name in ("attention", "gdn_conv", "gdn_recurrence")})
 
 @dataclasses.dataclass
 class Kernel:
@@ -249,6 +255,57 @@ def _liger_kernels() -> list[Kernel]:
     return [Kernel("liger", fn, ("liger_kernel", "triton", "torch"))]
 
 
+# -- the context-parallel forms (models/context_parallel) on a group of one
+
+def _one_rank_shard(cu: torch.Tensor, total: int):
+    from raytune_ft.models.context_parallel import make_shard
+
+    return make_shard(cu.cpu(), total, 1, 0)
+
+
+def _cp_attention(x, cu, max_len, *, backend):
+    from raytune_ft.models.context_parallel.full_attention import cp_attention
+
+    return cp_attention(x["q"], x["k"], x["v"], _one_rank_shard(cu, x["q"].shape[0]),
+                        scaling=x["q"].shape[-1] ** -0.5, backend=backend)
+
+
+def _cp_conv(x, cu, max_len, *, backend):
+    from raytune_ft.models.context_parallel.linear_attention import cp_causal_conv1d
+
+    return cp_causal_conv1d(x["x"], x["w"], None, _one_rank_shard(cu, x["x"].shape[2]), activation="silu",
+                            backend=backend)
+
+
+def _cp_recurrence(x, cu, max_len, *, backend):
+    from raytune_ft.models.context_parallel.linear_attention import cp_gated_delta_rule
+    from raytune_ft.models.gated_delta import DeltaRuleInputs
+
+    return cp_gated_delta_rule(DeltaRuleInputs(x["q"], x["k"], x["v"], x["g"], x["beta"]),
+                               _one_rank_shard(cu, x["q"].shape[1]), backend=backend)
+
+
+def cp_paths(cfg, kernels: list[Kernel]) -> list[FastPath]:
+    """The context-parallel forms of the model's paths, each with the CP call of every kernel in `kernels`
+    that serves the packed path of the same kind (the installed ones, or a test's by name)."""
+    def forms(path: FastPath, form, fallback: str) -> FastPath:
+        cands = [Kernel(k.name, functools.partial(form, backend=k.name), k.packages) for k in kernels
+                 if k.name in _SERVES[path.name]]
+        return FastPath(f"cp_{path.name}", f"{path.title}, context-parallel", path.make_case, path.reference,
+                        cands, fallback)
+
+    out = [forms(attention_path(cfg, []), _cp_attention, "sdpa_pieces")]
+    if has_gated_delta_net(cfg):
+        out += [forms(conv_path(cfg, []), _cp_conv, "torch_segmented"),
+                forms(recurrence_path(cfg, []), _cp_recurrence, "torch_per_segment")]
+    return out
+
+
+# the kernels each packed path can use, by name: a CP form calls the same kernel through its own code
+_SERVES = {"attention": ("flash_attn", "torch_varlen", "sdpa_blockdiag"), "gdn_conv": ("causal_conv1d", "torch_segmented"),
+           "gdn_recurrence": ("fla_chunk", "torch_per_segment")}
+
+
 def has_gated_delta_net(cfg) -> bool:
     return "linear_attention" in (getattr(_text_config(cfg), "layer_types", None) or [])
 
@@ -256,12 +313,16 @@ def has_gated_delta_net(cfg) -> bool:
 HALF = (torch.bfloat16, torch.float16)
 
 
-def default_paths(cfg, *, liger: bool = False, dtype: torch.dtype = torch.bfloat16) -> list[FastPath]:
+def default_paths(cfg, *, liger: bool = False, dtype: torch.dtype = torch.bfloat16,
+                  context_parallel: bool = False) -> list[FastPath]:
     """The fast paths a loop training a model of `cfg` in `dtype` uses on this GPU, with the installed
-    candidates (the varlen attention kernels take half precision only: fp32 goes to SDPA)."""
+    candidates (the varlen attention kernels take half precision only: fp32 goes to SDPA); under
+    context parallelism also their CP forms (`cp_paths`)."""
     paths = [attention_path(cfg, _attention_kernels() if dtype in HALF else [])]
     if has_gated_delta_net(cfg):
         paths += [conv_path(cfg, _conv_kernels()), recurrence_path(cfg, _recurrence_kernels())]
+    if context_parallel:
+        paths += cp_paths(cfg, [k for p in paths for k in p.candidates])
     if liger:
         paths.append(fused_ce_path(cfg, _liger_kernels()))
     return paths

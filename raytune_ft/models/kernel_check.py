@@ -24,6 +24,7 @@ of preference, fallback); tests hand in their own candidates (stand-ins on CPU, 
 GPU). On CPU there is nothing to check: the reference paths are the only ones there.
 
     python -m raytune_ft.models.kernel_check --model qwen3.8-27b        # check this GPU, print the report
+    python -m raytune_ft.models.kernel_check --context-parallel         # and the kernels as CP calls them
 """
 from __future__ import annotations
 
@@ -93,6 +94,7 @@ class KernelUse:
     device: torch.device | str
     dtype: torch.dtype = torch.bfloat16
     liger: bool = False
+    context_parallel: bool = False    # scaling.context_parallel > 1: the CP forms are checked too
 
 
 # ----------------------------------------------------------------- checking one kernel
@@ -291,7 +293,7 @@ def check_kernels(use: KernelUse, *, mode: str = "check", paths: list[FastPath] 
         _finish(report, rank, say, tag)
         return report
     if paths is None:
-        paths = default_paths(cfg, liger=liger, dtype=dtype)
+        paths = default_paths(cfg, liger=liger, dtype=dtype, context_parallel=use.context_parallel)
 
     results: list[tuple[FastPath, Kernel, KernelFailure | None]] = []
     errors = {}
@@ -305,6 +307,8 @@ def check_kernels(use: KernelUse, *, mode: str = "check", paths: list[FastPath] 
 
     first_failed = _agree([f is not None for _, _, f in results], device)
     world = _world()
+    # a kernel that failed in any path (or one of its call forms) is off in every path
+    off = {kernel.name for (_, kernel, failure), who in zip(results, first_failed) if who < world or failure}
     in_use, failures = {}, []
     for path in paths:
         chosen = None
@@ -317,7 +321,7 @@ def check_kernels(use: KernelUse, *, mode: str = "check", paths: list[FastPath] 
                                             f"see rank {who}'s log", package_versions(kernel.packages))
                 failure.rank = who if who < world else rank
                 failures.append((path, failure))
-            elif chosen is None:
+            elif chosen is None and kernel.name not in off:
                 chosen = kernel.name
         in_use[path.name] = chosen or path.fallback
     for path, failure in failures:
@@ -338,7 +342,7 @@ def check_kernels(use: KernelUse, *, mode: str = "check", paths: list[FastPath] 
     return report
 
 
-def check_on_worker(cfg, device, *, mode: str, dtype: torch.dtype, log, liger: bool = False) -> KernelReport:
+def check_on_worker(use: KernelUse, *, mode: str, log) -> KernelReport:
     """check_kernels as a training loop calls it on each Ray Train worker: `log` is the loop's WorkerLog
     (rank 0 writes through it and tags its MLflow run; another rank prints the failures it saw itself)."""
     rank = getattr(log, "rank", 0)
@@ -350,7 +354,7 @@ def check_on_worker(cfg, device, *, mode: str, dtype: torch.dtype, log, liger: b
             print(f"[raytune_ft] rank {rank}: {text}", flush=True)
 
     tag = log.set_tag if getattr(log, "tracks", False) else None
-    return check_kernels(KernelUse(cfg, device, dtype, liger), mode=mode, log_line=line, tag=tag)
+    return check_kernels(use, mode=mode, log_line=line, tag=tag)
 
 
 def _finish(report: KernelReport, rank: int, say, tag) -> None:
@@ -386,6 +390,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m raytune_ft.models.kernel_check", description=main.__doc__)
     p.add_argument("--model", default="qwen3.8-27b", choices=REAL_MODELS)
     p.add_argument("--liger", action="store_true", help="also check Liger's fused linear cross-entropy")
+    p.add_argument("--context-parallel", action="store_true",
+                   help="also check the kernels as context parallelism calls them")
     p.add_argument("--strict", action="store_true")
     p.add_argument("--repeat", type=int, default=2, help="runs (the first pays the kernels' JIT compile)")
     args = p.parse_args(argv)
@@ -398,8 +404,8 @@ def main(argv=None) -> int:
         from raytune_ft.models.attention import reset_disabled_kernels
 
         reset_disabled_kernels()
-        r = check_kernels(KernelUse(cfg, dev, liger=args.liger), mode="strict" if args.strict else "check",
-                          log_line=print)
+        r = check_kernels(KernelUse(cfg, dev, liger=args.liger, context_parallel=args.context_parallel),
+                          mode="strict" if args.strict else "check", log_line=print)
         print("RESULT " + json.dumps({"kernel_check": args.model, "run": i + 1, "seconds": round(r.seconds, 2),
                                       "in_use": r.in_use, "off": [dataclasses.asdict(f) for f in r.failures],
                                       "worst_rel_error": {k: float(f"{v:.3g}") for k, v in r.errors.items()},

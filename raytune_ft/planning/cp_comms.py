@@ -30,6 +30,16 @@ COLLECTIVE_LATENCY_S = 30e-6      # assumed per collective (see the module docst
 
 
 @dataclass(frozen=True)
+class CpStep:
+    """A rank's step under context parallelism: the group's size, a micro-batch's tokens before the split, the
+    micro-batches each rank draws a step, and the compute dtype's bytes."""
+    cp: int
+    tokens: int
+    grad_accum: int = 1
+    compute_b: int = 2
+
+
+@dataclass(frozen=True)
 class CpExchange:
     """Context parallelism's traffic of one optimizer step on one rank, and its time where the GPU is known."""
     attention_bytes: float          # through the rank's link, K/V gathers and their gradients
@@ -70,12 +80,13 @@ class CpExchange:
         return out
 
 
-def cp_exchange(shape: ModelShape, *, cp: int, tokens: int, grad_accum: int, compute_b: int,
-                choice: Checkpointing, gpu: GpuSpec | None, tokens_per_s: float | None) -> CpExchange:
-    """The traffic of one step of a rank in a CP group of `cp` ranks: `cp` x `grad_accum` micro-batches of
-    `tokens` tokens (before the split), each layer part recomputed as `choice` says (module docstring);
+def cp_exchange(shape: ModelShape, step: CpStep, choice: Checkpointing, gpu: GpuSpec | None = None,
+                tokens_per_s: float | None = None) -> CpExchange:
+    """The traffic of one step of a rank in a CP group of `step.cp` ranks: cp x grad_accum micro-batches of
+    `step.tokens` tokens (before the split), each layer part recomputed as `choice` says (module docstring);
     `tokens_per_s`: the rank's training rate, for the step's compute (each rank computes 1/cp of cp x
-    grad_accum micro-batches: `tokens` x `grad_accum` tokens a step)."""
+    grad_accum micro-batches: tokens x grad_accum tokens a step)."""
+    cp, tokens, grad_accum, compute_b = step.cp, step.tokens, step.grad_accum, step.compute_b
     micro_batches = cp * grad_accum
     ring = (cp - 1) / cp
     kinds = list(shape.layer_types)

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from raytune_ft.planning.hardware import GPUS, GiB, GpuSpec, gpu_spec
 from raytune_ft.planning.checkpointing import choose
-from raytune_ft.planning.cp_comms import CpExchange, cp_exchange
+from raytune_ft.planning.cp_comms import CpExchange, CpStep, cp_exchange
 from raytune_ft.planning.memory import MemoryLine, fmt_bytes, fmt_count, memory_lines, tokens_per_micro_batch
 from raytune_ft.planning.shapes import ModelShape, model_shape
 from raytune_ft.recipe.checkpointing import FULL, NONE, Checkpointing, parse_checkpointing
@@ -272,10 +272,9 @@ def memory_plan(recipe: Recipe, *, gpu: str | None = None, tokens_per_s_per_gpu:
                 notes=notes, checkpointing=choice.label, checkpointing_why=why)
     _plan_time(plan, recipe, tokens_per_s_per_gpu, mfu)
     if recipe.scaling.context_parallel > 1:
-        plan.cp_exchange = cp_exchange(
-            shape, cp=recipe.scaling.context_parallel, tokens=tokens_per_micro_batch(recipe),
-            grad_accum=t.grad_accum, compute_b=2 if (g is not None and recipe.model.dtype == "bfloat16") else 4,
-            choice=choice, gpu=g, tokens_per_s=plan.tokens_per_s_per_gpu)
+        step = CpStep(recipe.scaling.context_parallel, tokens_per_micro_batch(recipe), t.grad_accum,
+                      2 if (g is not None and recipe.model.dtype == "bfloat16") else 4)
+        plan.cp_exchange = cp_exchange(shape, step, choice, g, plan.tokens_per_s_per_gpu)
     return plan
 
 

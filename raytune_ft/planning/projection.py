@@ -104,26 +104,7 @@ def project(recipe, plan, measured: dict | None = None, gpu: str = "B300") -> Pr
                   f"measured step / peak ratio x {seq:,} / {m['seq']:,} tokens (the same MFU on {target.name}; "
                   f"{recipe.train.master_weights} master weights change only the optimizer step's memory traffic"
                   f"{split})")
-    compute_b = 2 if recipe.model.dtype == "bfloat16" else 4
-    layers_p = shape.total_params - shape.root_params
-    ag = 2 * layers_p * compute_b + shape.root_params * compute_b
-    rs = shape.total_params * 4
-    ring = (n - 1) / n
-    nvlink = add("NVLink", target.nvlink_gb_s, "GB/s", "stated", f"{target.name} per GPU and direction (datasheet)")
-    mb = cp * recipe.train.grad_accum   # micro-batches a step: each gathers the layers again
-    comm = add("communication", (ag * mb + rs) * ring / (nvlink * 1e9), "s", "derived",
-               f"all-gather {ag / 1e9:,.0f} GB ({compute_b} B: layers twice, root once)"
-               + (f" x {mb} micro-batches" if mb > 1 else "") + f" + reduce-scatter {rs / 1e9:,.0f} GB (fp32, once: "
-               f"the last micro-batch's) per step, x (N-1)/N = {ring:.3f}, over NVLink")
-    step = max(compute, comm)
-    add("step", step, "s", "derived", "hidden under compute" if comm < compute else
-        "communication-bound: communication exceeds compute")
-    if cp > 1 and plan.cp_exchange is not None:     # on the critical path: added, not hidden (cp_comms.py)
-        x = plan.cp_exchange
-        cp_s = x.bytes / (nvlink * 1e9) + x.collectives * COLLECTIVE_LATENCY_S
-        step = add("step with CP", step + cp_s, "s", "derived",
-                   f"+ the CP exchange: {x.bytes / 1e9:,.1f} GB per rank over NVLink and {x.collectives:,} "
-                   f"collectives at {COLLECTIVE_LATENCY_S * 1e6:.0f} us (assumed), {cp_s:,.2f} s, not overlapped")
+    step = _step(recipe, plan, target, compute, add)
     tok_s = seq * n / step
     need_cores = add("data path", tok_s / DATA_TOK_S_PER_CORE, "cores", "measured",
                      f"{tok_s:,.0f} tok/s for {n} ranks / {DATA_TOK_S_PER_CORE:,.0f} tok/s render + mask + pack per "
@@ -159,6 +140,33 @@ def project(recipe, plan, measured: dict | None = None, gpu: str = "B300") -> Pr
                f"{'faster' if total < SEED_PASS_HOURS * 3600 else 'slower'} by "
                f"{abs(SEED_PASS_HOURS * 3600 - total) / 3600:.2f} h; the data path needs {need_cores:.2f} cores")
     return Projection(items, total, verdict)
+
+
+def _step(recipe, plan, target, compute: float, add) -> float:
+    """The step's seconds: compute, or FSDP2's traffic where that is the larger (overlapped), plus context
+    parallelism's exchange (not overlapped); each term added as a line through `add`."""
+    shape, n, cp = plan.shape, recipe.scaling.num_workers, recipe.scaling.context_parallel
+    compute_b = 2 if recipe.model.dtype == "bfloat16" else 4
+    layers_p = shape.total_params - shape.root_params
+    ag = 2 * layers_p * compute_b + shape.root_params * compute_b
+    rs = shape.total_params * 4
+    ring = (n - 1) / n
+    nvlink = add("NVLink", target.nvlink_gb_s, "GB/s", "stated", f"{target.name} per GPU and direction (datasheet)")
+    mb = cp * recipe.train.grad_accum   # micro-batches a step: each gathers the layers again
+    comm = add("communication", (ag * mb + rs) * ring / (nvlink * 1e9), "s", "derived",
+               f"all-gather {ag / 1e9:,.0f} GB ({compute_b} B: layers twice, root once)"
+               + (f" x {mb} micro-batches" if mb > 1 else "") + f" + reduce-scatter {rs / 1e9:,.0f} GB (fp32, once: "
+               f"the last micro-batch's) per step, x (N-1)/N = {ring:.3f}, over NVLink")
+    step = max(compute, comm)
+    add("step", step, "s", "derived", "hidden under compute" if comm < compute else
+        "communication-bound: communication exceeds compute")
+    if cp > 1 and plan.cp_exchange is not None:     # on the critical path: added, not hidden (cp_comms.py)
+        x = plan.cp_exchange
+        cp_s = x.bytes / (nvlink * 1e9) + x.collectives * COLLECTIVE_LATENCY_S
+        step = add("step with CP", step + cp_s, "s", "derived",
+                   f"+ the CP exchange: {x.bytes / 1e9:,.1f} GB per rank over NVLink and {x.collectives:,} "
+                   f"collectives at {COLLECTIVE_LATENCY_S * 1e6:.0f} us (assumed), {cp_s:,.2f} s, not overlapped")
+    return step
 
 
 def memory_margin_line(plan) -> str | None:

@@ -58,7 +58,7 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
     with transformers_without_torchao(recipe.train.precision):
         from raytune_ft.models.attention import select_attention_backend
         from raytune_ft.models.build import load_causal_lm, materialize_model
-        from raytune_ft.models.kernel_check import check_on_worker
+        from raytune_ft.models.kernel_check import KernelUse, check_on_worker
 
     on_gpu = device.type == "cuda"
     compute_dtype = torch.bfloat16 if (on_gpu and recipe.model.dtype == "bfloat16") else torch.float32
@@ -72,7 +72,8 @@ def build_fsdp_model(recipe: Recipe, device: torch.device, log: WorkerLog):
     log.startup.mark("model_build.skeleton")
     # every fast kernel proves itself on this GPU before the first step; a failing one is switched off
     checking = time.time()
-    check_on_worker(lm.config, device, mode=recipe.train.kernels, dtype=compute_dtype, log=log)
+    check_on_worker(KernelUse(lm.config, device, compute_dtype, context_parallel=recipe.scaling.context_parallel > 1),
+                    mode=recipe.train.kernels, log=log)
     log.startup.mark("kernel_check", since=checking)
     backend = select_attention_backend(device)
     log.info(f"attention backend: {backend}; params {param_dtype}, compute {compute_dtype}, reduce fp32")

@@ -52,6 +52,31 @@ def test_check_at_real_shape(cuda, model, liger):
     assert runs[0][0].seconds < COLD_S and report.seconds < WARM_S, [r.seconds for r, _ in runs]
 
 
+def test_check_of_the_context_parallel_forms_at_real_shape(cuda):
+    """Issue 59 item 5: with context parallelism the check also runs each installed kernel the way
+    models/context_parallel calls it (a carried state into flash-linear-attention's chunked rule, a conv
+    reading the chunk before it, varlen attention with more keys than queries), at the 27B's real widths."""
+    from raytune_ft.models import fast_paths as fp
+    from raytune_ft.models import kernel_check as kc
+    from raytune_ft.models.attention import reset_disabled_kernels
+    from raytune_ft.models.tiny import real_config
+
+    reset_disabled_kernels()
+    lines: list[str] = []
+    report = kc.check_kernels(kc.KernelUse(real_config("qwen3.8-27b"), cuda, context_parallel=True),
+                              log_line=lines.append)
+    print("RESULT " + json.dumps({"kernel_check": "qwen3.8-27b, context-parallel forms", "in_use": report.in_use,
+                                  "errors": report.errors, "off": [f.line("") for f in report.failures]}))
+    assert {"cp_attention", "cp_gdn_conv", "cp_gdn_recurrence"} <= set(report.in_use)
+    tried = {k for k in report.errors if k.startswith("cp_")}
+    have = installed()
+    assert ("cp_gdn_recurrence/fla_chunk" in tried) == have["fla_chunk"]
+    for key, err in report.errors.items():
+        if key.split("/")[1] not in {f.kernel for f in report.failures}:
+            assert err <= fp.TOLERANCE[key.split("/")[0]][torch.bfloat16], (key, err)
+    assert report.failures == [], lines
+
+
 def _noncausal_varlen(monkeypatch):
     """torch's varlen_attn called without window_size=(-1, 0): per conversation, but not causal."""
     from raytune_ft.models import attention as att

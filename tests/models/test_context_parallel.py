@@ -277,12 +277,12 @@ def test_the_plans_cp_traffic_is_what_the_exchanges_move(four_ranks, name):
     model's exchanges moved on each rank of CP 4 (one micro-batch, no recompute, fp32): the same number of
     collectives, and each one's whole gathered tensor x (C-1)/C through the rank's link."""
     from raytune_ft.models.tiny import tiny_config
-    from raytune_ft.planning.cp_comms import cp_exchange
+    from raytune_ft.planning.cp_comms import CpStep, cp_exchange
     from raytune_ft.planning.shapes import ModelShape
     from raytune_ft.recipe.checkpointing import NONE
 
-    est = cp_exchange(ModelShape.from_config(tiny_config("qwen3_5", 256)), cp=4, tokens=T, grad_accum=1,
-                      compute_b=4, choice=NONE, gpu=None, tokens_per_s=None)
+    est = cp_exchange(ModelShape.from_config(tiny_config("qwen3_5", 256)), CpStep(cp=4, tokens=T, compute_b=4),
+                      NONE)
     per_micro_batch = 4                                   # the estimate is a step's: the group's 4 blocks
     for r in range(4):
         moved = four_ranks[r]["traffic", name]

@@ -229,14 +229,14 @@ def test_a_loop_worker_logs_through_its_worker_log_and_tags_its_run(mlflow_store
     recipe.tracking.tracking_uri = uri
     out = io.StringIO()
     log = WorkerLog(0, recipe, run_id, stream=out)
-    report = kc.check_on_worker(CFG, torch.device("cpu"), mode="check", dtype=F32, log=log)
+    report = kc.check_on_worker(kc.KernelUse(CFG, torch.device("cpu"), F32), mode="check", log=log)
     log.close()                   # rank 0's MLflow calls are made by a process of their own
     assert not report.checked
     assert out.getvalue().startswith("[raytune_ft] kernels in use (no GPU")
     assert client.get_run(run_id).data.tags[kc.TAG_IN_USE] == ("attention=sdpa_blockdiag, gdn_conv=torch_segmented, "
                                                                "gdn_recurrence=torch_per_segment")
     quiet = io.StringIO()
-    kc.check_on_worker(CFG, torch.device("cpu"), mode="check", dtype=F32, log=WorkerLog(1, recipe, run_id, stream=quiet))
+    kc.check_on_worker(kc.KernelUse(CFG, torch.device("cpu"), F32), mode="check", log=WorkerLog(1, recipe, run_id, stream=quiet))
     assert quiet.getvalue() == ""          # the summary is rank 0's
 
 
@@ -322,6 +322,55 @@ def test_a_kernel_failing_on_one_rank_is_off_on_every_rank():
     assert [x for x in got[1][2] if "switched off" in x and "wrong values" in x] == got[1][2]
     assert len(got[1][2]) == 1
     assert got[0][2] == ["kernels in use (checked in " + got[0][2][0].split("checked in ")[1]]
+
+
+# ----------------------------------------------------------------- the context-parallel forms (issue 59)
+
+def test_the_cp_forms_run_across_a_carried_chunk_and_pass_with_correct_kernels():
+    """Under CP the check also runs each kernel the way models/context_parallel calls it, on a group of one:
+    the check's block splits into two chunks inside its last conversation, so the recurrence starts the
+    second chunk from the carried state, the conv reads the first chunk's tail and attention has more keys
+    than queries. On CPU the candidates are the project's own paths by name (the CUDA kernels are the GPU
+    suite's)."""
+    from raytune_ft.models.context_parallel import make_shard
+
+    total = sum(fp.CHECK_LENS)
+    shard = make_shard(fp.cu_seqlens_of(fp.CHECK_LENS, "cpu"), total, 1, 0)
+    assert shard.chunk_len == total // 2 and shard.carries(1)          # chunk 1 continues a conversation
+    names = [K("sdpa_blockdiag", None), K("torch_segmented", None), K("torch_per_segment", None)]
+    paths = fp.cp_paths(CFG, names)
+    report = kc.check_kernels(ON_CPU, paths=paths, log_line=lambda _: None)
+    assert report.failures == []
+    assert report.in_use == {"cp_attention": "sdpa_blockdiag", "cp_gdn_conv": "torch_segmented",
+                             "cp_gdn_recurrence": "torch_per_segment"}
+    assert [p.name for p in fp.default_paths(CFG, context_parallel=True)][-3:] == [p.name for p in paths]
+    assert not any(p.name.startswith("cp_") for p in fp.default_paths(CFG))
+
+
+def test_a_cp_form_that_drops_the_carried_state_is_caught_and_its_kernel_switched_off(monkeypatch):
+    import dataclasses
+    import functools
+
+    from raytune_ft.models import gated_delta as gd
+    from raytune_ft.models.context_parallel.layout import CPShard
+
+    monkeypatch.setattr(gd, "_fla_chunk_gated_delta_rule", lambda: good_recurrence)   # "installed"
+    cp_form = next(p for p in fp.cp_paths(CFG, [K("torch_per_segment", None)]) if p.name == "cp_gdn_recurrence")
+    broken = functools.partial(fp._cp_recurrence, backend="torch_per_segment")
+
+    def dropped_state(x, cu, max_len):
+        with monkeypatch.context() as m:         # no chunk continues a conversation: the state is lost
+            m.setattr(CPShard, "carries", lambda self, chunk: False)
+            return broken(x, cu, max_len)
+
+    paths = [fp.recurrence_path(CFG, [K("fla_chunk", good_recurrence)]),
+             dataclasses.replace(cp_form, candidates=[K("fla_chunk", dropped_state)])]
+    report = kc.check_kernels(ON_CPU, paths=paths, log_line=lambda _: None)
+    assert [(f.path, f.kernel, f.what) for f in report.failures] == [("cp_gdn_recurrence", "fla_chunk",
+                                                                      "wrong values")]
+    # one kernel, two call forms: the failed form switches it off for both, and the report says so
+    assert report.in_use == {"gdn_recurrence": "torch_per_segment", "cp_gdn_recurrence": "torch_per_segment"}
+    assert gd.gated_delta_backends("cuda")["recurrence"] == "torch_per_segment"
 
 
 def test_recipe_field_defaults_to_check_and_is_validated():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from raytune_ft.planning.cp_comms import COLLECTIVE_LATENCY_S, cp_exchange
+from raytune_ft.planning.cp_comms import COLLECTIVE_LATENCY_S, CpStep, cp_exchange
 from raytune_ft.planning.plan import memory_plan
 from raytune_ft.planning.shapes import KNOWN_SHAPES
 from raytune_ft.recipe.checkpointing import FULL, NONE, parse_checkpointing
@@ -21,16 +21,16 @@ def _shape():
 
 def test_a_recomputed_layer_gathers_again_and_a_step_counts_the_groups_blocks():
     shape = _shape()
-    kw = dict(cp=8, tokens=131072, grad_accum=1, compute_b=2, gpu=None, tokens_per_s=None)
-    none, full = cp_exchange(shape, choice=NONE, **kw), cp_exchange(shape, choice=FULL, **kw)
+    step = CpStep(cp=8, tokens=131072)
+    none, full = cp_exchange(shape, step, NONE), cp_exchange(shape, step, FULL)
     # no recompute: a gather and its gradient per layer part; full: one more gather each
     assert none.collectives == 8 * (2 * 16 + 2 * 2 * 48) and full.collectives == 8 * (3 * 16 + 2 * 3 * 48)
     assert full.bytes == pytest.approx(none.bytes * 3 / 2)
-    attention_only = cp_exchange(shape, choice=parse_checkpointing("attention"), **kw)
+    attention_only = cp_exchange(shape, step, parse_checkpointing("attention"))
     assert attention_only.attention_bytes == pytest.approx(full.attention_bytes)
     assert attention_only.state_bytes == pytest.approx(none.state_bytes)
     # two micro-batches a rank: twice the blocks the group trains, twice the traffic
-    assert cp_exchange(shape, choice=NONE, **{**kw, "grad_accum": 2}).bytes == pytest.approx(2 * none.bytes)
+    assert cp_exchange(shape, CpStep(8, 131072, grad_accum=2), NONE).bytes == pytest.approx(2 * none.bytes)
     # the K/V a step moves: 16 layers x gather and gradient x 8 blocks of 131,072 x 4 x 2 x 256 x 2 B, 7/8 of it
     assert none.attention_bytes == pytest.approx(16 * 2 * 8 * 131072 * 4 * 2 * 256 * 2 * 7 / 8)
 

@@ -16,9 +16,10 @@ _DENSE_MASK_MAX = 8192 * 8192     # query x key entries above which the CPU path
 
 
 def cp_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, shard: CPShard,
-                 scaling: float | None = None) -> torch.Tensor:
+                 scaling: float | None = None, backend: str | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries (T_local, H, d) over the whole block's keys of their own
-    conversation: K and V (T_local, Hkv, d) are all-gathered. Returns (T_local, H, d)."""
+    conversation: K and V (T_local, Hkv, d) are all-gathered. Returns (T_local, H, d). `backend`: the
+    kernel to use (the start-up kernel check names it; default: attention.select_attention_backend's)."""
     d = k_THD.shape[-1]
     kv = gather_ranks(torch.cat([k_THD, v_THD], dim=-1), shard)          # (size, T_local, Hkv, 2d)
     kv = kv.reshape(-1, *kv.shape[2:])
@@ -26,7 +27,7 @@ def cp_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, 
     kv_global = torch.empty_like(kv).index_copy(0, order.to(kv.device), kv)
     k_all, v_all = kv_global[..., :d], kv_global[..., d:]
     pieces = shard.pieces(0) + shard.pieces(1)
-    backend = select_attention_backend(q_THD.device)
+    backend = backend or select_attention_backend(q_THD.device)
     if q_THD.dtype in (torch.float16, torch.bfloat16) and backend in ("flash_attn", "torch_varlen"):
         return _varlen_pieces(q_THD, k_all, v_all, pieces, scaling, backend)
     gqa = q_THD.shape[1] != k_all.shape[1]

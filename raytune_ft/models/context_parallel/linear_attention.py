@@ -15,10 +15,10 @@ from raytune_ft.models.gated_delta import (DeltaRuleInputs, _fla_chunk_gated_del
 # ----------------------------------------------------------------- gated-delta-net: conv
 
 def cp_causal_conv1d(x_BCT: torch.Tensor, weight_CK: torch.Tensor, bias: torch.Tensor | None, shard: CPShard,
-                     activation: str | None = "silu") -> torch.Tensor:
+                     activation: str | None = "silu", backend: str | None = None) -> torch.Tensor:
     """Depthwise causal conv1d of this rank's tokens (1, channels, T_local) in local order: each chunk
     reads the last kernel-1 inputs of the chunk before it (from whichever rank holds it), and restarts
-    at every conversation start."""
+    at every conversation start. `backend`: as segment_causal_conv1d's."""
     halo, n = weight_CK.shape[-1] - 1, shard.chunk_len
     if x_BCT.shape[0] != 1 or x_BCT.shape[2] != 2 * n:
         raise ValueError(f"context parallelism: expected this rank's {2 * n} tokens as one row, got "
@@ -27,7 +27,7 @@ def cp_causal_conv1d(x_BCT: torch.Tensor, weight_CK: torch.Tensor, bias: torch.T
         raise ValueError(f"a context-parallel chunk of {n} tokens is shorter than the conv's "
                          f"{halo} preceding tokens: raise data.seq_len or lower scaling.context_parallel")
     if halo == 0:
-        return segment_causal_conv1d(x_BCT, weight_CK, bias, shard.local_cu_seqlens(), activation)
+        return segment_causal_conv1d(x_BCT, weight_CK, bias, shard.local_cu_seqlens(), activation, backend)
     x_TC = x_BCT[0].t()                # channel-last, as causal-conv1d wants it
     tails = torch.stack([x_TC[n - halo:n], x_TC[2 * n - halo:]])                 # (2, halo, C)
     chunk_tails = by_chunk(gather_ranks(tails, shard), shard)
@@ -41,7 +41,7 @@ def cp_causal_conv1d(x_BCT: torch.Tensor, weight_CK: torch.Tensor, bias: torch.T
     keys_all = np.concatenate(keys)
     starts = np.flatnonzero(np.r_[True, keys_all[1:] != keys_all[:-1]])
     cu = torch.tensor(np.r_[starts, len(keys_all)], dtype=torch.int32)
-    y = segment_causal_conv1d(extended, weight_CK, bias, cu, activation)
+    y = segment_causal_conv1d(extended, weight_CK, bias, cu, activation, backend)
     keep = torch.cat([torch.arange(s * (halo + n) + halo, (s + 1) * (halo + n)) for s in (0, 1)])
     return y.index_select(2, keep.to(y.device))
 

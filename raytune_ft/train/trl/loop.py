@@ -109,7 +109,7 @@ def _build_model(w: _Worker) -> _Model:
 
     from raytune_ft.models.build import load_causal_lm
     from raytune_ft.models.gated_delta import enable_packing
-    from raytune_ft.models.kernel_check import check_on_worker
+    from raytune_ft.models.kernel_check import KernelUse, check_on_worker
 
     recipe, log, t = w.recipe, w.log, w.recipe.train
     tok = _tokenizer(recipe, log)
@@ -129,8 +129,8 @@ def _build_model(w: _Worker) -> _Model:
     log.startup.mark("model_build")
     # every fast kernel, and Liger's fused loss where it would be used, proves itself on this GPU first
     checking = time.time()
-    kernels = check_on_worker(lm.config, build_device, mode=t.kernels, log=log, liger=_use_liger(recipe, w.on_gpu, log),
-                              dtype=torch.bfloat16 if w.compute_bf16 else torch.float32)
+    kernels = check_on_worker(KernelUse(lm.config, build_device, torch.bfloat16 if w.compute_bf16 else torch.float32,
+                                        liger=_use_liger(recipe, w.on_gpu, log)), mode=t.kernels, log=log)
     log.startup.mark("kernel_check", since=checking)
 
     out_dir = tempfile.mkdtemp(prefix=f"raytune_trl_rank{w.rank}_")
