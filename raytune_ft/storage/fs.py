@@ -288,6 +288,10 @@ class Reported:
         return set(self.kept) | ({self.latest} if self.latest else set())
 
 
+# how long a torn read of Ray's record is retried: its rewrite is one small write
+SNAPSHOT_WAIT_S = 5.0
+
+
 class TornRecordError(ValueError):
     """Ray's checkpoint record stayed unreadable (empty or cut short) for longer than a rewrite takes."""
 
@@ -305,10 +309,12 @@ def _read_snapshot(fs: pafs.FileSystem, path: str, wait_s: float) -> Any:
             time.sleep(0.05)
 
 
-def reported_checkpoints(fs: pafs.FileSystem, run_path: str, wait_s: float = 5.0) -> Reported | None:
+def reported_checkpoints(fs: pafs.FileSystem, run_path: str, wait_s: float | None = None) -> Reported | None:
     """Ray's record of the run's checkpoints (None: no checkpoint was ever registered). A record caught
-    mid-rewrite is read again for up to `wait_s` seconds; one that stays torn raises TornRecordError."""
-    snap = _read_snapshot(fs, f"{run_path.rstrip('/')}/{SNAPSHOT_FILE}", wait_s)
+    mid-rewrite is read again for up to `wait_s` seconds (default SNAPSHOT_WAIT_S); one that stays torn
+    raises TornRecordError."""
+    snap = _read_snapshot(fs, f"{run_path.rstrip('/')}/{SNAPSHOT_FILE}",
+                          SNAPSHOT_WAIT_S if wait_s is None else wait_s)
     if snap is None:
         return None
     kept, metrics = [], {}

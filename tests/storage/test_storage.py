@@ -107,7 +107,7 @@ def test_orphan_checkpoints_removed_reported_ones_kept(where):
     assert storage.checkpoint_dirs(fs, run) == [names[1], names[3], names[4]]
 
 
-def test_ray_record_caught_mid_rewrite_is_read_again_and_a_torn_one_removes_nothing(tmp_path):
+def test_ray_record_caught_mid_rewrite_is_read_again_and_a_torn_one_removes_nothing(tmp_path, monkeypatch):
     """Ray's controller rewrites its checkpoint record in place (open, write), so a worker reading it at that
     moment saw an empty file: the final save's room check failed a whole run with a JSONDecodeError."""
     import threading
@@ -128,8 +128,9 @@ def test_ray_record_caught_mid_rewrite_is_read_again_and_a_torn_one_removes_noth
     # a record that stays torn is an error of its own, never "no checkpoint registered"
     with open(record, "w") as f:
         f.write('{"checkpoint_results": [')
+    monkeypatch.setattr(storage, "SNAPSHOT_WAIT_S", 0.2)
     with pytest.raises(storage.TornRecordError, match="did not parse"):
-        storage.reported_checkpoints(fs, run, wait_s=0.2)
+        storage.reported_checkpoints(fs, run)
     logged = []
     assert storage.orphan_checkpoints(fs, run, log=logged.append) == []       # nothing deleted on a torn read
     assert storage.checkpoint_dirs(fs, run) == names and "unreadable" in logged[0]
