@@ -27,9 +27,10 @@ os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# fixtures (here and in test modules) that start Ray, a server or a training run
+# fixtures (here and in test modules) that start Ray, a server, a training run or a fresh Python (mlflow_run: its
+# tests log through rank 0's WorkerLog, whose MLflow sender is a child Python importing MLflow)
 SLOW_FIXTURES = {"ray_local", "local_job", "ray_registry", "server", "mlflow_server", "ray_head", "runs", "two_node_run",
-                 "s3_server", "finished_run", "local_run", "job_with_secrets"}
+                 "s3_server", "finished_run", "local_run", "job_with_secrets", "mlflow_run"}
 # modules whose every test trains a model or starts Ray
 SLOW_MODULES = {"test_fault_tolerance", "test_fsdp_loop", "test_job_submit", "test_local_job", "test_save_final",
                 "test_trl_recipes"}
