@@ -53,11 +53,13 @@ class CpExchange:
     def bytes(self) -> float:
         return self.attention_bytes + self.state_bytes
 
+    def seconds_at(self, link_gb_s: float) -> float:
+        """The exchange's time over a link of `link_gb_s` GB/s per direction, each collective's fixed cost added."""
+        return self.bytes / (link_gb_s * 1e9) + self.collectives * COLLECTIVE_LATENCY_S
+
     @property
     def seconds(self) -> float | None:
-        if not self.link_gb_s:
-            return None
-        return self.bytes / (self.link_gb_s * 1e9) + self.collectives * COLLECTIVE_LATENCY_S
+        return self.seconds_at(self.link_gb_s) if self.link_gb_s else None
 
     def lines(self) -> list[str]:
         gb = 1e9
@@ -80,6 +82,21 @@ class CpExchange:
         return out
 
 
+def recomputed_layers(shape: ModelShape, choice: Checkpointing, kind: str, part: str) -> int:
+    """How many layers of `kind` recompute `part` (whole, or that part) under `choice`."""
+    return sum(1 for i, k in enumerate(shape.layer_types) if k == kind and (choice.whole(i) or part in choice.kinds))
+
+
+def kv_bytes(shape: ModelShape, tokens: int, compute_b: int) -> int:
+    """An attention layer's gathered [K | V] for a block of `tokens` tokens."""
+    return tokens * shape.kv_heads * 2 * shape.head_dim * compute_b
+
+
+def state_summary_bytes(shape: ModelShape, cp: int) -> int:
+    """A gated-delta-net layer's gathered [B | M] state summaries: two chunks a rank, fp32."""
+    return 2 * cp * shape.lin_v_heads * shape.lin_k_dim * (shape.lin_v_dim + shape.lin_k_dim) * 4
+
+
 def cp_exchange(shape: ModelShape, step: CpStep, choice: Checkpointing, gpu: GpuSpec | None = None,
                 tokens_per_s: float | None = None) -> CpExchange:
     """The traffic of one step of a rank in a CP group of `step.cp` ranks: cp x grad_accum micro-batches of
@@ -89,19 +106,14 @@ def cp_exchange(shape: ModelShape, step: CpStep, choice: Checkpointing, gpu: Gpu
     cp, tokens, grad_accum, compute_b = step.cp, step.tokens, step.grad_accum, step.compute_b
     micro_batches = cp * grad_accum
     ring = (cp - 1) / cp
-    kinds = list(shape.layer_types)
-
-    def recomputed(kind: str, part: str) -> int:
-        return sum(1 for i, k in enumerate(kinds) if k == kind and (choice.whole(i) or part in choice.kinds))
-
-    kv = tokens * shape.kv_heads * 2 * shape.head_dim * compute_b
-    n_attn, re_attn = shape.n_full_attention, recomputed("full_attention", "attention")
+    kv = kv_bytes(shape, tokens, compute_b)
+    n_attn, re_attn = shape.n_full_attention, recomputed_layers(shape, choice, "full_attention", "attention")
     attention = (2 * n_attn + re_attn) * kv * ring
     halo = max(shape.conv_kernel - 1, 0)
     conv_channels = 2 * shape.lin_k_heads * shape.lin_k_dim + shape.lin_v_heads * shape.lin_v_dim
     tails = 2 * cp * halo * conv_channels * compute_b
-    summaries = 2 * cp * shape.lin_v_heads * shape.lin_k_dim * (shape.lin_v_dim + shape.lin_k_dim) * 4
-    n_gdn, re_gdn = shape.n_linear_attention, recomputed("linear_attention", "gated_delta")
+    summaries = state_summary_bytes(shape, cp)
+    n_gdn, re_gdn = shape.n_linear_attention, recomputed_layers(shape, choice, "linear_attention", "gated_delta")
     states = (2 * n_gdn + re_gdn) * (tails + summaries) * ring
     collectives = micro_batches * ((2 * n_attn + re_attn) + 2 * (2 * n_gdn + re_gdn))
     how = (f"{n_attn} attention layers x (gather + gradient{f', {re_attn} recomputed' if re_attn else ''}) of "

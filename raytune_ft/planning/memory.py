@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from raytune_ft.planning.checkpointing import activation_elems, describe
+from raytune_ft.planning.cp_comms import kv_bytes, recomputed_layers, state_summary_bytes
 from raytune_ft.planning.hardware import GiB, GpuSpec
 from raytune_ft.planning.lora import lora_fsdp2_lines, lora_layer_params, lora_state_lines
 from raytune_ft.planning.shapes import ModelShape
@@ -43,11 +44,16 @@ def tokens_per_rank(recipe: Recipe) -> int:
     return tokens_per_micro_batch(recipe) // recipe.scaling.context_parallel
 
 
+def compute_bytes(recipe: Recipe, g: GpuSpec | None) -> int:
+    """Bytes of the compute dtype: bf16 on a GPU where the recipe asks for it, else fp32 (a CPU plan)."""
+    return 2 if (g is not None and recipe.model.dtype == "bfloat16") else 4
+
+
 def memory_lines(recipe: Recipe, shape: ModelShape, g: GpuSpec | None,
                  choice: Checkpointing) -> tuple[list[MemoryLine], list[str], int]:
     """The plan's memory lines under the checkpointing `choice`, its notes, and the trainable parameters."""
     t = recipe.train
-    compute_b = 2 if (g is not None and recipe.model.dtype == "bfloat16") else 4
+    compute_b = compute_bytes(recipe, g)
     shard = recipe.scaling.num_workers if t.loop == "fsdp2" else 1
     lines: list[MemoryLine] = []
     notes: list[str] = []
@@ -131,11 +137,11 @@ def _exchange_line(recipe: Recipe, shape: ModelShape, compute_b: int, choice: Ch
     keeps its tensors, and the one layer the backward works on holds them again with the gathered gradient;
     each gated-delta-net layer gathers its chunks' [B | M] state summaries (fp32), with their gradient."""
     cp, tokens = recipe.scaling.context_parallel, tokens_per_micro_batch(recipe)
-    kv = tokens * shape.kv_heads * 2 * shape.head_dim * compute_b
+    kv = kv_bytes(shape, tokens, compute_b)
     kinds = list(shape.layer_types)
 
     def keeping(kind: str, part: str) -> int:
-        return sum(1 for i, k in enumerate(kinds) if k == kind and not choice.whole(i) and part not in choice.kinds)
+        return kinds.count(kind) - recomputed_layers(shape, choice, kind, part)
 
     kept_attn, total = keeping("full_attention", "attention"), 0.0
     how = f"K/V of the whole block ({tokens:,} tokens x {shape.kv_heads} x 2 x {shape.head_dim} x {compute_b} B)"
@@ -144,7 +150,7 @@ def _exchange_line(recipe: Recipe, shape: ModelShape, compute_b: int, choice: Ch
         how = (f"{how} {fmt_bytes(kv).strip()}, gathered and selected: kept by {kept_attn} attention layers, + "
                "gathered, selected and its gradient in the layer the backward works on")
     if "linear_attention" in kinds:
-        summaries = 2 * cp * shape.lin_v_heads * shape.lin_k_dim * (shape.lin_v_dim + shape.lin_k_dim) * 4
+        summaries = state_summary_bytes(shape, cp)
         kept_gdn = keeping("linear_attention", "gated_delta")
         total += (kept_gdn + 2) * summaries
         how += (f"; state summaries of {2 * cp} chunks (fp32, {fmt_bytes(summaries).strip()} a layer): kept by "

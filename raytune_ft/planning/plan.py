@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from raytune_ft.planning.hardware import GPUS, GiB, GpuSpec, gpu_spec
 from raytune_ft.planning.checkpointing import choose
 from raytune_ft.planning.cp_comms import CpExchange, CpStep, cp_exchange
-from raytune_ft.planning.memory import MemoryLine, fmt_bytes, fmt_count, memory_lines, tokens_per_micro_batch
+from raytune_ft.planning.memory import (MemoryLine, compute_bytes, fmt_bytes, fmt_count, memory_lines,
+                                        tokens_per_micro_batch)
 from raytune_ft.planning.shapes import ModelShape, model_shape
 from raytune_ft.recipe.checkpointing import FULL, NONE, Checkpointing, parse_checkpointing
 from raytune_ft.recipe.recipe import Recipe
@@ -273,7 +274,7 @@ def memory_plan(recipe: Recipe, *, gpu: str | None = None, tokens_per_s_per_gpu:
     _plan_time(plan, recipe, tokens_per_s_per_gpu, mfu)
     if recipe.scaling.context_parallel > 1:
         step = CpStep(recipe.scaling.context_parallel, tokens_per_micro_batch(recipe), t.grad_accum,
-                      2 if (g is not None and recipe.model.dtype == "bfloat16") else 4)
+                      compute_bytes(recipe, g))
         plan.cp_exchange = cp_exchange(shape, step, choice, g, plan.tokens_per_s_per_gpu)
     return plan
 

@@ -162,7 +162,7 @@ def _step(recipe, plan, target, compute: float, add) -> float:
         "communication-bound: communication exceeds compute")
     if cp > 1 and plan.cp_exchange is not None:     # on the critical path: added, not hidden (cp_comms.py)
         x = plan.cp_exchange
-        cp_s = x.bytes / (nvlink * 1e9) + x.collectives * COLLECTIVE_LATENCY_S
+        cp_s = x.seconds_at(nvlink)
         step = add("step with CP", step + cp_s, "s", "derived",
                    f"+ the CP exchange: {x.bytes / 1e9:,.1f} GB per rank over NVLink and {x.collectives:,} "
                    f"collectives at {COLLECTIVE_LATENCY_S * 1e6:.0f} us (assumed), {cp_s:,.2f} s, not overlapped")
