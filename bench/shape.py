@@ -3,6 +3,7 @@
     python -m bench gpu shape                       # 64 layers, rank 0 of 8, the recipe's 32,768-token blocks
     python -m bench gpu shape --ranks 8 --master bf16 --seq 32768 --steps 10
     python -m bench gpu shape --cpu-smoke           # the same path: the recipe's tiny model, on CPU
+    python -m bench gpu shape --cp 8 --seq 131072 --whole   # rank 0 of a CP-8 group, one conversation a block
 
 One process, no Ray: the recipe (jobs/qwen27b_b300.py, `--set` overrides on top) goes through the FSDP2 loop's
 own building blocks, in the loop's order: `build_fsdp_model` (tokenizer, the model on the meta device, the
@@ -23,6 +24,14 @@ After the steps, with `--ckpt` (default on a GPU), this rank's DCP shard of mode
 the background as the loop's checkpointer does it (`dcp.async_save` through a pinned-memory stager): the
 seconds the loop was held, the write's seconds, the shard's bytes; then read back into the model and
 optimizer (`dcp_io.load`) and timed.
+
+`--cp C` (`scaling.context_parallel`): this process is rank 0 of a data-parallel x context-parallel mesh on
+the same fake group. A step trains the C blocks its CP group drew, each split over the group in the CP loop's
+own layout (`train.context_parallel.cp_step_batch`: zigzag chunks, global positions), this rank's share of
+each as one micro-batch. The gathers of keys, values, conv inputs and state summaries move nothing (their
+buffers hold whatever memory they were given), so the step's time has no communication in it: `raytune-ft
+plan` states that part from the model and the mesh. Tokens and FLOPs per rank are the group's over C.
+`--whole`: each block is one conversation (the long-context case) instead of the seed's conversation lengths.
 
 Prints `RESULT {json}` and appends a dated record (bench/results/<date>.jsonl).
 """
@@ -61,6 +70,9 @@ def parse(argv):
     p.add_argument("--workdir", default=None)
     p.add_argument("--cpu-smoke", action="store_true", help="the recipe's tiny local model on CPU, 3 steps")
     p.add_argument("--results", default=None, help="folder of the dated records")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel group this rank belongs to (scaling.context_parallel; default 1)")
+    p.add_argument("--whole", action="store_true", help="each block one conversation, not the seed's lengths")
     p.add_argument("--profile", action="store_true",
                    help="one more step under torch.profiler: GPU time by kernel kind and by phase, and the gap")
     return p.parse_args(argv)
@@ -82,6 +94,8 @@ def make_recipe(a, setting: dict, model_dir: str | None):
     r = job.recipe()
     sets = [f"scaling.num_workers={setting['ranks']}", f"train.master_weights={setting['master']}",
             f"data.seq_len={setting['seq']}", "registry.enabled=false"]
+    if a.cp > 1:
+        sets += [f"scaling.context_parallel={a.cp}"]
     if a.cpu_smoke:
         r = job.local(r)
         sets += [f"scaling.num_workers={setting['ranks']}", "train.compile=true"]
@@ -125,13 +139,34 @@ def init_fake_group(ranks: int, device) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
 
 
-def blocks(cfg, seq: int, n: int, seed: int = 0) -> list[dict]:
+def blocks(cfg, seq: int, n: int, seed: int = 0, whole: bool = False) -> list[dict]:
     import numpy as np
 
     from bench import gpu_common as gc
 
     rng = np.random.default_rng(seed)
-    return [gc.packed_block(gc.seed_lengths(seq, rng), cfg.vocab_size, rng) for _ in range(n)]
+    return [gc.packed_block([seq] if whole else gc.seed_lengths(seq, rng), cfg.vocab_size, rng) for _ in range(n)]
+
+
+def cp_mesh_group(ranks: int, cp: int, device):
+    """Rank 0's CP group on the fake process group (the loop's `cp_group` also makes a gloo group on the
+    host to pool the blocks, which the fake group does not need: this process holds every block)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from raytune_ft.train.context_parallel import CPGroup
+
+    mesh = init_device_mesh(device.type, (ranks // cp, cp), mesh_dim_names=("dp", "cp"))
+    return CPGroup(cp, 0, mesh.get_group("cp"), None)
+
+
+def step_batches(step_blocks: list[dict], device, cp) -> list:
+    """One step's micro-batches for rank 0: its block, or under CP its share of each of the group's blocks."""
+    from raytune_ft.train.context_parallel import cp_step_batch
+    from raytune_ft.train.fsdp_loop import StepBatch
+
+    if cp is None:
+        return [StepBatch.from_blocks(step_blocks, device)]
+    return [cp_step_batch([b], device, cp, owned=i == 0) for i, b in enumerate(step_blocks)]
 
 
 def compile_counts() -> dict:
@@ -258,7 +293,8 @@ def main(argv=None) -> int:
     for setting in settings:
         rec = {"bench": "shape", "setting": setting, "plans": tried, "out_of_memory": out_of_memory,
                "layers": a.layers, "precision": a.precision, "steps": a.steps, "warm": a.warm,
-               "device": device_name or "cpu", "shipped": {"ranks": a.ranks, "seq": a.seq or 32768, "master": "fp32"}}
+               "device": device_name or "cpu", "shipped": {"ranks": a.ranks, "seq": a.seq or 32768, "master": "fp32"},
+               "cp": a.cp}
         try:
             run_setting(a, setting, model_dir, device, rec)
         except torch.OutOfMemoryError as e:
@@ -298,8 +334,10 @@ def run_setting(a, setting: dict, model_dir: str | None, device, rec: dict) -> N
     if dist.is_initialized():
         dist.destroy_process_group()
     init_fake_group(setting["ranks"], device)
+    cp = cp_mesh_group(setting["ranks"], a.cp, device) if a.cp > 1 else None
     from raytune_ft.train.common import WorkerLog
-    from raytune_ft.train.fsdp_loop import StepBatch, clip_gradients, forward_backward
+    from raytune_ft.train.batch import real_seq_lens
+    from raytune_ft.train.fsdp_loop import clip_gradients, forward_backward
     from raytune_ft.train.fsdp_model import build_fsdp_model
     from raytune_ft.train.fp8 import precompute_fp8_scales
     from raytune_ft.train.state import TrainState
@@ -317,14 +355,18 @@ def run_setting(a, setting: dict, model_dir: str | None, device, rec: dict) -> N
     rec["local_params"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
     rec["params"] = sum(p.numel() for p in params)
     fp8 = t.fp8_recipe if t.precision == "fp8" else None
-    data = blocks(lm.config, setting["seq"], a.steps)
+    group_blocks = a.cp if cp else 1          # a CP group trains the blocks its C members drew
+    data = blocks(lm.config, setting["seq"], a.steps * group_blocks, whole=a.whole)
+    per_step = [data[i * group_blocks:(i + 1) * group_blocks] for i in range(a.steps)]
+    rec["cp"] = a.cp
+    rec["conversations"] = "whole block" if a.whole else "seed lengths"
     step_s, flops, flops_gdn, tokens, losses = [], [], [], [], []
     model.train()
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)   # a failed larger setting's peak is not this one's
-    for i, block in enumerate(data):
+    for i, step_blocks in enumerate(per_step):
         ts = time.perf_counter()
-        mbs = [StepBatch.from_blocks([block], device)]
+        mbs = step_batches(step_blocks, device, cp)
         loss_sum, denom = forward_backward(model, mbs, setting["ranks"], device)
         clip_gradients(params, t.max_grad_norm)
         opt.step()
@@ -334,10 +376,12 @@ def run_setting(a, setting: dict, model_dir: str | None, device, rec: dict) -> N
         if cuda:
             torch.cuda.synchronize(device)
         step_s.append(time.perf_counter() - ts)
-        lens = mbs[0].seq_lens
-        tokens.append(mbs[0].n_real)
-        flops.append(flops_per_block(lm.config, lens))
-        flops_gdn.append(flops_per_block(lm.config, lens, include_linear_attention=True))
+        # this rank's part: its block, or 1/C of each of its group's C blocks (zigzag balances the causal work)
+        lens = [[int(n) for n in real_seq_lens(b)] for b in step_blocks]
+        tokens.append(sum(map(sum, lens)) / group_blocks)
+        flops.append(sum(flops_per_block(lm.config, ls) for ls in lens) / group_blocks)
+        flops_gdn.append(sum(flops_per_block(lm.config, ls, include_linear_attention=True)
+                             for ls in lens) / group_blocks)
         losses.append(round(float(loss_sum / denom), 4))
         print(f"[shape] step {i + 1}/{a.steps}: {step_s[-1]:.2f} s, {tokens[-1]} tokens, "
               f"peak {torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0:.1f} GiB", flush=True)
@@ -361,7 +405,7 @@ def run_setting(a, setting: dict, model_dir: str | None, device, rec: dict) -> N
         from bench.step_profile import profile_step
 
         def one_step(phase) -> None:
-            mbs = [StepBatch.from_blocks([data[-1]], device)]
+            mbs = step_batches(per_step[-1], device, cp)
             with phase("forward_backward"):
                 forward_backward(model, mbs, setting["ranks"], device)
             with phase("clip"):

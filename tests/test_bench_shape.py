@@ -27,3 +27,19 @@ def test_shape_bench_runs_rank_0_of_8_and_reads_its_shard_back(tmp_path):
     ck = rec["checkpoint"]
     assert ck["restored"] is True and ck["read_files"] == [".metadata", "__0_0.distcp"], ck
     assert ck["held_s"] <= ck["write_s"] and ck["bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_shape_bench_runs_rank_0_of_a_context_parallel_group():
+    """Issue 59: `--cp 4 --whole` is rank 0 of a CP-4 group; a step trains the group's 4 blocks, this rank's
+    quarter of each (the CP loop's own micro-batches), and counts a quarter of the group's tokens."""
+    out = subprocess.run([sys.executable, "-m", "bench", "gpu", "shape", "--cpu-smoke", "--ranks", "8", "--cp", "4",
+                          "--whole", "--ckpt", "off", "--set", "train.compile=false"],
+                         cwd=REPO, env=env_with_path(REPO), capture_output=True, text=True, timeout=880)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    rec = json.loads(out.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert rec["cp"] == 4 and rec["conversations"] == "whole block"
+    # 4 blocks of 512 tokens a step over 4 ranks: 512 tokens a rank a step
+    assert "512.0 tokens" in out.stdout and len(rec["step_s"]) == 3
+    assert rec["tok_s_per_rank"] == pytest.approx(512 / rec["s_per_step"], rel=0.02)
