@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Callable
 
 import torch
 
 from raytune_ft.env import redact_exception
+from raytune_ft.models import kernel_verdicts as verdicts
 from raytune_ft.models.fast_paths import (CHECK_LENS, TOLERANCE, Case, FastPath, Kernel, cu_seqlens_of, default_paths,
                                           package_versions, selected_kernels)
 
@@ -83,6 +85,8 @@ class KernelReport:
 
     def summary(self) -> str:
         how = f"checked in {self.seconds:.1f} s" if self.checked else self.note
+        if self.checked and self.note:
+            how = f"{self.note}, {self.seconds:.1f} s"
         return f"kernels in use ({how}): " + ", ".join(f"{k}={v}" for k, v in self.in_use.items())
 
 
@@ -95,6 +99,7 @@ class KernelUse:
     dtype: torch.dtype = torch.bfloat16
     liger: bool = False
     context_parallel: bool = False    # scaling.context_parallel > 1: the CP forms are checked too
+    verdicts_dir: str | None = None   # where all-pass verdicts are kept and recalled (models/kernel_verdicts.py)
 
 
 # ----------------------------------------------------------------- checking one kernel
@@ -267,6 +272,25 @@ def _agree(failed: list[bool], device: torch.device) -> list[int]:
     return [int(r) for r in t.tolist()]
 
 
+def _run_or_recall(use: KernelUse, paths: list[FastPath]):
+    """Each candidate's (path, kernel, failure) and worst error: run here, or, when every rank holds a kept
+    all-pass verdict of the same key (models/kernel_verdicts.py), recalled from it (the kept record too)."""
+    device = torch.device(use.device)
+    kept = verdicts.load(use.verdicts_dir, use, paths)
+    if verdicts.every_rank_holds(kept is not None, device):
+        return [(p, k, None) for p in paths for k in p.candidates], dict(kept["errors"]), kept
+    results: list[tuple[FastPath, Kernel, KernelFailure | None]] = []
+    errors = {}
+    for path in paths:
+        for kernel in path.candidates:
+            failure, worst = check_one(path, kernel, device, use.dtype)
+            errors[f"{path.name}/{kernel.name}"] = worst
+            results.append((path, kernel, failure))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return results, errors, None
+
+
 def check_kernels(use: KernelUse, *, mode: str = "check", paths: list[FastPath] | None = None,
                   log_line: Callable[[str], None] | None = None,
                   tag: Callable[[str, str], None] | None = None) -> KernelReport:
@@ -295,15 +319,7 @@ def check_kernels(use: KernelUse, *, mode: str = "check", paths: list[FastPath] 
     if paths is None:
         paths = default_paths(cfg, liger=liger, dtype=dtype, context_parallel=use.context_parallel)
 
-    results: list[tuple[FastPath, Kernel, KernelFailure | None]] = []
-    errors = {}
-    for path in paths:
-        for kernel in path.candidates:
-            failure, worst = check_one(path, kernel, device, dtype)
-            errors[f"{path.name}/{kernel.name}"] = worst
-            results.append((path, kernel, failure))
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    results, errors, kept = _run_or_recall(use, paths)
 
     first_failed = _agree([f is not None for _, _, f in results], device)
     world = _world()
@@ -326,7 +342,10 @@ def check_kernels(use: KernelUse, *, mode: str = "check", paths: list[FastPath] 
         in_use[path.name] = chosen or path.fallback
     for path, failure in failures:
         failure.instead = in_use[path.name]
-    report = KernelReport(in_use, [f for _, f in failures], time.perf_counter() - t0, checked=True, errors=errors)
+    report = KernelReport(in_use, [f for _, f in failures], time.perf_counter() - t0, checked=True, errors=errors,
+                          note=f"verdicts of {kept['checked_at']} from the JIT cache" if kept else "")
+    if not kept and not report.failures:
+        verdicts.save(use.verdicts_dir, use, paths, errors, report.seconds)
     if mode == "strict" and report.failures:
         lines = "\n".join("  " + f.line(p.title).replace("switched off for this run", "failed")
                           .replace(f"; using {f.instead} instead", "") for p, f in failures)
@@ -354,6 +373,8 @@ def check_on_worker(use: KernelUse, *, mode: str, log) -> KernelReport:
             print(f"[raytune_ft] rank {rank}: {text}", flush=True)
 
     tag = log.set_tag if getattr(log, "tracks", False) else None
+    if use.verdicts_dir is None:        # the worker's JIT cache folder, when it has one (train/jit_cache.py)
+        use = dataclasses.replace(use, verdicts_dir=os.environ.get(verdicts.VERDICTS_ENV))
     return check_kernels(use, mode=mode, log_line=line, tag=tag)
 
 

@@ -2,7 +2,7 @@
 
 On a fresh GPU node the start-up kernel check and the first step spend minutes compiling Triton and
 tilelang kernels, autotuning flash-linear-attention's and (with `train.compile`) running Inductor. All of
-it lands in four caches; pointed at one folder on a local disk that outlives the job, a re-submit on the
+it lands in four caches, and the kernel check keeps its all-pass verdicts beside them (models/kernel_verdicts.py); pointed at one folder on a local disk that outlives the job, a re-submit on the
 same node starts warm. The folder's name is a fingerprint (train/jit_fingerprint.py: the GPU model, the
 driver, the compilers' and kernel libraries' versions, the model's widths), so a cache is never read by a
 toolchain or a GPU it was not built for.
@@ -26,13 +26,15 @@ import tempfile
 from typing import Callable
 
 from raytune_ft import compat
+from raytune_ft.models.kernel_verdicts import VERDICTS_ENV
 from raytune_ft.train.jit_fingerprint import Fingerprint, fingerprint, model_widths
 
 # the recipe names no folder: a per-user cache on each node's local disk
 DEFAULT_ROOT = "~/.cache/raytune_ft/jit"
 # cache variable -> its sub-folder; FLA_CACHE_RESULTS=1 makes flash-linear-attention keep its autotune
 # choices in the Triton cache, so they travel with it
-CACHE_DIRS = {"TRITON_CACHE_DIR": "triton", "TILELANG_CACHE_DIR": "tilelang", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
+CACHE_DIRS = {"TRITON_CACHE_DIR": "triton", "TILELANG_CACHE_DIR": "tilelang", "TORCHINDUCTOR_CACHE_DIR": "inductor",
+              VERDICTS_ENV: "kernel_check"}       # the kernel check's all-pass verdicts (models/kernel_verdicts.py)
 FLA_CACHE_ENV = "FLA_CACHE_RESULTS"
 _STATE = ".raytune_jit.json"      # in the folder: the tar it was filled from and the contents uploaded last
 

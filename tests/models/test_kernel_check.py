@@ -10,6 +10,8 @@ GPU suite (tests/gpu).
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -380,3 +382,90 @@ def test_recipe_field_defaults_to_check_and_is_validated():
     assert apply_overrides(Recipe(), ["train.kernels=strict"]).train.kernels == "strict"
     with pytest.raises(RecipeError, match=r"train.kernels: 'fast' is not one of 'check', 'strict', 'off'"):
         validate(apply_overrides(Recipe(), ["train.kernels=fast"]))
+
+
+# ----------------------------------------------------------------- verdicts kept in the JIT cache (issue 60)
+
+class Counted:
+    """Stand-in kernels that count their runs."""
+
+    def __init__(self):
+        self.runs = 0
+
+    def paths(self, attention=good_attention):
+        def wrap(fn):
+            def run(x, cu, max_len):
+                self.runs += 1
+                return fn(x, cu, max_len)
+            return run
+        return [fp.attention_path(CFG, [K("attn_ok", wrap(attention), ("torch",))]),
+                fp.conv_path(CFG, [K("conv_ok", wrap(good_conv))])]
+
+
+def test_an_all_pass_check_is_kept_and_the_next_start_recalls_it_without_running_a_kernel(tmp_path):
+    use = kc.KernelUse(CFG, "cpu", F32, verdicts_dir=str(tmp_path))
+    first = Counted()
+    r1 = kc.check_kernels(use, paths=first.paths(), log_line=lambda _: None)
+    assert first.runs > 0 and r1.failures == [] and r1.note == ""
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    again = Counted()
+    lines: list[str] = []
+    r2 = kc.check_kernels(use, paths=again.paths(), log_line=lines.append)
+    assert again.runs == 0, "a kept all-pass verdict of the same key runs no kernel"
+    assert r2.in_use == r1.in_use and r2.errors == pytest.approx(r1.errors) and r2.checked
+    assert "from the JIT cache" in lines[0] and "kernels in use" in lines[0]
+
+
+def test_a_failed_check_is_not_kept_and_another_key_runs_the_check_again(tmp_path):
+    use = kc.KernelUse(CFG, "cpu", F32, verdicts_dir=str(tmp_path))
+    bad = Counted()
+    r = kc.check_kernels(use, paths=bad.paths(attention=wrong_attention), log_line=lambda _: None)
+    assert r.failures and not list(tmp_path.glob("*.json")), "a failure is checked again next start, not kept"
+    reset_disabled_kernels()
+    kc.check_kernels(use, paths=Counted().paths(), log_line=lambda _: None)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    for other in (kc.KernelUse(CFG, "cpu", torch.bfloat16, verdicts_dir=str(tmp_path)),      # another dtype
+                  kc.KernelUse(CFG, "cpu", F32, context_parallel=True, verdicts_dir=str(tmp_path))):
+        c = Counted()
+        kc.check_kernels(other, paths=c.paths(), log_line=lambda _: None)
+        assert c.runs > 0, other
+    c = Counted()                     # another candidate list: a kernel added to a path
+    paths = c.paths()
+    paths[0].candidates.append(K("attn_also", good_attention))
+    kc.check_kernels(use, paths=paths, log_line=lambda _: None)
+    assert c.runs > 0
+    # a torn record is not a verdict
+    for f in tmp_path.glob("*.json"):
+        f.write_text("{")
+    c = Counted()
+    kc.check_kernels(use, paths=c.paths(), log_line=lambda _: None)
+    assert c.runs > 0
+
+
+def _verdict_rank_main(rank, world, port, q):
+    """Rank 0's node holds a kept verdict, rank 1's does not: both must run the check (its collectives
+    match) rather than rank 0 recalling alone."""
+    import tempfile
+
+    from tests.conftest import spawned_gloo_rank
+
+    folder = tempfile.mkdtemp(prefix=f"verdicts{rank}_")
+    use = kc.KernelUse(CFG, "cpu", F32, verdicts_dir=folder)
+    if rank == 0:
+        kc.check_kernels(use, paths=Counted().paths(), log_line=lambda _: None)    # before the group: kept
+    with spawned_gloo_rank(rank, world, port):
+        c = Counted()
+        report = kc.check_kernels(use, paths=c.paths(), log_line=lambda _: None)
+        q.put((rank, (c.runs, report.in_use, len(os.listdir(folder)))))
+        q.close()
+        q.join_thread()
+
+
+@pytest.mark.timeout(180)
+def test_ranks_recall_kept_verdicts_only_when_every_rank_holds_one():
+    from tests.conftest import run_gloo_ranks
+
+    got = run_gloo_ranks(_verdict_rank_main)
+    for rank in (0, 1):
+        runs, in_use, kept = got[rank]
+        assert runs > 0 and in_use == {"attention": "attn_ok", "gdn_conv": "conv_ok"} and kept == 1, (rank, got)

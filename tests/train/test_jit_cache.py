@@ -13,7 +13,8 @@ import pytest
 from raytune_ft.env import scoped_env
 from raytune_ft.train import jit_cache
 
-CACHE_VARS = ("TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "FLA_CACHE_RESULTS")
+CACHE_VARS = ("TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "FLA_CACHE_RESULTS",
+              "RAYTUNE_KERNEL_VERDICTS")
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def test_every_cache_variable_points_into_the_fingerprinted_folder(tmp_path, cle
     fp = jit_cache.fingerprint("NVIDIA H200")
     cache = jit_cache.open_cache(str(tmp_path / "jit"), fp, remote=None, log=print)
     assert cache.folder == str(tmp_path / "jit" / fp.name)
-    for var in ("TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+    for var in ("TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "RAYTUNE_KERNEL_VERDICTS"):
         assert os.environ[var].startswith(cache.folder + os.sep), var
         assert os.path.isdir(os.environ[var])
     assert os.environ["FLA_CACHE_RESULTS"] == "1"
@@ -314,3 +315,27 @@ def test_a_submit_from_another_folder_finds_the_command_line_runs_graphs(tmp_pat
     (hit1, miss1, aot_hit1, aot_miss1), (hit2, miss2, aot_hit2, aot_miss2) = counts
     assert miss1 > 0 and hit1 == 0 and aot_miss1 > 0
     assert (hit2, miss2) == (miss1, 0) and (aot_hit2, aot_miss2) == (aot_miss1, 0)
+
+
+def test_the_kernel_checks_verdicts_travel_with_the_cache_to_a_second_node(tmp_path, clean_env):
+    """Issue 60 item 5: an all-pass kernel check kept in node 1's folder goes up with its tar; node 2 of the
+    same fingerprint restores it and its check runs no kernel."""
+    from raytune_ft.models import kernel_check as kc
+    from tests.models.test_kernel_check import CFG, F32, Counted
+
+    storage = (pafs.LocalFileSystem(), str(tmp_path / "storage"))
+    h200 = jit_cache.fingerprint("NVIDIA H200")
+    first = jit_cache.open_cache(str(tmp_path / "node1"), h200, remote=storage, log=print)
+    ran = Counted()
+    kc.check_kernels(kc.KernelUse(CFG, "cpu", F32, verdicts_dir=os.environ["RAYTUNE_KERNEL_VERDICTS"]),
+                     paths=ran.paths(), log_line=print)
+    assert ran.runs > 0 and first.save(log=print)
+    for k in CACHE_VARS:                  # node 2: its own process environment
+        os.environ.pop(k, None)
+    second = jit_cache.open_cache(str(tmp_path / "node2"), h200, remote=storage, log=print)
+    assert os.environ["RAYTUNE_KERNEL_VERDICTS"].startswith(second.folder + os.sep)
+    recalled = Counted()
+    lines: list[str] = []
+    kc.check_kernels(kc.KernelUse(CFG, "cpu", F32, verdicts_dir=os.environ["RAYTUNE_KERNEL_VERDICTS"]),
+                     paths=recalled.paths(), log_line=lines.append)
+    assert recalled.runs == 0 and "from the JIT cache" in lines[0], lines
