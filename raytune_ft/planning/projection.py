@@ -10,7 +10,8 @@ named beside it) or "stated" (a datasheet or the recipe). The arithmetic:
                      backward, which recomputes under activation checkpointing) in the compute dtype, the
                      root unit's once (it stays gathered), for every micro-batch of the step (grad_accum, and
                      under context parallelism the C blocks a group trains), and the reduce-scatter of every
-                     gradient in fp32 once (the last micro-batch's); a ring moves (N-1)/N of each, over the
+                     gradient in fp32, also once per micro-batch (the loop reduces each micro-batch's gradients
+                     into the shards rather than hold them unsharded); a ring moves (N-1)/N of each, over the
                      GPU's stated NVLink bandwidth. FSDP2 prefetches the next layer's all-gather and overlaps the
                      reduce-scatters with the backward, so a step costs max(compute, communication) while
                      communication is the smaller.
@@ -153,10 +154,10 @@ def _step(recipe, plan, target, compute: float, add) -> float:
     ring = (n - 1) / n
     nvlink = add("NVLink", target.nvlink_gb_s, "GB/s", "stated", f"{target.name} per GPU and direction (datasheet)")
     mb = cp * recipe.train.grad_accum   # micro-batches a step: each gathers the layers again
-    comm = add("communication", (ag * mb + rs) * ring / (nvlink * 1e9), "s", "derived",
-               f"all-gather {ag / 1e9:,.0f} GB ({compute_b} B: layers twice, root once)"
-               + (f" x {mb} micro-batches" if mb > 1 else "") + f" + reduce-scatter {rs / 1e9:,.0f} GB (fp32, once: "
-               f"the last micro-batch's) per step, x (N-1)/N = {ring:.3f}, over NVLink")
+    per_mb = f" x {mb} micro-batches" if mb > 1 else ""
+    comm = add("communication", (ag + rs) * mb * ring / (nvlink * 1e9), "s", "derived",
+               f"all-gather {ag / 1e9:,.0f} GB ({compute_b} B: layers twice, root once){per_mb} + reduce-scatter "
+               f"{rs / 1e9:,.0f} GB (fp32){per_mb} per step, x (N-1)/N = {ring:.3f}, over NVLink")
     step = max(compute, comm)
     add("step", step, "s", "derived", "hidden under compute" if comm < compute else
         "communication-bound: communication exceeds compute")

@@ -57,13 +57,15 @@ def forward_backward(model: nn.Module, micro_batches: list[StepBatch], world: in
     Returns (sum of this rank's token losses, fp32; global supervised-token count, clamped to >= 1).
     Each micro-batch's loss is divided by the global count before its backward, and multiplied by the
     world size to undo FSDP2's average over ranks, so a token weighs the same wherever it lands.
-    Gradients are reduced across ranks only in the last micro-batch's backward."""
+    Each micro-batch's backward reduce-scatters its gradients, which accumulate in the shards: FSDP2's
+    no-sync alternative holds every parameter's unsharded gradient between micro-batches, the whole model's
+    on every rank (54 GB for the 27B in bf16: out of memory under context parallelism on an H100)."""
     n_sup = torch.tensor(float(sum(mb.n_supervised for mb in micro_batches)), device=device)
     dist.all_reduce(n_sup)
     denom = n_sup.clamp(min=1.0)
     loss_sum = torch.zeros((), device=device)
-    for i, mb in enumerate(micro_batches):
-        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+    model.set_requires_gradient_sync(True)
+    for mb in micro_batches:
         ls, _ = model(mb.labels, **mb.kwargs)
         (ls * world / denom).backward()
         loss_sum += ls.detach().float()

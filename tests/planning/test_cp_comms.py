@@ -61,7 +61,8 @@ def test_the_projection_adds_the_exchange_and_gathers_the_layers_for_each_block(
     assert proj.item("compute per step").value == pytest.approx(4 * base.item("compute per step").value)
     P, root = plan.shape.total_params, plan.shape.root_params
     gathers = 2 * (P - root) * 2 + root * 2
-    assert proj.item("communication").value == pytest.approx((8 * gathers + P * 4) * 7 / 8 / 900e9)
+    # each of the 8 micro-batches gathers the layers again and reduce-scatters its gradients (fp32) into the shards
+    assert proj.item("communication").value == pytest.approx(8 * (gathers + P * 4) * 7 / 8 / 900e9)
     x = plan.cp_exchange
     assert proj.item("step with CP").value == pytest.approx(
         proj.item("step").value + x.bytes / 900e9 + x.collectives * COLLECTIVE_LATENCY_S)
