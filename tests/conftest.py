@@ -37,6 +37,7 @@ SLOW_MODULES = {"test_fault_tolerance", "test_fsdp_loop", "test_job_submit", "te
 # tests that spawn a process group of their own (torch.multiprocessing)
 SLOW_TESTS = {"test_fsdp2_sharded_load_matches_unsharded", "test_random_init_of_a_sharded_model_matches_transformers_init",
               "test_a_kernel_failing_on_one_rank_is_off_on_every_rank",
+              "test_ranks_recall_kept_verdicts_only_when_every_rank_holds_one",
               # bench's CPU smokes: a recipe run, `ray start` and `ray job submit`, workers' imports in fresh processes
               "test_cpu_smoke_of_the_suite_writes_a_dated_record",
               "test_cpu_smoke_of_the_imports_bench_times_the_workers_import_stages",
