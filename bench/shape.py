@@ -313,7 +313,11 @@ def main(argv=None) -> int:
         if a.results or not a.cpu_smoke:
             records.append(a.results or records.DEFAULT_RESULTS_DIR, rec)
         return 0
-    gc.emit({"bench": "shape", "plans": tried, "out_of_memory": out_of_memory})
+    failed = {"bench": "shape", "plans": tried, "out_of_memory": out_of_memory, "layers": a.layers, "cp": a.cp,
+              "precision": a.precision, "device": device_name or "cpu", "versions": gc.versions()}
+    gc.emit(failed)
+    if a.results or not a.cpu_smoke:      # a setting that did not fit is a result too
+        records.append(a.results or records.DEFAULT_RESULTS_DIR, failed)
     return 1
 
 
