@@ -290,11 +290,11 @@ def main(argv=None) -> int:
     from bench import records
 
     out_of_memory = []
+    base = {"bench": "shape", "plans": tried, "out_of_memory": out_of_memory, "layers": a.layers, "cp": a.cp,
+            "precision": a.precision, "device": device_name or "cpu"}
     for setting in settings:
-        rec = {"bench": "shape", "setting": setting, "plans": tried, "out_of_memory": out_of_memory,
-               "layers": a.layers, "precision": a.precision, "steps": a.steps, "warm": a.warm,
-               "device": device_name or "cpu", "shipped": {"ranks": a.ranks, "seq": a.seq or 32768, "master": "fp32"},
-               "cp": a.cp}
+        rec = {**base, "setting": setting, "steps": a.steps, "warm": a.warm,
+               "shipped": {"ranks": a.ranks, "seq": a.seq or 32768, "master": "fp32"}}
         try:
             run_setting(a, setting, model_dir, device, rec)
         except torch.OutOfMemoryError as e:
@@ -313,8 +313,7 @@ def main(argv=None) -> int:
         if a.results or not a.cpu_smoke:
             records.append(a.results or records.DEFAULT_RESULTS_DIR, rec)
         return 0
-    failed = {"bench": "shape", "plans": tried, "out_of_memory": out_of_memory, "layers": a.layers, "cp": a.cp,
-              "precision": a.precision, "device": device_name or "cpu", "versions": gc.versions()}
+    failed = {**base, "versions": gc.versions()}
     gc.emit(failed)
     if a.results or not a.cpu_smoke:      # a setting that did not fit is a result too
         records.append(a.results or records.DEFAULT_RESULTS_DIR, failed)
@@ -359,10 +358,9 @@ def run_setting(a, setting: dict, model_dir: str | None, device, rec: dict) -> N
     rec["local_params"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
     rec["params"] = sum(p.numel() for p in params)
     fp8 = t.fp8_recipe if t.precision == "fp8" else None
-    group_blocks = a.cp if cp else 1          # a CP group trains the blocks its C members drew
+    group_blocks = cp.size if cp else 1          # a CP group trains the blocks its C members drew
     data = blocks(lm.config, setting["seq"], a.steps * group_blocks, whole=a.whole)
     per_step = [data[i * group_blocks:(i + 1) * group_blocks] for i in range(a.steps)]
-    rec["cp"] = a.cp
     rec["conversations"] = "whole block" if a.whole else "seed lengths"
     step_s, flops, flops_gdn, tokens, losses = [], [], [], [], []
     model.train()

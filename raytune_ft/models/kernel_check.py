@@ -35,6 +35,7 @@ import time
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from raytune_ft.env import redact_exception
 from raytune_ft.models import kernel_verdicts as verdicts
@@ -84,9 +85,8 @@ class KernelReport:
         return out
 
     def summary(self) -> str:
-        how = f"checked in {self.seconds:.1f} s" if self.checked else self.note
-        if self.checked and self.note:
-            how = f"{self.note}, {self.seconds:.1f} s"
+        how = (self.note if not self.checked else f"{self.note}, {self.seconds:.1f} s" if self.note
+               else f"checked in {self.seconds:.1f} s")
         return f"kernels in use ({how}): " + ", ".join(f"{k}={v}" for k, v in self.in_use.items())
 
 
@@ -253,9 +253,7 @@ def _leak(path: FastPath, kernel: Kernel, packed: _Packed, out: torch.Tensor, ge
 def _agree(failed: list[bool], device: torch.device) -> list[int]:
     """Per kernel, the lowest rank where it failed (world size where none), over all ranks. Without a
     process group, or if the ranks checked different kernel lists (different installs), this rank's own."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _world() == 1:
         return [0 if f else 1 for f in failed]
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = device if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -277,7 +275,8 @@ def _run_or_recall(use: KernelUse, paths: list[FastPath]):
     all-pass verdict of the same key (models/kernel_verdicts.py), recalled from it (the kept record too)."""
     device = torch.device(use.device)
     kept = verdicts.load(use.verdicts_dir, use, paths)
-    if verdicts.every_rank_holds(kept is not None, device):
+    # every rank recalls (none lacks a verdict) or every rank runs the check: its collectives must match
+    if _agree([kept is None], device) == [_world()]:
         return [(p, k, None) for p in paths for k in p.candidates], dict(kept["errors"]), kept
     results: list[tuple[FastPath, Kernel, KernelFailure | None]] = []
     errors = {}
@@ -390,14 +389,10 @@ def _finish(report: KernelReport, rank: int, say, tag) -> None:
 
 
 def _rank() -> int:
-    import torch.distributed as dist
-
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _world() -> int:
-    import torch.distributed as dist
-
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 

@@ -7,10 +7,11 @@ check is written into that folder (`kernel_check/<key>.json`, the variable below
 the folder's tar through the run's storage, and a later start on a node of the same fingerprint takes it
 instead of running the kernels again. The key inside the folder adds what the fingerprint does not hold:
 the compute dtype, Liger, the context-parallel forms, the paths and candidates checked, their tolerances, the
-check's inputs and this package's version. Anything else is a different key, so the check runs.
+check's inputs, this package's version and a digest of the check's own code. Anything else is a different key, so the check runs.
 
 Only an all-pass check is kept: a kernel that failed (or raised, perhaps for a passing reason such as memory
-taken by another process) is checked again on the next start, never switched off from a file.
+taken by another process) is checked again on the next start, never switched off from a file. The ranks
+recall only when every rank holds a verdict (kernel_check.py), so the check's collectives match.
 """
 from __future__ import annotations
 
@@ -80,16 +81,3 @@ def save(folder: str | None, use, paths, errors: dict[str, float], seconds: floa
             json.dump(rec, f)
         os.replace(tmp, _file(folder, key))
 
-
-def every_rank_holds(flag: bool, device) -> bool:
-    """Whether `flag` (a kept verdict) holds on every rank: one MIN all-reduce where there is a process group,
-    so that the ranks either all recall their verdicts or all run the check (whose collectives must match)."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    dev = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor([int(flag)], dtype=torch.int64, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())

@@ -2,7 +2,8 @@
 
 On a fresh GPU node the start-up kernel check and the first step spend minutes compiling Triton and
 tilelang kernels, autotuning flash-linear-attention's and (with `train.compile`) running Inductor. All of
-it lands in four caches, and the kernel check keeps its all-pass verdicts beside them (models/kernel_verdicts.py); pointed at one folder on a local disk that outlives the job, a re-submit on the
+it lands in four caches, and the kernel check keeps its all-pass verdicts beside them
+(models/kernel_verdicts.py); pointed at one folder on a local disk that outlives the job, a re-submit on the
 same node starts warm. The folder's name is a fingerprint (train/jit_fingerprint.py: the GPU model, the
 driver, the compilers' and kernel libraries' versions, the model's widths), so a cache is never read by a
 toolchain or a GPU it was not built for.
