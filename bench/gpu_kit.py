@@ -218,6 +218,32 @@ def eval_figures(summary: dict) -> dict:
     return fig
 
 
+# where the machine's own compilers keep their caches when no variable points elsewhere (the job points
+# Triton's, tilelang's and Inductor's into train.cache_dir); `startup --part storage` removes them all
+LOCAL_CACHE_DIRS = ("~/.triton", "~/.tilelang", "~/.cache/tilelang", "~/.nv/ComputeCache", "~/.cache/flashinfer",
+                    "~/.cache/raytune_ft/jit")
+
+
+def clear_local_caches() -> list[str]:
+    """Remove this machine's default compiler caches and Inductor's default folder; the ones removed."""
+    import getpass
+    import tempfile
+
+    folders = [os.path.expanduser(d) for d in LOCAL_CACHE_DIRS]
+    folders.append(os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+    gone = [d for d in folders if os.path.isdir(d)]
+    for d in gone:
+        shutil.rmtree(d, ignore_errors=True)
+    return gone
+
+
+def stored_cache_sets(storage: str) -> dict:
+    """The JIT cache sets in the run storage (`<storage>/jit_cache/*.tar`): name -> MiB."""
+    folder = os.path.join(storage, "jit_cache")
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    return {n: round(os.path.getsize(os.path.join(folder, n)) / 2**20, 1) for n in names if n.endswith(".tar")}
+
+
 def startup_side_by_side(cold: dict, warm: dict) -> dict:
     """summary.json's `startup` dicts of the cold and the warm run, key by key."""
     c, w = cold.get("startup") or {}, warm.get("startup") or {}
@@ -353,8 +379,8 @@ class Kit:
         # cold run fills it. `--part cold` and `--part warm` run one each, in two invocations with the same
         # --workdir (the warm one reads the cold one's folder and summary there)
         which = ("cold", "warm") if self.o.part == "all" else (self.o.part,)
-        if any(w not in ("cold", "warm") for w in which):
-            raise SystemExit(f"startup --part: cold, warm, resubmit or all, not {self.o.part}")
+        if any(w not in ("cold", "warm", "storage") for w in which):
+            raise SystemExit(f"startup --part: cold, warm, storage, resubmit or all, not {self.o.part}")
         folder = "jit-cache-" + (self.stamp if self.o.part == "all" else "startup")
         cache = ["--set", f"train.cache_dir={os.path.join(self.work, folder)}"]
         cold_file = os.path.join(self.work, "startup-cold.json")
@@ -362,8 +388,11 @@ class Kit:
 
         def prepare():
             self.write_model_config()
-            if which == ("cold",):      # a cold run starts from an empty cache folder
+            if which in (("cold",), ("storage",)):     # an empty cache folder: a fresh node
                 shutil.rmtree(os.path.join(self.work, folder), ignore_errors=True)
+            if which == ("storage",):   # ... with no other cache of this machine either; the storage's set stays
+                for gone in clear_local_caches():
+                    print(f"startup storage: removed {gone}", flush=True)
 
         def keep(label):
             def read(summary):
@@ -375,7 +404,10 @@ class Kit:
                 if os.path.isfile(cold_file):
                     with open(cold_file) as f:
                         cold = json.load(f)
-                return {"startup": summary.get("startup"), "cold_vs_warm": startup_side_by_side(cold, summary)}
+                fig = {"startup": summary.get("startup"), "cold_vs_warm": startup_side_by_side(cold, summary)}
+                if label == "storage":
+                    fig["storage_sets"] = stored_cache_sets(self.storage)
+                return fig
             return read
 
         parts = [self.recipe_run("startup", w, cache, keep(w), steps=steps) for w in which]
@@ -673,9 +705,10 @@ def add_arguments(p) -> None:
     p.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "mxfp8"])
     p.add_argument("--lora-seq", type=int, default=32768, help="lora: the 64-layer LoRA run's block length")
     p.add_argument("--part", default="all",
-                   choices=["all", *SUITE_PARTS, "cold", "warm", "resubmit", "pair", "real"],
+                   choices=["all", *SUITE_PARTS, "cold", "warm", "storage", "resubmit", "pair", "real"],
                    help="suite: which files (kernels, ray); startup: which run (cold, warm: two invocations with "
-                        "one --workdir; resubmit: after cold, two `ray job submit`s on a Ray head it starts); "
+                        "one --workdir; storage: after cold, a fresh node: every local cache removed, the "
+                        "storage's set kept; resubmit: after cold, two `ray job submit`s on a Ray head it starts); "
                         "lora: the cut's pair (full SFT, LoRA) or the real 64 layers alone")
     p.add_argument("--parity-steps", type=int, default=300)
     p.add_argument("--assets", default=os.path.join(REPO, ".bench-assets"),

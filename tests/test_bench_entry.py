@@ -81,10 +81,38 @@ def test_startup_cold_and_warm_one_at_a_time_share_a_cache_folder(capsys, tmp_pa
     (warm,) = dry_run(capsys, "startup", "--part", "warm", "--gpus", "0", "--workdir", work)
     cache = re.compile(r"train.cache_dir=(\S+)")
     assert cache.findall(cold)[-1] == cache.findall(warm)[-1] == os.path.join(work, "jit-cache-startup")
-    with pytest.raises(SystemExit, match="cold, warm, resubmit or all"):
+    with pytest.raises(SystemExit, match="cold, warm, storage, resubmit or all"):
         bench_main(["gpu", "startup", "--part", "kernels", "--dry-run", "--gpus", "0"])
     with pytest.raises(SystemExit, match="kernels, ray or all"):
         bench_main(["gpu", "suite", "--part", "warm", "--dry-run", "--gpus", "0"])
+
+
+def test_startup_from_the_storage_is_a_fresh_node_with_the_cold_runs_storage(capsys, tmp_path, monkeypatch):
+    """`--part storage` after `--part cold`: the same run storage (its jit_cache/ set) and cache folder path,
+    and before the run every local cache of the machine is removed, the storage's sets left."""
+    work = str(tmp_path / "work")
+    (cold,) = dry_run(capsys, "startup", "--part", "cold", "--gpus", "0", "--workdir", work)
+    (fresh,) = dry_run(capsys, "startup", "--part", "storage", "--gpus", "0", "--workdir", work)
+    for pattern in (r"train.cache_dir=(\S+)", r"tracking.storage_path=(\S+)"):
+        assert re.findall(pattern, cold)[-1] == re.findall(pattern, fresh)[-1]
+
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr("tempfile.tempdir", str(tmp))
+    import getpass
+    kept = tmp_path / "work" / "runs" / "jit_cache"
+    made = [home / ".triton" / "cache", home / ".nv" / "ComputeCache", home / ".cache" / "raytune_ft" / "jit" / "x",
+            tmp / f"torchinductor_{getpass.getuser()}", kept]
+    for d in made:
+        d.mkdir(parents=True)
+        (d / "f.bin").write_bytes(b"1" * 2**20)
+    gone = gpu_kit.clear_local_caches()
+    assert sorted(gone) == sorted(str(p) for p in [home / ".triton", home / ".nv" / "ComputeCache",
+                                                   home / ".cache" / "raytune_ft" / "jit", made[3]])
+    assert not any(os.path.exists(d) for d in gone)
+    assert (kept / "f.bin").is_file()
+    (kept / "node.tar").write_bytes(b"2" * 2**21)
+    assert gpu_kit.stored_cache_sets(str(tmp_path / "work" / "runs")) == {"node.tar": 2.0}
 
 
 def test_a_setting_of_the_command_line_reaches_every_recipe_run_last(capsys):

@@ -179,6 +179,7 @@ class StartupClock:
         self._cache_counts = _compile_cache_counts()
         self._part_mark, self._part_inner = now, 0.0
         self.done: dict | None = None
+        self.figures: dict[str, float] = {}     # `startup/<name>` values beside the phases (`note`)
         self.attempt = 1    # Ray Train's attempt of this job: a later one's scheduling part holds the earlier ones
 
     def mark(self, name: str, since: float | None = None) -> None:
@@ -209,6 +210,11 @@ class StartupClock:
             self._mark, self._inner, self._compiled = now, 0.0, _compile_seconds()
         self._part_mark, self._part_inner = now, 0.0
 
+    def note(self, prefix: str, figures: dict) -> None:
+        """Figures about the start-up that are not time spans of it (e.g. the JIT cache a node unpacked),
+        reported as `startup/<prefix>.<name>` beside the phases."""
+        self.figures |= {f"startup/{prefix}.{k}": v for k, v in figures.items()}
+
     def finish(self) -> dict:
         """The start-up breakdown, `startup/<phase>_s` seconds (once: later calls return the first answer)."""
         if self.done is None:
@@ -218,7 +224,7 @@ class StartupClock:
             self.mark("first_step")
             self.done = {f"startup/{p}_s": self.seconds[p] for p in STARTUP_PHASES}
             self.done["startup/total_s"] = self._mark - self.job_start
-            self.done |= {f"startup/{p}_s": v for p, v in self.parts.items()}
+            self.done |= {f"startup/{p}_s": v for p, v in self.parts.items()} | self.figures
             looked_up = {k: v - self._cache_counts[k] for k, v in _compile_cache_counts().items()}
             if any(looked_up.values()):     # only where something was compiled
                 self.done |= {f"startup/compile.{k}": v for k, v in looked_up.items()}

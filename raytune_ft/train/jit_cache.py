@@ -24,6 +24,7 @@ import json
 import os
 import tarfile
 import tempfile
+import time
 from typing import Callable
 
 from raytune_ft import compat
@@ -82,6 +83,7 @@ class JitCache:
         self.sets_dir = f"{self.remote_dir.rstrip('/')}/jit_cache" if remote else None
         self.tar_path = f"{self.sets_dir}/{fp.name}.tar" if remote else None
         self.key_path = f"{self.sets_dir}/{fp.name}.json" if remote else None
+        self.restored: dict | None = None     # what `restore` unpacked: files, MiB, seconds (None: nothing)
 
     def _state(self) -> dict:
         try:
@@ -121,15 +123,22 @@ class JitCache:
                 return
             if self._state().get("restored") == stamp:
                 return
+            start = time.perf_counter()
             with tempfile.TemporaryDirectory(prefix="raytune_jit_") as tmp:
                 local = os.path.join(tmp, "cache.tar")
                 with self.fs.open_input_stream(self.tar_path) as src, open(local, "wb") as dst:
                     while chunk := src.read(64 << 20):
                         dst.write(chunk)
+                fetched = time.perf_counter() - start
                 with tarfile.open(local) as tar:
                     tar.extractall(self.folder, filter="data")     # no path leaves the folder
+                size = os.path.getsize(local)
             self._write_state(restored=stamp, uploaded=_contents(self.folder))
-            log(f"JIT cache: restored {len(_files(self.folder))} files from {self.tar_path}")
+            self.restored = {"files": len(_files(self.folder)), "mib": round(size / 2**20, 1),
+                             "download_s": round(fetched, 2), "restore_s": round(time.perf_counter() - start, 2)}
+            r = self.restored
+            log(f"JIT cache: restored {r['files']} files ({r['mib']} MiB) from {self.tar_path} in {r['restore_s']} s "
+                f"({r['download_s']} s of it the download)")
 
     def _stored_key(self, path: str) -> Fingerprint | None:
         """The fingerprint a set's JSON holds; None when there is none or it is not one."""

@@ -94,6 +94,11 @@ def test_saved_after_the_first_step_and_restored_on_a_second_node(tmp_path, clea
         with open(os.path.join(second.folder, rel), "rb") as f:
             assert f.read() == data, rel
     assert any("restored" in ln for ln in lines), lines
+    # what the node unpacked, for the start-up figures: the files, the tar's size, the time it took
+    tar_mib = os.path.getsize(tar) / 2**20
+    assert second.restored["files"] == len(files) and abs(second.restored["mib"] - tar_mib) <= 0.05
+    assert 0 <= second.restored["download_s"] <= second.restored["restore_s"]
+    assert first.restored is None         # the first node found no set: nothing unpacked
     # nothing new was compiled on the second node: no second upload
     mtime = os.stat(tar).st_mtime_ns
     assert not second.save(log=lines.append)
@@ -169,7 +174,8 @@ def test_a_set_is_refused_for_another_torch_or_gpu_with_a_line_and_restored_for_
 
     got, lines = _open(tmp_path, "same", _node(), storage)
     assert got == files
-    assert lines == [f"JIT cache: restored {len(files)} files from {storage[1]}/jit_cache/{_node().name}.tar"]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"JIT cache: restored {len(files)} files (") and f"from {storage[1]}/jit_cache/{_node().name}.tar in " in lines[0]
 
 
 def test_a_set_under_this_nodes_name_is_loaded_only_with_this_nodes_fingerprint_beside_it(tmp_path, clean_env):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from raytune_ft.train.common import STARTUP_METRICS, JobStart, StartupClock, WorkerLog
+from raytune_ft.train.common import STARTUP_METRICS, STARTUP_PHASES, JobStart, StartupClock, WorkerLog
 
 
 def _history(recipe, run_id: str, key: str) -> list[tuple[int, float]]:
@@ -91,6 +91,19 @@ def test_startup_breakdown_sums_to_the_time_since_the_job_started():
     parts = sum(v for k, v in m.items() if k != "startup/total_s")
     assert parts == pytest.approx(m["startup/total_s"], abs=1e-6)
     assert clock.finish() == m                       # the first step ends once
+
+
+def test_startup_figures_noted_beside_the_phases_leave_the_phases_alone():
+    """A node that unpacked the storage's JIT cache says how much and how long, next to the breakdown."""
+    clock = StartupClock(time.time() - 0.1)
+    clock.note("jit_cache", {"files": 812, "mib": 96.5, "download_s": 0.8, "restore_s": 1.4})
+    m = clock.finish()
+    assert list(m)[:len(STARTUP_METRICS)] == list(STARTUP_METRICS)
+    assert {k: v for k, v in m.items() if k.startswith("startup/jit_cache.")} == {
+        "startup/jit_cache.files": 812, "startup/jit_cache.mib": 96.5, "startup/jit_cache.download_s": 0.8,
+        "startup/jit_cache.restore_s": 1.4}
+    phases = sum(m[f"startup/{p}_s"] for p in STARTUP_PHASES)
+    assert phases == pytest.approx(m["startup/total_s"], abs=1e-6)
 
 
 @pytest.mark.parametrize("submitted", [False, True])
