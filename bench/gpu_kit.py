@@ -388,11 +388,12 @@ class Kit:
 
         def prepare():
             self.write_model_config()
-            if which in (("cold",), ("storage",)):     # an empty cache folder: a fresh node
-                shutil.rmtree(os.path.join(self.work, folder), ignore_errors=True)
-            if which == ("storage",):   # ... with no other cache of this machine either; the storage's set stays
-                for gone in clear_local_caches():
-                    print(f"startup storage: removed {gone}", flush=True)
+            if which in (("cold",), ("storage",)):     # a fresh node: an empty cache folder, no other cache of
+                shutil.rmtree(os.path.join(self.work, folder), ignore_errors=True)   # the machine either; the
+                if self.o.cpu_smoke:                                                 # storage's set stays
+                    print("startup: CPU smoke, this machine's own compiler caches left alone", flush=True)
+                for gone in [] if self.o.cpu_smoke else clear_local_caches():
+                    print(f"startup {which[0]}: removed {gone}", flush=True)
 
         def keep(label):
             def read(summary):
@@ -707,7 +708,7 @@ def add_arguments(p) -> None:
     p.add_argument("--part", default="all",
                    choices=["all", *SUITE_PARTS, "cold", "warm", "storage", "resubmit", "pair", "real"],
                    help="suite: which files (kernels, ray); startup: which run (cold, warm: two invocations with "
-                        "one --workdir; storage: after cold, a fresh node: every local cache removed, the "
+                        "one --workdir; storage: after cold, a fresh node (as cold, every local cache removed) with the "
                         "storage's set kept; resubmit: after cold, two `ray job submit`s on a Ray head it starts); "
                         "lora: the cut's pair (full SFT, LoRA) or the real 64 layers alone")
     p.add_argument("--parity-steps", type=int, default=300)
