@@ -14,7 +14,7 @@ from raytune_ft import compat
 from raytune_ft.env import ray_train_defaults
 from raytune_ft.storage.lease import RunFolderInUse
 from raytune_ft.recipe.recipe import Recipe, absolute_local_paths, recipe_from_dict
-from raytune_ft.train.common import JobStart
+from raytune_ft.train.startup_clock import JobStart
 from raytune_ft.train.job_attempts import note_workers_asked, workers_asked_key
 
 WorkerGroupCallback = compat.RAY_WORKER_GROUP_CALLBACK.load()
@@ -189,7 +189,7 @@ def build_trainer(recipe: Recipe, *, mlflow_run_key: str | None = None, blocks_b
     reaches the workers; None: no tracking. `lease_token`: the run folder's lease this job holds
     (lease.py); each attempt's workers check it is still theirs before they clear the checkpoints dead attempts
     left. `job`: when the job started and the driver's start-up marks, where the workers' start-up breakdown
-    counts from (train/common.StartupClock). `prebuilt`: `build_datasets(recipe)`'s answer, where the caller
+    counts from (train/startup_clock.StartupClock). `prebuilt`: `build_datasets(recipe)`'s answer, where the caller
     built them already (run.py, while the MLflow run opens)."""
     import ray.train
 

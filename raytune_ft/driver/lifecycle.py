@@ -48,7 +48,7 @@ class RunLifecycle:
     back; then the handed-over key deleted (bounded: a Ray that a Ctrl-C ended with the driver's process group
     does not answer) and the threads left. Ray is left up: a local one ends with this process, a later run of
     the same process reuses it.
-    `marks` are the driver's side of the start-up breakdown (train/common.DRIVER_MARKS)."""
+    `marks` are the driver's side of the start-up breakdown (train/startup_clock.DRIVER_MARKS)."""
 
     def __init__(self, recipe: Recipe, *, local: bool):
         self.recipe, self.local = recipe, local

@@ -237,7 +237,7 @@ def _fit(recipe: Recipe, life: RunLifecycle):
     """Ray Train's result and the MLflow run's id. An error no retry can fix (storage full, ...) is said in
     plain words, not as Ray's wrapping of it; the lifecycle ends the MLflow run with it."""
     from raytune_ft.driver.launch import build_datasets, build_trainer, start_tokenizing, unfixable_error
-    from raytune_ft.train.common import JobStart
+    from raytune_ft.train.startup_clock import JobStart
 
     # the launch's own: the tokenizing processes (beside Ray Train's start, the tokenizer loaded by the first
     # read) and the datasets, built while the MLflow run opens in its own process

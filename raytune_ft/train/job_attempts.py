@@ -1,6 +1,6 @@
 """A job's attempts in Ray's key-value store (namespace raytune_ft), keyed by the run's name and the job's start:
 which attempt rank 0 runs, and when Ray Train's controller last asked for the job's workers. Labels and
-diagnoses of the start-up breakdown (train/common.StartupClock); outside Ray they fall back to defaults."""
+diagnoses of the start-up breakdown (train/startup_clock.StartupClock); outside Ray they fall back to defaults."""
 from __future__ import annotations
 
 from raytune_ft import compat

@@ -186,7 +186,8 @@ def test_attempts_sharing_a_first_step_log_their_start_up_under_names_of_their_o
 
     import torch
 
-    from raytune_ft.train.common import JobStart, WorkerLog
+    from raytune_ft.train.common import WorkerLog
+    from raytune_ft.train.startup_clock import JobStart
     from mlflow.entities import Param
 
     from raytune_ft.tracking.mlflow_run import startup_from_params, startup_params

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from raytune_ft.train.common import STARTUP_METRICS, STARTUP_PHASES, JobStart, StartupClock, WorkerLog
+from raytune_ft.train.common import WorkerLog
+from raytune_ft.train.startup_clock import STARTUP_METRICS, STARTUP_PHASES, JobStart, StartupClock
 
 
 def _history(recipe, run_id: str, key: str) -> list[tuple[int, float]]:
@@ -209,7 +210,7 @@ def test_run_page_opens_on_the_training_curves(mlflow_run):
 
 _COMPILE_ONCE = """
 import json, time, torch
-from raytune_ft.train.common import StartupClock
+from raytune_ft.train.startup_clock import StartupClock
 clock = StartupClock(time.time())
 f = torch.compile(lambda x: torch.relu(x) * 2 + 1)
 x = torch.randn(16, requires_grad=True)
