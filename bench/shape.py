@@ -271,6 +271,9 @@ def read_back(state, rank: int, device, folder: str) -> dict:
 
 def main(argv=None) -> int:
     a = parse(argv)
+    from raytune_ft.env import ALLOC_CONF_DEFAULT, ALLOC_CONF_ENV
+
+    os.environ.setdefault(ALLOC_CONF_ENV, ALLOC_CONF_DEFAULT)     # as the job's workers run (before CUDA starts)
     import torch
 
     cuda = torch.cuda.is_available() and not a.cpu_smoke

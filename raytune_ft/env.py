@@ -186,6 +186,10 @@ def child_python_env() -> dict[str, str]:
 
 # Python's bytecode cache: the variables a job sets for every process it starts (bytecode_cache)
 BYTECODE_ENV = ("PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE")
+# the CUDA allocator's expandable segments for every worker (driver/launch.py): without them a step whose tensors
+# change size (the long-context steps' micro-batches) strands GiBs in reserved but free blocks, which ran a CP-8
+# rank of the 27B out of memory at 65.5 GiB allocated on an 80 GB GPU (bench/NOTES.md); the user's own value wins
+ALLOC_CONF_ENV, ALLOC_CONF_DEFAULT = "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"
 
 
 def _bytecode_missing(mode: str) -> bool:

@@ -74,6 +74,11 @@ def test_worker_environment_forwards_no_credentials(monkeypatch):
     assert env.get("HF_HUB_OFFLINE") == "1"        # the forwarding works...
     assert env.get("TRITON_CACHE_DIR") == "/mnt/shared/jit/triton"
     assert not set(SECRET_VARS) & set(env)          # ...and leaves credentials out
+    # the CUDA allocator's expandable segments by default, the user's own allocator setting where there is one
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert _worker_env()["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert _worker_env()["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
 
 
 def test_recipes_leave_trust_remote_code_off():

@@ -28,11 +28,12 @@ def _worker_env() -> dict[str, str]:
             "TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "FLA_CACHE_RESULTS",
             "RAYTUNE_COMPILE_KEYS")
     from raytune_ft.console import QUIET_ENV, PLAIN_ENV
-    from raytune_ft.env import BYTECODE_ENV
+    from raytune_ft.env import ALLOC_CONF_DEFAULT, ALLOC_CONF_ENV, BYTECODE_ENV
 
     # the driver set them (cli.job_main): workers on other nodes too
     keep += (*QUIET_ENV, *PLAIN_ENV, *BYTECODE_ENV)
-    return {k: os.environ[k] for k in keep if k in os.environ}
+    return {k: os.environ[k] for k in keep if k in os.environ} | {
+        ALLOC_CONF_ENV: os.environ.get(ALLOC_CONF_ENV, ALLOC_CONF_DEFAULT)}
 
 
 def unfixable_error(exc: BaseException | None) -> BaseException | None:
