@@ -266,6 +266,24 @@ def test_plan_within_10_percent_of_the_64_layer_fsdp2_peak():
     assert not shipped.fits
 
 
+# the same rank under context parallelism: `python -m bench gpu shape --layers 64 --cp 8 --seq 65536 --whole --steps 2
+# --warm 1 --ckpt off --master bf16 --set train.activation_checkpointing=full`, one H100, 2026-12-07, the same
+# versions (bench/RESULTS.md, g17): 54.01 GiB. The plan (49.15) is 9% UNDER it: inside 10%, but not the upper
+# estimate it is at 32k without CP (bench/NOTES.md has the suspects); at 131,072 tokens `auto`'s keep:3 ran out of
+# memory in its second step, so that setting is not held here
+MEASURED_CP8_65K_H100 = {"ranks": 8, "cp": 8, "seq": 65536, "checkpointing": "full", "peak_gib": 54.01}
+
+
+def test_plan_within_10_percent_of_the_64_layer_peak_under_context_parallelism():
+    m = MEASURED_CP8_65K_H100
+    recipe = apply_overrides(job("qwen27b_b300").recipe(), [
+        f"scaling.num_workers={m['ranks']}", f"scaling.context_parallel={m['cp']}", f"data.seq_len={m['seq']}",
+        "train.master_weights=bf16", f"train.activation_checkpointing={m['checkpointing']}"])
+    plan = memory_plan(recipe, gpu="H100")
+    assert any(line.name == "context-parallel exchange" for line in plan.lines)
+    assert plan.total_bytes / GiB == pytest.approx(m["peak_gib"], rel=0.10)
+
+
 # jobs/qwen27b_lora.py on one H100 (`python -m bench gpu lora --gpus 0 --layers 10 --steps 4 --lora-seq 8192`,
 # 2026-12-06, bench/RESULTS.md): FSDP2 at world size 1, frozen bf16 base, r=16 on every linear, full AC, compile
 MEASURED_LORA_H100 = [(10, 32768, 34.5), (64, 8192, 74.8)]
