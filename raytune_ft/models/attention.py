@@ -189,22 +189,25 @@ class QKV(NamedTuple):
 _NATIVE_GQA: dict[tuple, bool] = {}
 
 
-def _native_gqa_ok(fn, x: QKV, cu, max_len: int, kw: dict) -> bool:
+def _native_gqa_ok(fn, x: QKV, cu, max_len: int, kw: dict, keys: tuple | None = None) -> bool:
     """Whether this torch's varlen_attn takes fewer key/value heads than query heads as they are.
 
     Torch versions before `enable_gqa` existed (2.11) pass k/v straight to the flash kernel, which
     shares each KV head among its query-head group; repeating k/v 6x for Qwen3.5 costs memory traffic in
-    every full-attention layer. Checked once per (heads, kv heads, head_dim, dtype) against the repeated
-    result on the first call (forward only, no grad) and logged; any error or mismatch keeps the repeat."""
+    every full-attention layer, and under context parallelism 6x the gathered keys and their gradients.
+    Checked once per (heads, kv heads, head_dim, dtype) against the repeated result on the first call
+    (forward only, no grad) and logged; any error or mismatch keeps the repeat. `keys`: (cu_k, max_k) where
+    there are more keys than queries (the CP form); default the queries' own."""
     q, k, v = x
+    cu_k, max_k = keys or (cu, max_len)
     key = (q.shape[1], k.shape[1], q.shape[2], q.dtype)
     if key not in _NATIVE_GQA:
         rep = q.shape[1] // k.shape[1]
         try:
             with torch.no_grad():
-                native = fn(q, k, v, cu, cu, max_len, max_len, **kw)
-                ref = fn(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), cu, cu,
-                         max_len, max_len, **kw)
+                native = fn(q, k, v, cu, cu_k, max_len, max_k, **kw)
+                ref = fn(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), cu, cu_k,
+                         max_len, max_k, **kw)
                 err = float((native.float() - ref.float()).abs().max())
             ok = err <= 1e-3 * max(1.0, float(ref.float().abs().max()))
             why = f"max difference {err:.2e} from the repeated k/v"

@@ -175,6 +175,50 @@ def test_varlen_gqa_is_used_natively_only_when_it_matches(monkeypatch):
         assert att._native_gqa_ok(fn, att.QKV(q, k, v), cu, 25, {"window_size": (-1, 0)}) is expect, fn.__name__
 
 
+def test_context_parallel_attention_shares_the_kv_heads_where_the_kernel_does(monkeypatch):
+    """Under CP each rank's queries run against the gathered keys of their conversations, more keys than queries.
+    With a torch whose varlen_attn has no `enable_gqa` (2.11), the 4 KV heads went to the kernel repeated to 24:
+    6x the selected keys and their gradients. Now the same check as the packed path decides. varlen_attn needs
+    CUDA, so the kernels here are test doubles built from SDPA (bottom-right causal, as FlashAttention aligns
+    more keys than queries): one that shares KV heads across query groups, one that refuses fewer KV heads."""
+    import torch.nn.functional as F
+
+    import raytune_ft.models.attention as att
+    import raytune_ft.models.context_parallel as cp
+    import raytune_ft.models.context_parallel.full_attention as fa
+
+    seen: list[int] = []
+
+    def sharing(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, 0), scale=None):
+        seen.append(k.shape[1])
+        outs = []
+        for qs, qe, ks, ke in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+            mask = torch.ones(qe - qs, ke - ks, dtype=torch.bool).tril((ke - ks) - (qe - qs))
+            outs.append(F.scaled_dot_product_attention(
+                q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1), v[ks:ke].transpose(0, 1), attn_mask=mask,
+                scale=scale, enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1))
+        return torch.cat(outs)
+
+    def refusing(q, k, v, *a, **kw):
+        if q.shape[1] != k.shape[1]:
+            raise RuntimeError("number of heads in key/value must divide number of heads in query")
+        return sharing(q, k, v, *a, **kw)
+
+    torch.manual_seed(0)
+    shard = cp.make_shard([0, 10, 40], 40, 1, 0)     # chunk 1 continues the conversation chunk 0 began
+    q = torch.randn(40, 6, 8, dtype=torch.bfloat16)
+    k, v = torch.randn(40, 2, 8, dtype=torch.bfloat16), torch.randn(40, 2, 8, dtype=torch.bfloat16)
+    exact = fa.cp_attention(q.float(), k.float(), v.float(), shard)    # fp32: the masked SDPA path
+    # the KV heads each kernel call got: the check's native and repeated forms, then the call itself
+    for kernel, calls in ((sharing, [2, 6, 2]), (refusing, [6])):
+        monkeypatch.setattr(att, "_NATIVE_GQA", {})
+        monkeypatch.setattr(fa, "_torch_varlen", lambda kernel=kernel: (kernel, frozenset({"window_size", "scale"})))
+        seen.clear()
+        out = fa.cp_attention(q, k, v, shard, backend="torch_varlen")
+        assert seen == calls, kernel.__name__
+        torch.testing.assert_close(out.float(), exact, atol=3e-2, rtol=3e-2)
+
+
 def test_save_final_false_needs_registry_off():
     r = Recipe()
     r.train.save_final = False

@@ -7,7 +7,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from raytune_ft.models.attention import _flash_attn_varlen, _torch_varlen, select_attention_backend
+from raytune_ft.models.attention import (QKV, _flash_attn_varlen, _native_gqa_ok, _torch_varlen,
+                                        select_attention_backend)
 from raytune_ft.models.context_parallel.exchange import gather_ranks
 from raytune_ft.models.context_parallel.layout import CPShard, Piece, zigzag_index
 
@@ -76,7 +77,7 @@ def _varlen_pieces(q_THD, k_all, v_all, pieces: list[Piece], scaling, backend: s
     if q_THD.shape[1] != k.shape[1]:
         if "enable_gqa" in params:
             kw["enable_gqa"] = True
-        else:
-            rep = q_THD.shape[1] // k.shape[1]
+        elif not _native_gqa_ok(fn, QKV(q_THD, k, v), cu_q, max(q_lens), kw, keys=(cu_k, max(k_lens))):
+            rep = q_THD.shape[1] // k.shape[1]      # 6x the selected keys and their gradients: the last resort
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     return fn(q_THD, k, v, cu_q, cu_k, max(q_lens), max(k_lens), **kw)
