@@ -25,3 +25,10 @@ def measured_64() -> dict:
     return {"gpu": shape["gpu"], **shape["setting"], **shape["values"], "date": shape["date"],
             "command": shape["command"],
             "checkpoint": {k.removeprefix("checkpoint."): v for k, v in ckpt["values"].items()}}
+
+
+def measured_64_cp() -> dict:
+    """The same shape as one rank of a context-parallel group, in measured_64's terms: its setting (with `cp`),
+    step, throughput and peak; the build, compile and checkpoint are measured_64's (CP changes none of them)."""
+    cp = figure("shape_64_cp8")
+    return {**measured_64(), **cp["setting"], **cp["values"], "date": cp["date"], "command": cp["command"]}

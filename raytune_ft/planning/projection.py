@@ -29,10 +29,12 @@ from dataclasses import dataclass
 
 from raytune_ft.planning.cp_comms import COLLECTIVE_LATENCY_S
 from raytune_ft.planning.hardware import GiB, gpu_spec
-from raytune_ft.planning.measured import figure, measured_64
+from raytune_ft.planning.measured import figure, measured_64, measured_64_cp
 
-# the measured inputs, each with its bench record (planning/data/measured.json; tests/planning/test_measured.py)
+# the measured inputs, each with its bench record (planning/data/measured.json; tests/planning/test_measured.py):
+# without context parallelism, and as a rank of a CP group (the long-context step, slower per token)
 MEASURED_64: dict | None = measured_64()
+MEASURED_64_CP: dict | None = measured_64_cp()
 DATA_TOK_S_PER_CORE = float(figure("data_tok_s_per_core")["values"]["tok_s"])
 # the seed's own figure for one pass of the recipe on 8xB300
 SEED_PASS_HOURS = 2.5
@@ -75,7 +77,8 @@ def project(recipe, plan, measured: dict | None = None, gpu: str = "B300") -> Pr
     `gpu`; None where no 64-layer measurement of this model exists, the loop is not FSDP2, or the run is a
     LoRA run (the measurement is full SFT's: its step, its fp32 reduce-scatter and its checkpoints are not a
     LoRA run's)."""
-    m = MEASURED_64 if measured is None else measured
+    cp = recipe.scaling.context_parallel
+    m = measured if measured is not None else MEASURED_64_CP if cp > 1 and MEASURED_64_CP else MEASURED_64
     shape = plan.shape
     if (m is None or recipe.train.loop != "fsdp2" or recipe.train.lora_r > 0 or shape.n_layers != m["layers"]
             or shape.hidden != m["hidden"]):
@@ -89,16 +92,17 @@ def project(recipe, plan, measured: dict | None = None, gpu: str = "B300") -> Pr
         items.append(Item(name, float(value), unit, source, how))
         return float(value)
 
+    in_cp = f" as one of a CP group of {m['cp']}" if m.get("cp", 1) > 1 else ""
     measured_s = add("measured step", m["s_per_step"], "s", "measured",
-                     f"{m['gpu']}, rank 0 of {m['ranks']}, {m['seq']:,} tokens, {m['master']} master weights, "
+                     f"{m['gpu']}, rank 0 of {m['ranks']}{in_cp}, {m['seq']:,} tokens, {m['master']} master weights, "
                      f"{m['tok_s_per_rank']:,} tok/s per rank, MFU {m['mfu']:.1%} ({m['mfu_with_gdn']:.1%} with the "
                      f"gated-delta-net FLOPs), peak {m['peak_gib']} GiB; {m['date']}, {m['command']}")
     ratio = add("peak ratio", target.peak_bf16_tflops / source_gpu.peak_bf16_tflops, "x", "stated",
                 f"{target.name} {target.peak_bf16_tflops:,.0f} / {source_gpu.name} {source_gpu.peak_bf16_tflops:,.0f} "
                 "TFLOP/s dense bf16 (datasheets)")
-    cp = recipe.scaling.context_parallel
     # under context parallelism a group trains its C members' blocks each step, a rank 1/C of each: the same
-    # tokens per rank and step as without it
+    # tokens per rank and step as without it; the CP measurement's block length is scaled linearly, so a longer
+    # block (attention's quadratic part grows with it) is slower than this says
     split = (f"; {cp} blocks a step over the {cp} CP ranks, 1/{cp} of each a rank, attention's quadratic part "
              "scaled as the rest" if cp > 1 else "")
     compute = add("compute per step", measured_s / ratio * seq / m["seq"], "s", "derived",
