@@ -188,7 +188,7 @@ def child_python_env() -> dict[str, str]:
 BYTECODE_ENV = ("PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE")
 # the CUDA allocator's expandable segments for every worker (driver/launch.py): without them a step whose tensors
 # change size (the long-context steps' micro-batches) strands GiBs in reserved but free blocks, which ran a CP-8
-# rank of the 27B out of memory at 65.5 GiB allocated on an 80 GB GPU (bench/NOTES.md); the user's own value wins
+# rank of the 27B out of memory at 65.5 GiB allocated and 75.9 GiB reserved on an 80 GB GPU; the user's value wins
 ALLOC_CONF_ENV, ALLOC_CONF_DEFAULT = "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"
 
 

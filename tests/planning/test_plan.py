@@ -269,8 +269,8 @@ def test_plan_within_10_percent_of_the_64_layer_fsdp2_peak():
 # the same rank under context parallelism: `python -m bench gpu shape --layers 64 --cp 8 --seq 65536 --whole --steps 2
 # --warm 1 --ckpt off --master bf16 --set train.activation_checkpointing=full`, one H100, 2026-12-07, the same
 # versions (bench/RESULTS.md, g17): 54.01 GiB. The plan (49.15) is 9% UNDER it: inside 10%, but not the upper
-# estimate it is at 32k without CP (bench/NOTES.md has the suspects); at 131,072 tokens `auto`'s keep:3 ran out of
-# memory in its second step, so that setting is not held here
+# estimate it is at 32k without CP (the suspect: the attention keys repeated to 24 heads, since fixed); at 131,072
+# tokens `auto`'s keep:3 ran out of memory in its second step, so that setting is not held here
 MEASURED_CP8_65K_H100 = {"ranks": 8, "cp": 8, "seq": 65536, "checkpointing": "full", "peak_gib": 54.01}
 
 
