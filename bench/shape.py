@@ -41,6 +41,7 @@ import argparse
 import inspect
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -295,11 +296,18 @@ def main(argv=None) -> int:
     out_of_memory = []
     base = {"bench": "shape", "plans": tried, "out_of_memory": out_of_memory, "layers": a.layers, "cp": a.cp,
             "precision": a.precision, "device": device_name or "cpu"}
+    signal.signal(signal.SIGTERM, _cut)     # `timeout` ends a long run: its steps so far are still recorded
     for setting in settings:
         rec = {**base, "setting": setting, "steps": a.steps, "warm": a.warm,
                "shipped": {"ranks": a.ranks, "seq": a.seq or 32768, "master": "fp32"}}
         try:
             run_setting(a, setting, model_dir, device, rec)
+        except StepsCut as e:
+            rec |= {"cut": f"{e} after {len(rec.get('step_s', []))} of {a.steps} steps", "versions": gc.versions()}
+            gc.emit(rec)
+            if a.results or not a.cpu_smoke:
+                records.append(a.results or records.DEFAULT_RESULTS_DIR, rec)
+            return 124
         except torch.OutOfMemoryError as e:
             out_of_memory.append({**setting, "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1),
                                   "error": str(e).split("\n")[0][:200]})
@@ -321,6 +329,14 @@ def main(argv=None) -> int:
     if a.results or not a.cpu_smoke:      # a setting that did not fit is a result too
         records.append(a.results or records.DEFAULT_RESULTS_DIR, failed)
     return 1
+
+
+class StepsCut(Exception):
+    """The run was told to stop (SIGTERM, as `timeout` sends) before its last step."""
+
+
+def _cut(signum, frame) -> None:
+    raise StepsCut(f"stopped by signal {signum}")
 
 
 def run_setting(a, setting: dict, model_dir: str | None, device, rec: dict) -> None:
@@ -388,6 +404,9 @@ def run_setting(a, setting: dict, model_dir: str | None, device, rec: dict) -> N
         flops_gdn.append(sum(flops_per_block(lm.config, ls, include_linear_attention=True)
                              for ls in lens) / group_blocks)
         losses.append(round(float(loss_sum / denom), 4))
+        rec |= {"step_s": [round(x, 2) for x in step_s], "losses": losses}      # a cut run records these
+        if cuda:
+            rec["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         print(f"[shape] step {i + 1}/{a.steps}: {step_s[-1]:.2f} s, {tokens[-1]} tokens, "
               f"peak {torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0:.1f} GiB", flush=True)
         if i == 0:

@@ -43,3 +43,30 @@ def test_shape_bench_runs_rank_0_of_a_context_parallel_group():
     # 4 blocks of 512 tokens a step over 4 ranks: 512 tokens a rank a step
     assert "512.0 tokens" in out.stdout and len(rec["step_s"]) == 3
     assert rec["tok_s_per_rank"] == pytest.approx(512 / rec["s_per_step"], rel=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_shape_run_stopped_by_timeout_still_records_its_steps(tmp_path):
+    """A long-context step takes minutes, and `timeout` (SIGTERM) once cut a run after its first step with nothing
+    written. Stopped after a step, the run writes its record: the steps it made, their losses and that it was cut."""
+    import signal
+
+    results = tmp_path / "results"
+    proc = subprocess.Popen([sys.executable, "-m", "bench", "gpu", "shape", "--cpu-smoke", "--ranks", "8", "--steps",
+                             "3", "--ckpt", "off", "--set", "train.compile=false", "--results", str(results)],
+                            cwd=REPO, env=env_with_path(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("[shape] step 1/"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, _ = proc.communicate(timeout=300)
+    out = "".join(lines) + rest
+    assert proc.returncode == 124, out[-3000:]
+    (record,) = [json.loads(ln) for f in results.glob("*.jsonl") for ln in f.read_text().splitlines()]
+    assert record["cut"].startswith("stopped by signal") and record["cut"].endswith("of 3 steps")
+    assert 1 <= len(record["step_s"]) < 3 and len(record["losses"]) == len(record["step_s"])
+    assert "RESULT " in out and record["setting"] == {"ranks": 8, "seq": 512, "master": "fp32"}
