@@ -219,17 +219,18 @@ def eval_figures(summary: dict) -> dict:
 
 
 # where the machine's own compilers keep their caches when no variable points elsewhere (the job points
-# Triton's, tilelang's and Inductor's into train.cache_dir); `startup --part storage` removes them all
-LOCAL_CACHE_DIRS = ("~/.triton", "~/.tilelang", "~/.cache/tilelang", "~/.nv/ComputeCache", "~/.cache/flashinfer",
-                    "~/.cache/raytune_ft/jit")
+# Triton's, tilelang's and Inductor's into train.cache_dir); `startup --part cold/storage` removes them all, and
+# the job's own default folder (train/jit_cache.DEFAULT_ROOT)
+LOCAL_CACHE_DIRS = ("~/.triton", "~/.tilelang", "~/.cache/tilelang", "~/.nv/ComputeCache", "~/.cache/flashinfer")
 
 
 def clear_local_caches() -> list[str]:
     """Remove this machine's default compiler caches and Inductor's default folder; the ones removed."""
     import getpass
-    import tempfile
 
-    folders = [os.path.expanduser(d) for d in LOCAL_CACHE_DIRS]
+    from raytune_ft.train.jit_cache import DEFAULT_ROOT
+
+    folders = [os.path.expanduser(d) for d in (*LOCAL_CACHE_DIRS, DEFAULT_ROOT)]
     folders.append(os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
     gone = [d for d in folders if os.path.isdir(d)]
     for d in gone:
@@ -388,12 +389,13 @@ class Kit:
 
         def prepare():
             self.write_model_config()
-            if which in (("cold",), ("storage",)):     # a fresh node: an empty cache folder, no other cache of
-                shutil.rmtree(os.path.join(self.work, folder), ignore_errors=True)   # the machine either; the
-                if self.o.cpu_smoke:                                                 # storage's set stays
-                    print("startup: CPU smoke, this machine's own compiler caches left alone", flush=True)
-                for gone in [] if self.o.cpu_smoke else clear_local_caches():
-                    print(f"startup {which[0]}: removed {gone}", flush=True)
+            if which not in (("cold",), ("storage",)):
+                return
+            # a fresh node: an empty cache folder and no other compiler cache on the machine (the storage's set
+            # stays); a CPU smoke run leaves this machine's own caches alone
+            shutil.rmtree(os.path.join(self.work, folder), ignore_errors=True)
+            for gone in [] if self.o.cpu_smoke else clear_local_caches():
+                print(f"startup {which[0]}: removed {gone}", flush=True)
 
         def keep(label):
             def read(summary):

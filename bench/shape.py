@@ -404,11 +404,12 @@ def run_setting(a, setting: dict, model_dir: str | None, device, rec: dict) -> N
         flops_gdn.append(sum(flops_per_block(lm.config, ls, include_linear_attention=True)
                              for ls in lens) / group_blocks)
         losses.append(round(float(loss_sum / denom), 4))
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
         rec |= {"step_s": [round(x, 2) for x in step_s], "losses": losses}      # a cut run records these
         if cuda:
-            rec["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-        print(f"[shape] step {i + 1}/{a.steps}: {step_s[-1]:.2f} s, {tokens[-1]} tokens, "
-              f"peak {torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0:.1f} GiB", flush=True)
+            rec["peak_gib"] = round(peak, 2)
+        print(f"[shape] step {i + 1}/{a.steps}: {step_s[-1]:.2f} s, {tokens[-1]} tokens, peak {peak:.1f} GiB",
+              flush=True)
         if i == 0:
             rec["compile_counts"] = compile_counts()
     timed = slice(a.warm, None)

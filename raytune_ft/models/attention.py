@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -219,6 +219,30 @@ def _native_gqa_ok(fn, x: QKV, cu, max_len: int, kw: dict, keys: tuple | None = 
     return _NATIVE_GQA[key]
 
 
+def torch_varlen_causal(x: QKV, cu_q, max_q: int, scaling: float | None = None,
+                        keys: tuple | None = None) -> torch.Tensor:
+    """torch's varlen_attn, causal, as this torch version takes it: the scale as a keyword or folded into q,
+    fewer KV heads through `enable_gqa`, as they are where the kernel shares them (`_native_gqa_ok`), else
+    repeated. `keys`: (cu_k, max_k) where there are more keys than queries (causal aligns bottom-right: the CP
+    form); default the queries' own."""
+    fn, params = _torch_varlen()
+    cu_k, max_k = keys or (cu_q, max_q)
+    kw: dict[str, Any] = {"window_size": (-1, 0)}      # (-1, 0) is causal; the default (-1, -1) is not
+    q, k, v = x
+    if scaling is not None:
+        if "scale" in params:
+            kw["scale"] = scaling
+        else:                                           # older signature: fold the scale into q
+            q = q * (scaling * q.shape[-1] ** 0.5)
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        elif not _native_gqa_ok(fn, QKV(q, k, v), cu_q, max_q, kw, keys=(cu_k, max_k)):
+            rep = q.shape[1] // k.shape[1]            # 6x the keys and their gradients: the last resort
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return fn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+
+
 def varlen_attention(x: QKV, cu_seqlens, max_len: int, scaling: float | None = None,
                      backend: str | None = None) -> torch.Tensor:
     """Causal attention within each conversation of a flattened packed batch.
@@ -233,21 +257,7 @@ def varlen_attention(x: QKV, cu_seqlens, max_len: int, scaling: float | None = N
         return _flash_attn_varlen()(q_THD, k_THD, v_THD, cu, cu, max_len, max_len,
                                     dropout_p=0.0, softmax_scale=scaling, causal=True)
     if backend == "torch_varlen" and half:
-        fn, params = _torch_varlen()
-        kw = {"window_size": (-1, 0)}                # (-1, 0) is causal; the default (-1, -1) is not
-        q_in, k_in, v_in = q_THD, k_THD, v_THD
-        if scaling is not None:
-            if "scale" in params:
-                kw["scale"] = scaling
-            else:                                     # older signature: fold the scale into q
-                q_in = q_in * (scaling * q_in.shape[-1] ** 0.5)
-        if q_in.shape[1] != k_in.shape[1]:
-            if "enable_gqa" in params:
-                kw["enable_gqa"] = True
-            elif not _native_gqa_ok(fn, QKV(q_in, k_in, v_in), cu, max_len, kw):
-                rep = q_in.shape[1] // k_in.shape[1]
-                k_in, v_in = k_in.repeat_interleave(rep, dim=1), v_in.repeat_interleave(rep, dim=1)
-        return fn(q_in, k_in, v_in, cu, cu, max_len, max_len, **kw)
+        return torch_varlen_causal(x, cu, max_len, scaling)
     out = _sdpa_blockdiag(q_THD.transpose(0, 1)[None], k_THD.transpose(0, 1)[None],
                           v_THD.transpose(0, 1)[None], cu, scaling)
     return out[0].transpose(0, 1)

@@ -85,8 +85,12 @@ class KernelReport:
         return out
 
     def summary(self) -> str:
-        how = (self.note if not self.checked else f"{self.note}, {self.seconds:.1f} s" if self.note
-               else f"checked in {self.seconds:.1f} s")
+        if not self.checked:
+            how = self.note
+        elif self.note:
+            how = f"{self.note}, {self.seconds:.1f} s"
+        else:
+            how = f"checked in {self.seconds:.1f} s"
         return f"kernels in use ({how}): " + ", ".join(f"{k}={v}" for k, v in self.in_use.items())
 
 

@@ -34,7 +34,7 @@ from raytune_ft.planning.measured import figure, measured_64, measured_64_cp
 # the measured inputs, each with its bench record (planning/data/measured.json; tests/planning/test_measured.py):
 # without context parallelism, and as a rank of a CP group (the long-context step, slower per token)
 MEASURED_64: dict | None = measured_64()
-MEASURED_64_CP: dict | None = measured_64_cp()
+MEASURED_64_CP: dict = measured_64_cp()
 DATA_TOK_S_PER_CORE = float(figure("data_tok_s_per_core")["values"]["tok_s"])
 # the seed's own figure for one pass of the recipe on 8xB300
 SEED_PASS_HOURS = 2.5
@@ -78,7 +78,7 @@ def project(recipe, plan, measured: dict | None = None, gpu: str = "B300") -> Pr
     LoRA run (the measurement is full SFT's: its step, its fp32 reduce-scatter and its checkpoints are not a
     LoRA run's)."""
     cp = recipe.scaling.context_parallel
-    m = measured if measured is not None else MEASURED_64_CP if cp > 1 and MEASURED_64_CP else MEASURED_64
+    m = measured if measured is not None else MEASURED_64_CP if cp > 1 else MEASURED_64
     shape = plan.shape
     if (m is None or recipe.train.loop != "fsdp2" or recipe.train.lora_r > 0 or shape.n_layers != m["layers"]
             or shape.hidden != m["hidden"]):

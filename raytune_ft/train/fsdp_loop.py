@@ -97,9 +97,7 @@ def train_fsdp(config: dict) -> None:
 
     # checkpoint folders of dead attempts off the storage, once the run folder's lease is found still this job's
     ckpt_storage.start_attempt(rank, config.get("lease_token"), log.info)
-    jit = jit_cache.for_worker(recipe, device, log.info)   # before anything compiles
-    if jit is not None and jit.restored:        # a node that started from the storage's set
-        log.startup.note("jit_cache", jit.restored)
+    jit = jit_cache.for_worker(recipe, device, log.info, log.startup)   # before anything compiles
     log.startup.mark("model_build.setup")
     model, lm, tok = build_fsdp_model(recipe, device, log)
     libraries_to_file(library_log("workers"))     # transformers' own log lines too, now that it is imported

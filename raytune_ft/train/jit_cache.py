@@ -268,9 +268,10 @@ def cache_root(recipe) -> str:
     return getattr(recipe.train, "cache_dir", None) or DEFAULT_ROOT
 
 
-def for_worker(recipe, device, log) -> JitCache | None:
+def for_worker(recipe, device, log, startup=None) -> JitCache | None:
     """`open_cache` as a training loop calls it on each Ray Train worker: the recipe's `train.cache_dir`
-    (default: DEFAULT_ROOT), this worker's fingerprint (its GPU, the recipe's model), the run's storage root."""
+    (default: DEFAULT_ROOT), this worker's fingerprint (its GPU, the recipe's model), the run's storage root.
+    `startup`: the worker's start-up clock (train/startup_clock.py), told what a restored set brought."""
     device_name = None
     try:
         import torch
@@ -291,4 +292,6 @@ def for_worker(recipe, device, log) -> JitCache | None:
                        log=log)
     if cache is not None and device_name:     # a CPU run compiles nothing worth a line
         log(f"JIT caches in {cache.folder}")
+    if cache is not None and cache.restored and startup is not None:    # a node that started from the storage's set
+        startup.note("jit_cache", cache.restored)
     return cache

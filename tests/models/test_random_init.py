@@ -212,7 +212,7 @@ def test_context_parallel_attention_shares_the_kv_heads_where_the_kernel_does(mo
     # the KV heads each kernel call got: the check's native and repeated forms, then the call itself
     for kernel, calls in ((sharing, [2, 6, 2]), (refusing, [6])):
         monkeypatch.setattr(att, "_NATIVE_GQA", {})
-        monkeypatch.setattr(fa, "_torch_varlen", lambda kernel=kernel: (kernel, frozenset({"window_size", "scale"})))
+        monkeypatch.setattr(att, "_torch_varlen", lambda kernel=kernel: (kernel, frozenset({"window_size", "scale"})))
         seen.clear()
         out = fa.cp_attention(q, k, v, shard, backend="torch_varlen")
         assert seen == calls, kernel.__name__

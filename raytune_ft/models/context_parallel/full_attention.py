@@ -1,14 +1,12 @@
 """Full attention on one rank's share: its queries over the gathered keys of their own conversations."""
 from __future__ import annotations
 
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from raytune_ft.models.attention import (QKV, _flash_attn_varlen, _native_gqa_ok, _torch_varlen,
-                                        select_attention_backend)
+from raytune_ft.models.attention import QKV, _flash_attn_varlen, select_attention_backend, torch_varlen_causal
 from raytune_ft.models.context_parallel.exchange import gather_ranks
 from raytune_ft.models.context_parallel.layout import CPShard, Piece, zigzag_index
 
@@ -67,17 +65,4 @@ def _varlen_pieces(q_THD, k_all, v_all, pieces: list[Piece], scaling, backend: s
     if backend == "flash_attn":
         return _flash_attn_varlen()(q_THD, k, v, cu_q, cu_k, max(q_lens), max(k_lens), dropout_p=0.0,
                                     softmax_scale=scaling, causal=True)
-    fn, params = _torch_varlen()
-    kw: dict[str, Any] = {"window_size": (-1, 0)}            # causal
-    if scaling is not None:
-        if "scale" in params:
-            kw["scale"] = scaling
-        else:
-            q_THD = q_THD * (scaling * q_THD.shape[-1] ** 0.5)
-    if q_THD.shape[1] != k.shape[1]:
-        if "enable_gqa" in params:
-            kw["enable_gqa"] = True
-        elif not _native_gqa_ok(fn, QKV(q_THD, k, v), cu_q, max(q_lens), kw, keys=(cu_k, max(k_lens))):
-            rep = q_THD.shape[1] // k.shape[1]      # 6x the selected keys and their gradients: the last resort
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return fn(q_THD, k, v, cu_q, cu_k, max(q_lens), max(k_lens), **kw)
+    return torch_varlen_causal(QKV(q_THD, k, v), cu_q, max(q_lens), scaling, keys=(cu_k, max(k_lens)))

@@ -92,9 +92,7 @@ def train_trl(config: dict) -> None:
 
     # checkpoint folders of dead attempts off the storage, once the run folder's lease is found still this job's
     start_attempt(rank, config.get("lease_token"), log.info)
-    jit = for_worker(recipe, ray.train.torch.get_device(), log.info)   # before anything compiles
-    if jit is not None and jit.restored:        # a node that started from the storage's set
-        log.startup.note("jit_cache", jit.restored)
+    jit = for_worker(recipe, ray.train.torch.get_device(), log.info, log.startup)   # before anything compiles
     flag_device = torch.device("cuda", torch.cuda.current_device()) if (
         dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
     worker = _Worker(recipe, rank, world, log, recipe.scaling.use_gpu and torch.cuda.is_available(), flag_device)
