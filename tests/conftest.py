@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -215,6 +216,28 @@ def fresh_copy(dest: Path) -> Path:
     return dest
 
 
+class _ByValue:
+    """A spawned rank's queue that sends what it puts as plain pickled bytes. torch.multiprocessing's queue sends
+    a CPU tensor as a file descriptor that the sending process must still be alive to hand over: a rank that
+    exits right after its put loses that race (ConnectionResetError in the parent, seen on a GPU node)."""
+
+    def __init__(self, q):
+        self.q = q
+
+    def put(self, item) -> None:
+        self.q.put(pickle.dumps(item))
+
+    def close(self) -> None:
+        self.q.close()
+
+    def join_thread(self) -> None:
+        self.q.join_thread()
+
+
+def _by_value(target, rank: int, world: int, port: int, q) -> None:
+    target(rank, world, port, _ByValue(q))
+
+
 def run_gloo_ranks(target, world: int = 2, timeout: float = 150) -> dict:
     """{rank: what it put on the queue} of `world` spawned processes running `target(rank, world, port, q)`, each
     inside `spawned_gloo_rank` and putting one (rank, result) pair on `q`; every process must exit 0."""
@@ -225,10 +248,10 @@ def run_gloo_ranks(target, world: int = 2, timeout: float = 150) -> dict:
     port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world, port, q)) for r in range(world)]
+    procs = [ctx.Process(target=_by_value, args=(target, r, world, port, q)) for r in range(world)]
     for p in procs:
         p.start()
-    got = dict(q.get(timeout=timeout) for _ in procs)
+    got = dict(pickle.loads(q.get(timeout=timeout)) for _ in procs)
     for p in procs:
         p.join(timeout=30)
     assert [p.exitcode for p in procs] == [0] * world
