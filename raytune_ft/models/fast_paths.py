@@ -15,7 +15,8 @@ Under context parallelism the same kernels are also called the way models/contex
 ("cp_attention", "cp_gdn_conv", "cp_gdn_recurrence", `cp_paths`): on a group of one, whose block still
 splits into two chunks, so the recurrence starts a chunk from a carried state, the conv reads the chunk
 before it, and attention runs with more keys than queries; a CP candidate carries its kernel's name, so a
-failure switches that kernel off for both forms.
+failure switches that kernel off for both forms. CP attention's first candidate, where cuDNN's attention runs,
+is its own: "cudnn" (models/context_parallel/split_attention.py).
 """
 from __future__ import annotations
 
@@ -257,6 +258,14 @@ def _liger_kernels() -> list[Kernel]:
 
 # -- the context-parallel forms (models/context_parallel) on a group of one
 
+def _cp_only_kernels() -> list[Kernel]:
+    """Kernels only the CP form of a path uses: cuDNN's attention on split pieces (before the varlen ones)."""
+    from raytune_ft.models.context_parallel.split_attention import cudnn_attention_available
+
+    return ([Kernel("cudnn", functools.partial(_cp_attention, backend="cudnn"), ("torch",))]
+            if cudnn_attention_available() else [])
+
+
 def _one_rank_shard(cu: torch.Tensor, total: int):
     from raytune_ft.models.context_parallel import make_shard
 
@@ -302,7 +311,7 @@ def cp_paths(cfg, kernels: list[Kernel]) -> list[FastPath]:
 
 
 # the kernels each packed path can use, by name: a CP form calls the same kernel through its own code
-_SERVES = {"attention": ("flash_attn", "torch_varlen", "sdpa_blockdiag"), "gdn_conv": ("causal_conv1d", "torch_segmented"),
+_SERVES = {"attention": ("cudnn", "flash_attn", "torch_varlen", "sdpa_blockdiag"), "gdn_conv": ("causal_conv1d", "torch_segmented"),
            "gdn_recurrence": ("fla_chunk", "torch_per_segment")}
 
 
@@ -322,7 +331,8 @@ def default_paths(cfg, *, liger: bool = False, dtype: torch.dtype = torch.bfloat
     if has_gated_delta_net(cfg):
         paths += [conv_path(cfg, _conv_kernels()), recurrence_path(cfg, _recurrence_kernels())]
     if context_parallel:
-        paths += cp_paths(cfg, [k for p in paths for k in p.candidates])
+        paths += cp_paths(cfg, [*(_cp_only_kernels() if dtype in HALF else []),
+                                *[k for p in paths for k in p.candidates]])
     if liger:
         paths.append(fused_ce_path(cfg, _liger_kernels()))
     return paths

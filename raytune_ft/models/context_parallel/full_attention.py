@@ -6,19 +6,34 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from raytune_ft.models.attention import QKV, _flash_attn_varlen, select_attention_backend, torch_varlen_causal
+from raytune_ft.models.attention import (DISABLED_KERNELS, QKV, _flash_attn_varlen, select_attention_backend,
+                                        torch_varlen_causal)
+from raytune_ft.models.context_parallel import split_attention
 from raytune_ft.models.context_parallel.exchange import gather_ranks
 from raytune_ft.models.context_parallel.layout import CPShard, Piece, zigzag_index
 
 
 _DENSE_MASK_MAX = 8192 * 8192     # query x key entries above which the CPU path loops over pieces
+# under "cudnn", pieces of fewer queries than this (or than a chunk, where chunks are shorter) go to one
+# call of the packed path's kernel together: many short conversations would be many small calls
+CUDNN_MIN_QUERIES = 1024
+
+
+def select_cp_attention_backend(device) -> str:
+    """The kernel CP attention uses on `device`: "cudnn" (split_attention) where cuDNN's attention runs and the
+    start-up check has not switched it off, else the packed path's (attention.select_attention_backend)."""
+    if (torch.device(device).type == "cuda" and "cudnn" not in DISABLED_KERNELS
+            and split_attention.cudnn_attention_available()):
+        return "cudnn"
+    return select_attention_backend(device)
 
 
 def cp_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, shard: CPShard,
                  scaling: float | None = None, backend: str | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries (T_local, H, d) over the whole block's keys of their own
     conversation: K and V (T_local, Hkv, d) are all-gathered. Returns (T_local, H, d). `backend`: the
-    kernel to use (the start-up kernel check names it; default: attention.select_attention_backend's)."""
+    kernel to use (the start-up kernel check names it; default: select_cp_attention_backend's); under
+    "cudnn", pieces shorter than CUDNN_MIN_QUERIES and than a chunk take the packed path's kernel."""
     d = k_THD.shape[-1]
     kv = gather_ranks(torch.cat([k_THD, v_THD], dim=-1), shard)          # (size, T_local, Hkv, 2d)
     kv = kv.reshape(-1, *kv.shape[2:])
@@ -26,7 +41,9 @@ def cp_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, 
     kv_global = torch.empty_like(kv).index_copy(0, order.to(kv.device), kv)
     k_all, v_all = kv_global[..., :d], kv_global[..., d:]
     pieces = shard.pieces(0) + shard.pieces(1)
-    backend = backend or select_attention_backend(q_THD.device)
+    backend = backend or select_cp_attention_backend(q_THD.device)
+    if backend == "cudnn" and (q_THD.dtype in (torch.float16, torch.bfloat16) or not q_THD.is_cuda):
+        return _split_pieces(q_THD, k_all, v_all, pieces, scaling, min(CUDNN_MIN_QUERIES, shard.chunk_len))
     if q_THD.dtype in (torch.float16, torch.bfloat16) and backend in ("flash_attn", "torch_varlen"):
         return _varlen_pieces(q_THD, k_all, v_all, pieces, scaling, backend)
     gqa = q_THD.shape[1] != k_all.shape[1]
@@ -66,3 +83,31 @@ def _varlen_pieces(q_THD, k_all, v_all, pieces: list[Piece], scaling, backend: s
         return _flash_attn_varlen()(q_THD, k, v, cu_q, cu_k, max(q_lens), max(k_lens), dropout_p=0.0,
                                     softmax_scale=scaling, causal=True)
     return torch_varlen_causal(QKV(q_THD, k, v), cu_q, max(q_lens), scaling, keys=(cu_k, max(k_lens)))
+
+
+def _split_pieces(q_THD, k_all, v_all, pieces: list[Piece], scaling, min_queries: int):
+    """Pieces of at least `min_queries` queries through split_attention (cuDNN on CUDA, its plain-torch form
+    elsewhere), the rest in one call of the packed path's kernel; the rows back in local order."""
+    scale = scaling if scaling is not None else q_THD.shape[-1] ** -0.5
+    kernels = split_attention.KERNELS["cudnn" if q_THD.is_cuda else "math"]
+    small = [p for p in pieces if p.end - p.start < min_queries]
+    rest = iter([])
+    if small:
+        q_small = torch.cat([q_THD[p.start:p.end] for p in small])
+        local = [Piece(i, i + p.end - p.start, p.global_start, p.conv_start)
+                 for i, p in zip(np.cumsum([0] + [p.end - p.start for p in small]), small)]
+        backend = select_attention_backend(q_THD.device)
+        if q_THD.dtype in (torch.float16, torch.bfloat16) and backend in ("flash_attn", "torch_varlen"):
+            out = _varlen_pieces(q_small, k_all, v_all, local, scaling, backend)
+        else:
+            out = torch.cat([_one_piece(q_small, k_all, v_all, p, scale, kernels) for p in local])
+        rest = iter(out.split([p.end - p.start for p in small]))
+    outs = [next(rest) if p.end - p.start < min_queries else _one_piece(q_THD, k_all, v_all, p, scale, kernels)
+            for p in pieces]
+    return torch.cat(outs)
+
+
+def _one_piece(q_THD, k_all, v_all, p: Piece, scale: float, kernels) -> torch.Tensor:
+    ks = slice(p.conv_start, p.global_start + p.end - p.start)
+    split = split_attention.Split(p.global_start - p.conv_start, scale, kernels)
+    return split_attention.prefix_causal_attention(q_THD[p.start:p.end], k_all[ks], v_all[ks], split)
