@@ -137,3 +137,19 @@ def torchao_inner_tensor(t):
         raise CompatError(f"{installed('torchao')}: {type(t).__name__} holds no tensor first ({names}); checked "
                           f"on {TORCHAO}. Update raytune_ft/compat/ for this torchao.")
     return inner
+
+
+# torch's cuDNN attention ops, forward and backward, each with its log-sum-exp (checked on torch 2.11-2.13)
+TORCH_CUDNN_ATTENTION_OPS = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward")
+
+
+def cudnn_attention_ops() -> tuple[Callable, Callable] | None:
+    """(forward, backward) of torch's private cuDNN attention ops, or None where this torch has none. CP's split
+    attention (models/context_parallel/split_attention.py) needs the forward's log-sum-exp and a backward from a
+    merged output and normaliser: SDPA's public call gives neither."""
+    import torch
+
+    try:
+        return tuple(getattr(torch.ops.aten, name) for name in TORCH_CUDNN_ATTENTION_OPS)
+    except (AttributeError, RuntimeError):
+        return None

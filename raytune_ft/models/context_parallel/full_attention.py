@@ -1,14 +1,13 @@
 """Full attention on one rank's share: its queries over the gathered keys of their own conversations."""
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+import raytune_ft.models.context_parallel.split_attention as split_attention
 from raytune_ft.models.attention import (DISABLED_KERNELS, QKV, _flash_attn_varlen, select_attention_backend,
                                         torch_varlen_causal)
-from raytune_ft.models.context_parallel import split_attention
 from raytune_ft.models.context_parallel.exchange import gather_ranks
 from raytune_ft.models.context_parallel.layout import CPShard, Piece, zigzag_index
 

@@ -21,6 +21,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from raytune_ft.compat.torch_internals import cudnn_attention_ops
+
 
 class Part(NamedTuple):
     """One kernel call: q (1, H, nq, d) over k/v (1, Hkv, nk, d), all keys visible or a causal square."""
@@ -41,15 +43,14 @@ class SplitKernels(NamedTuple):
 
 
 def _cudnn_forward(x: Part):
-    res = torch.ops.aten._scaled_dot_product_cudnn_attention(x.q, x.k, x.v, None, True, 0.0, x.causal, False,
-                                                             scale=x.scale)
+    res = cudnn_attention_ops()[0](x.q, x.k, x.v, None, True, 0.0, x.causal, False, scale=x.scale)
     out, lse = res[0], res[1]
     return out, lse.reshape(*lse.shape[:3], 1).float(), (lse.shape, *res[2:8])
 
 
 def _cudnn_backward(x: Part, dout, out, lse, state):
     lse_shape, cu_q, cu_k, max_q, max_k, seed, offset = state      # the op's own lse shape, as it returned it
-    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+    return cudnn_attention_ops()[1](
         dout, x.q, x.k, x.v, out, lse.reshape(lse_shape), seed, offset, None, cu_q, cu_k, max_q, max_k, 0.0,
         x.causal, scale=x.scale)[:3]
 
@@ -152,5 +153,5 @@ def prefix_causal_attention(q_THD, k_THD, v_THD, split: Split):
 def cudnn_attention_available() -> bool:
     """Whether this torch has cuDNN's attention ops and a GPU they run on (the kernel check proves them)."""
     return (torch.cuda.is_available() and torch.backends.cudnn.is_available()
-            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
+            and cudnn_attention_ops() is not None
             and torch.cuda.get_device_capability() >= (8, 0))
