@@ -60,8 +60,10 @@ class _ChunkedCE(torch.autograd.Function):
         if grad_h is None and grad_w is None and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
             raise RuntimeError("chunked_cross_entropy: backward through a loss computed without gradients "
                                "(it ran under no_grad or inference_mode)")
-        gh = grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None
-        gw = (grad_w * grad_loss).to(ctx.weight_dtype) if grad_w is not None else None
+        # scaled in place (autograd refuses a second backward through them: their version moved on)
+        gh = grad_h.mul_(grad_loss.to(grad_h.dtype)) if grad_h is not None else None
+        # in place: a second fp32 (V, D) tensor would be 4.7 GiB at the 27B's vocabulary, at the backward's start
+        gw = grad_w.mul_(grad_loss).to(ctx.weight_dtype) if grad_w is not None else None
         return gh, gw, None, None, None
 
 

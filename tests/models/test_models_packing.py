@@ -314,3 +314,37 @@ def test_packed_backward_float64_qwen3_5():
     worst = max(((a - p.grad).abs().max() / (p.grad.abs().max() + 1e-30)).item()
                 for a, p in zip(packed_grads, params))
     assert worst < 1e-6, worst
+
+
+def test_chunked_loss_backward_makes_no_second_fp32_copy_of_the_head_gradient():
+    """The loss keeps the lm_head's gradient in an fp32 (V, D) accumulator from its forward; its backward scales
+    it by the incoming gradient in place and casts it once to the weight's dtype. A new fp32 product there was
+    4.7 GiB at the 27B's vocabulary on top of the accumulator, at the backward's start. Counted: the bytes of every
+    new storage an op makes during the backward (a dispatch mode; frees are not subtracted). A second backward
+    through the same loss is refused (autograd sees the saved gradients changed in place), not wrong."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class NewBytes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                    self.total += t.untyped_storage().nbytes()
+            return out
+
+    vocab, d, t = 4096, 64, 40
+    w = torch.randn(vocab, d, dtype=torch.bfloat16, requires_grad=True)
+    h = torch.randn(1, t, d, dtype=torch.bfloat16, requires_grad=True)
+    loss_sum, n = chunked_cross_entropy(h, w, torch.randint(0, vocab, (1, t)), chunk_size=16)
+    loss = loss_sum / n
+    with NewBytes() as counted:
+        loss.backward(retain_graph=True)
+    assert w.grad.dtype == torch.bfloat16
+    assert counted.total < vocab * d * 4, counted.total          # the bf16 cast and small tensors only
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
