@@ -38,6 +38,7 @@ Prints `RESULT {json}` and appends a dated record (bench/results/<date>.jsonl).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import os
 import shutil
@@ -76,6 +77,8 @@ def parse(argv):
     p.add_argument("--whole", action="store_true", help="each block one conversation, not the seed's lengths")
     p.add_argument("--profile", action="store_true",
                    help="one more step under torch.profiler: GPU time by kernel kind and by phase, and the gap")
+    p.add_argument("--memory-peak", action="store_true",
+                   help="one more step under CUDA memory history: what is live at its peak, by allocating line")
     return p.parse_args(argv)
 
 
@@ -426,7 +429,8 @@ def run_setting(a, setting: dict, model_dir: str | None, device, rec: dict) -> N
     if cuda:
         rec["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         rec["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
-    if a.profile and cuda:
+    if (a.profile or a.memory_peak) and cuda:
+        from bench.memory_peak import memory_peak
         from bench.step_profile import profile_step
 
         def one_step(phase) -> None:
@@ -442,9 +446,14 @@ def run_setting(a, setting: dict, model_dir: str | None, device, rec: dict) -> N
                 with phase("fp8_scales"):
                     precompute_fp8_scales(model, fp8)
 
-        rec["profile"] = profile_step(one_step, device)
-        print(f"[shape] profile: {rec['profile']['by_kind_share']} gap {rec['profile']['gap_ms']} ms of "
-              f"{rec['profile']['wall_ms']} ms", flush=True)
+        if a.profile:
+            rec["profile"] = profile_step(one_step, device)
+            print(f"[shape] profile: {rec['profile']['by_kind_share']} gap {rec['profile']['gap_ms']} ms of "
+                  f"{rec['profile']['wall_ms']} ms", flush=True)
+        if a.memory_peak:
+            rec["memory_peak"] = memory_peak(lambda: one_step(lambda name: contextlib.nullcontext()), device)
+            print(f"[shape] memory peak: {rec['memory_peak']['peak_gib']} GiB, by site "
+                  f"{rec['memory_peak']['by_site_gib']}", flush=True)
     if a.ckpt == "on" or (a.ckpt == "auto" and cuda):
         folder = a.ckpt_dir or tempfile.mkdtemp(prefix="raytune_shape_ckpt_")
         os.makedirs(folder, exist_ok=True)

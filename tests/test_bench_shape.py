@@ -70,3 +70,34 @@ def test_a_shape_run_stopped_by_timeout_still_records_its_steps(tmp_path):
     assert record["cut"].startswith("stopped by signal") and record["cut"].endswith("of 3 steps")
     assert 1 <= len(record["step_s"]) < 3 and len(record["losses"]) == len(record["step_s"])
     assert "RESULT " in out and record["setting"] == {"ranks": 8, "seq": 512, "master": "fp32"}
+
+
+def test_the_memory_peak_replays_the_step_and_names_the_lines_live_at_it():
+    """bench/memory_peak.py on a hand-written trace (the CUDA memory history needs a GPU): the peak is the
+    baseline plus the most the step's own allocations held at once; what is live then is grouped by the first
+    frame in the project (or transformers), else the first frame; a freed allocation is not counted."""
+    sys.path.insert(0, str(REPO))
+    from bench.memory_peak import peak_of_trace, site
+
+    gib = 2 ** 30
+    own = [{"filename": "/x/site-packages/torch/autograd/function.py", "line": 5, "name": "apply"},
+           {"filename": "/repo/raytune_ft/models/loss.py", "line": 64, "name": "backward"}]
+    lib = [{"filename": "/x/site-packages/torch/nn/functional.py", "line": 9, "name": "linear"}]
+    trace = [{"action": "alloc", "addr": 1, "size": gib, "frames": own},
+             {"action": "alloc", "addr": 2, "size": 2 * gib, "frames": lib},
+             {"action": "alloc", "addr": 3, "size": gib, "frames": own},
+             {"action": "free_requested", "addr": 1, "size": gib},
+             {"action": "free_completed", "addr": 1, "size": gib},
+             {"action": "alloc", "addr": 4, "size": gib // 2, "frames": lib}]
+    got = peak_of_trace(trace, baseline=10 * gib)
+    assert got["peak_gib"] == 14.0 and got["step_gib"] == 4.0 and got["baseline_gib"] == 10.0
+    assert site(own) == "raytune_ft/models/loss.py:64 backward"
+    assert got["by_site_gib"] == {"torch/nn/functional.py:9 linear": 2.0, "raytune_ft/models/loss.py:64 backward": 2.0}
+    assert got["largest"][0]["gib"] == 2.0
+
+
+def test_the_shape_bench_takes_the_memory_peak_option():
+    sys.path.insert(0, str(REPO))
+    from bench.shape import parse
+
+    assert parse(["--memory-peak", "--cp", "8"]).memory_peak and not parse([]).memory_peak

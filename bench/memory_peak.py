@@ -1,0 +1,77 @@
+"""What is live at a step's memory peak, and where it was allocated: one training step under torch's CUDA memory
+history (`torch.cuda.memory._record_memory_history`), its trace replayed to the moment the step's own allocations
+were largest, those live then grouped by the line that allocated them (the first frame in raytune_ft, bench or
+transformers, else the first frame). The bytes already allocated when the step began (weights, gradients, the
+optimizer's states) are the baseline, named as one sum.
+
+    rec["memory_peak"] = memory_peak(run_step, device)          # bench/shape.py --memory-peak
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+OWN = ("raytune_ft/", "bench/", "transformers/")
+FREES = ("free_requested", "free_completed")
+
+
+def site(frames: list[dict]) -> str:
+    """The allocating line a person reads first: the first frame in this project or transformers, else the first."""
+    if not frames:
+        return "?"
+    frame = next((f for f in frames if any(o in f.get("filename", "") for o in OWN)), frames[0])
+    name = frame.get("filename", "?")
+    for marker in ("site-packages/", "raytune_ft/", "bench/"):
+        if marker in name:
+            name = (marker if marker != "site-packages/" else "") + name.split(marker, 1)[1]
+            break
+    return f"{name}:{frame.get('line', '?')} {frame.get('name', '?')}"
+
+
+def peak_of_trace(trace: list[dict], baseline: int, top: int = 15) -> dict:
+    """Replay `trace` (one device's alloc / free events) from `baseline` bytes: the peak, and the allocations
+    live at it by site (GiB, largest first) with the `top` largest single ones."""
+    live: dict[int, dict] = {}
+    now = best = 0
+    at_best: dict[int, dict] = {}
+    for e in trace:
+        action, addr = e.get("action"), e.get("addr")
+        if action == "alloc":
+            live[addr] = e
+            now += e["size"]
+            if now > best:
+                best, at_best = now, dict(live)
+        elif action in FREES and addr in live:
+            now -= live.pop(addr)["size"]
+    by_site: dict[str, int] = {}
+    for e in at_best.values():
+        by_site[site(e.get("frames", []))] = by_site.get(site(e.get("frames", [])), 0) + e["size"]
+    largest = sorted(at_best.values(), key=lambda e: -e["size"])[:top]
+    gib = 2 ** 30
+    return {"peak_gib": round((baseline + best) / gib, 2), "baseline_gib": round(baseline / gib, 2),
+            "step_gib": round(best / gib, 2),
+            "by_site_gib": {k: round(v / gib, 3) for k, v in sorted(by_site.items(), key=lambda kv: -kv[1])[:top]},
+            "largest": [{"gib": round(e["size"] / gib, 3), "at": [site([f]) for f in e.get("frames", [])[:4]]}
+                        for e in largest]}
+
+
+def memory_peak(step: Callable[[], None], device, max_entries: int = 400_000) -> dict:
+    """Run `step()` once under the CUDA memory history of `device`; peak_of_trace of what it allocated."""
+    import torch
+
+    torch.cuda.synchronize(device)
+    baseline = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    try:
+        step()
+        torch.cuda.synchronize(device)
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    index = torch.device(device).index or 0
+    trace = snap["device_traces"][index]
+    out = peak_of_trace(trace, baseline)
+    out["max_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    out["trace_events"] = len(trace)
+    out["trace_full"] = len(trace) >= max_entries      # the oldest events dropped: the replay starts late
+    return out
