@@ -1,8 +1,8 @@
 """A rank's long query pieces on cuDNN's fused attention: each piece's keys split into the ones before it (all
 visible) and its own (causal), two kernel calls merged by their log-sum-exps.
 
-Why: at the 27B's head dim of 256 torch's varlen kernel (FlashAttention-2) runs at about 45% of cuDNN's speed on
-an H100 (bench/attention_kernels.py), and under context parallelism with long conversations attention is a
+Why: at the 27B's head dim of 256 torch's varlen kernel (FlashAttention-2) runs at 45-60% of cuDNN's speed on an
+H100 (bench/attention_kernels.py), and under context parallelism with long conversations attention is a
 quarter of the step. cuDNN's causal mask aligns top-left and it takes no varlen packing, so a piece of `nq`
 queries whose conversation started `n_prefix` tokens earlier is computed as
     softmax over [prefix keys | own keys] = merge(attn(q, prefix, all visible), attn(q, own, causal square))
@@ -12,8 +12,8 @@ normaliser each part's probabilities are the full softmax's entries, so its dq /
 attention's for those keys (as ring attention does it). cuDNN shares each KV head among its query-head group.
 
 `KERNELS["cudnn"]` calls torch's cuDNN attention ops; `KERNELS["math"]` computes the same contract in plain torch
-(fp32) and is what the CPU tests run the split and merge with. Pieces shorter than `min_queries` go to one
-varlen call together (many short conversations would be many small calls)."""
+(fp32) and is what the CPU tests run the split and merge with. full_attention.py sends only long pieces here
+(CUDNN_MIN_QUERIES); the short ones go to one varlen call together (many short conversations, many small calls)."""
 from __future__ import annotations
 
 import functools
