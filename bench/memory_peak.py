@@ -27,24 +27,34 @@ def site(frames: list[dict]) -> str:
     return f"{name}:{frame.get('line', '?')} {frame.get('name', '?')}"
 
 
+def _replay(trace: list[dict]):
+    """(bytes allocated by the trace so far, the allocations live) after each event; one dict, updated in place."""
+    live: dict[int, dict] = {}
+    now = 0
+    for e in trace:
+        if e.get("action") == "alloc":
+            live[e["addr"]] = e
+            now += e["size"]
+        elif e.get("action") in FREES and e.get("addr") in live:
+            now -= live.pop(e["addr"])["size"]
+        yield now, live
+
+
 def peak_of_trace(trace: list[dict], baseline: int, top: int = 15) -> dict:
     """Replay `trace` (one device's alloc / free events) from `baseline` bytes: the peak, and the allocations
-    live at it by site (GiB, largest first) with the `top` largest single ones."""
-    live: dict[int, dict] = {}
-    now = best = 0
+    live at it by site (GiB, largest first) with the `top` largest single ones. Two passes: the first finds the
+    event of the peak, the second stops there (no copy of the live set at every new maximum)."""
+    best, best_at = 0, -1
+    for i, (now, _) in enumerate(_replay(trace)):
+        if now > best:
+            best, best_at = now, i
     at_best: dict[int, dict] = {}
-    for e in trace:
-        action, addr = e.get("action"), e.get("addr")
-        if action == "alloc":
-            live[addr] = e
-            now += e["size"]
-            if now > best:
-                best, at_best = now, dict(live)
-        elif action in FREES and addr in live:
-            now -= live.pop(addr)["size"]
+    for _, live in _replay(trace[:best_at + 1]):
+        at_best = live
     by_site: dict[str, int] = {}
     for e in at_best.values():
-        by_site[site(e.get("frames", []))] = by_site.get(site(e.get("frames", [])), 0) + e["size"]
+        where = site(e.get("frames", []))
+        by_site[where] = by_site.get(where, 0) + e["size"]
     largest = sorted(at_best.values(), key=lambda e: -e["size"])[:top]
     gib = 2 ** 30
     return {"peak_gib": round((baseline + best) / gib, 2), "baseline_gib": round(baseline / gib, 2),

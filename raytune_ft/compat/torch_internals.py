@@ -3,6 +3,7 @@ FSDP2's reshard setting, torchao's float8 weight wrappers."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from typing import Callable, Iterator
 
@@ -143,6 +144,7 @@ def torchao_inner_tensor(t):
 TORCH_CUDNN_ATTENTION_OPS = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward")
 
 
+@functools.cache
 def cudnn_attention_ops() -> tuple[Callable, Callable] | None:
     """(forward, backward) of torch's private cuDNN attention ops, or None where this torch has none. CP's split
     attention (models/context_parallel/split_attention.py) needs the forward's log-sum-exp and a backward from a

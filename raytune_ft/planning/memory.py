@@ -159,15 +159,19 @@ def _exchange_line(recipe: Recipe, shape: ModelShape, compute_b: int, choice: Ch
     return MemoryLine("context-parallel exchange", float(total), how)
 
 
+# calibrated once (planning/data/measured.json names the runs): the plan is built for every `auto` candidate
+_CP_ALLOWANCE = figure("cp_allowance")
+CP_ALLOWANCE_MIB = _CP_ALLOWANCE["values"]["mib_per_layer"]
+_CP_FITTED = _CP_ALLOWANCE["fitted_on"][-1]
+
+
 def _cp_allowance_line(shape: ModelShape) -> MemoryLine:
     """What CP peaks hold beyond the lines above: measured as a constant per rank whatever the block's length,
-    its cause not identified; calibrated per decoder layer (planning/data/measured.json names the runs)."""
-    fig = figure("cp_allowance")
-    mib = fig["values"]["mib_per_layer"]
-    fitted = ", ".join(f"{r['values']['peak_gib']} GiB at {r['seq']:,} tokens" for r in fig["fitted_on"][-1:])
-    return MemoryLine("context-parallel allowance", float(mib * 1024**2 * shape.n_layers),
-                      f"{mib} MiB x {shape.n_layers} layers: CP peaks measured over the lines above by a constant "
-                      f"whatever the block's length (cause not identified; fitted on {fitted}, CP 8, H100)")
+    its cause not identified; calibrated per decoder layer."""
+    return MemoryLine("context-parallel allowance", float(CP_ALLOWANCE_MIB * 1024**2 * shape.n_layers),
+                      f"{CP_ALLOWANCE_MIB} MiB x {shape.n_layers} layers: CP peaks measured over the lines above by a "
+                      f"constant whatever the block's length (cause not identified; fitted on "
+                      f"{_CP_FITTED['values']['peak_gib']} GiB at {_CP_FITTED['seq']:,} tokens, CP 8, H100)")
 
 
 def _loss_lines(recipe: Recipe, shape: ModelShape, g: GpuSpec | None, compute_b: int, acts: _Activations,

@@ -43,7 +43,7 @@ def cp_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, 
     backend = backend or select_cp_attention_backend(q_THD.device)
     if backend == "cudnn" and (q_THD.dtype in (torch.float16, torch.bfloat16) or not q_THD.is_cuda):
         return _split_pieces(q_THD, k_all, v_all, pieces, scaling, min(CUDNN_MIN_QUERIES, shard.chunk_len))
-    if q_THD.dtype in (torch.float16, torch.bfloat16) and backend in ("flash_attn", "torch_varlen"):
+    if _varlen(q_THD, backend):
         return _varlen_pieces(q_THD, k_all, v_all, pieces, scaling, backend)
     gqa = q_THD.shape[1] != k_all.shape[1]
     if q_THD.shape[0] * shard.total <= _DENSE_MASK_MAX:
@@ -65,6 +65,11 @@ def cp_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, 
             v_all[ks].transpose(0, 1)[None], attn_mask=mask, scale=scaling, enable_gqa=gqa)
         outs.append(o[0].transpose(0, 1))
     return torch.cat(outs)
+
+
+def _varlen(q_THD, backend: str) -> bool:
+    """Whether `backend` is a varlen kernel that takes `q_THD` (half precision only)."""
+    return q_THD.dtype in (torch.float16, torch.bfloat16) and backend in ("flash_attn", "torch_varlen")
 
 
 def _varlen_pieces(q_THD, k_all, v_all, pieces: list[Piece], scaling, backend: str):
@@ -96,7 +101,7 @@ def _split_pieces(q_THD, k_all, v_all, pieces: list[Piece], scaling, min_queries
         local = [Piece(i, i + p.end - p.start, p.global_start, p.conv_start)
                  for i, p in zip(np.cumsum([0] + [p.end - p.start for p in small]), small)]
         backend = select_attention_backend(q_THD.device)
-        if q_THD.dtype in (torch.float16, torch.bfloat16) and backend in ("flash_attn", "torch_varlen"):
+        if _varlen(q_THD, backend):
             out = _varlen_pieces(q_small, k_all, v_all, local, scaling, backend)
         else:
             out = torch.cat([_one_piece(q_small, k_all, v_all, p, scale, kernels) for p in local])
