@@ -105,7 +105,10 @@ def make_recipe(a, setting: dict, model_dir: str | None):
         sets += [f"scaling.num_workers={setting['ranks']}", "train.compile=true"]
     else:
         tok = a.tokenizer or os.path.join(REPO, "tests", "fixtures", "tokenizers", "qwen3")
-        sets += [f"model.name={model_dir}", "model.init=random", "model.revision=none", f"model.tokenizer={tok}"]
+        sets += [f"model.name={model_dir}", "model.init=random", "model.revision=none", f"model.tokenizer={tok}",
+                 # a speed figure of a fallback path is no figure: a fast kernel that fails the start-up check
+                 # stops the run in seconds (`--set train.kernels=check` measures the paths that passed)
+                 "train.kernels=strict"]
     if a.precision == "fp8":
         sets += ["train.precision=fp8", f"train.fp8_recipe={a.fp8_recipe}"]
     return apply_overrides(r, sets + a.set)
@@ -293,24 +296,22 @@ def main(argv=None) -> int:
         model_dir = os.path.join(work, f"qwen3.8-27b-{a.layers}layers")
         real_config("qwen3.8-27b", num_hidden_layers=a.layers).save_pretrained(model_dir)
     settings, tried = plausible(a, device_name, model_dir)
-    from bench import gpu_common as gc
-    from bench import records
-
     out_of_memory = []
     base = {"bench": "shape", "plans": tried, "out_of_memory": out_of_memory, "layers": a.layers, "cp": a.cp,
             "precision": a.precision, "device": device_name or "cpu"}
     signal.signal(signal.SIGTERM, _cut)     # `timeout` ends a long run: its steps so far are still recorded
+    from raytune_ft.models.kernel_check import KernelCheckError
+
     for setting in settings:
         rec = {**base, "setting": setting, "steps": a.steps, "warm": a.warm,
                "shipped": {"ranks": a.ranks, "seq": a.seq or 32768, "master": "fp32"}}
         try:
             run_setting(a, setting, model_dir, device, rec)
+        except KernelCheckError as e:
+            print(f"[shape] {e}", flush=True)
+            return _record(a, {**rec, "kernel_check_failed": str(e).splitlines()[1:]}, 3)
         except StepsCut as e:
-            rec |= {"cut": f"{e} after {len(rec.get('step_s', []))} of {a.steps} steps", "versions": gc.versions()}
-            gc.emit(rec)
-            if a.results or not a.cpu_smoke:
-                records.append(a.results or records.DEFAULT_RESULTS_DIR, rec)
-            return 124
+            return _record(a, {**rec, "cut": f"{e} after {len(rec.get('step_s', []))} of {a.steps} steps"}, 124)
         except torch.OutOfMemoryError as e:
             out_of_memory.append({**setting, "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1),
                                   "error": str(e).split("\n")[0][:200]})
@@ -322,16 +323,20 @@ def main(argv=None) -> int:
             pygc.collect()          # the failed try's model and optimizer, once the exception is gone
             torch.cuda.empty_cache()
             continue
-        rec["versions"] = gc.versions()
-        gc.emit(rec)
-        if a.results or not a.cpu_smoke:
-            records.append(a.results or records.DEFAULT_RESULTS_DIR, rec)
-        return 0
-    failed = {**base, "versions": gc.versions()}
-    gc.emit(failed)
-    if a.results or not a.cpu_smoke:      # a setting that did not fit is a result too
-        records.append(a.results or records.DEFAULT_RESULTS_DIR, failed)
-    return 1
+        return _record(a, rec, 0)
+    return _record(a, base, 1)            # no setting fitted: a result too
+
+
+def _record(a, rec: dict, rc: int) -> int:
+    """Print `rec` with the package versions as the RESULT line, append it to the dated records; `rc`."""
+    from bench import gpu_common as gc
+    from bench import records
+
+    rec = {**rec, "versions": gc.versions()}
+    gc.emit(rec)
+    if a.results or not a.cpu_smoke:
+        records.append(a.results or records.DEFAULT_RESULTS_DIR, rec)
+    return rc
 
 
 class StepsCut(Exception):
@@ -374,6 +379,9 @@ def run_setting(a, setting: dict, model_dir: str | None, device, rec: dict) -> N
         torch.cuda.synchronize(device)
     rec["build_s"] = round(time.perf_counter() - t0, 1)
     rec["build_parts_s"] = {k: round(v, 2) for k, v in {**log.startup.seconds, **log.startup.parts}.items() if v}
+    from raytune_ft.models.attention import DISABLED_KERNELS
+
+    rec["kernels_off"] = sorted(DISABLED_KERNELS)      # with train.kernels=check: the paths measured are fallbacks
     params = [p for p in model.parameters() if p.requires_grad]
     t = recipe.train
     opt = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, fused=cuda)

@@ -101,3 +101,18 @@ def test_the_shape_bench_takes_the_memory_peak_option():
     from bench.shape import parse
 
     assert parse(["--memory-peak", "--cp", "8"]).memory_peak and not parse([]).memory_peak
+
+
+def test_a_gpu_shape_run_stops_when_a_fast_kernel_fails_its_check_unless_told_otherwise(tmp_path):
+    """A speed figure of a fallback path is no figure: on a GPU the shape bench runs the start-up kernel check
+    strict (a kernel that fails stops the run in seconds, recorded with the failure), `--set train.kernels=check`
+    measures the paths that passed; the CPU smoke run keeps the recipe's own setting."""
+    sys.path.insert(0, str(REPO))
+    from bench.shape import make_recipe, parse
+
+    setting = {"ranks": 8, "seq": 32768, "master": "bf16"}
+    assert make_recipe(parse([]), setting, str(tmp_path)).train.kernels == "strict"
+    told = parse(["--set", "train.kernels=check"])
+    assert make_recipe(told, setting, str(tmp_path)).train.kernels == "check"
+    smoke = parse(["--cpu-smoke"])
+    assert make_recipe(smoke, {**setting, "seq": 512}, None).train.kernels == "check"

@@ -469,3 +469,30 @@ def test_ranks_recall_kept_verdicts_only_when_every_rank_holds_one():
     for rank in (0, 1):
         runs, in_use, kept = got[rank]
         assert runs > 0 and in_use == {"attention": "attn_ok", "gdn_conv": "conv_ok"} and kept == 1, (rank, got)
+
+
+def test_an_installed_kernel_package_that_does_not_import_is_reported_off_with_its_error(tmp_path, monkeypatch):
+    """A package present but broken (tilelang without z3-solver made flash-linear-attention's import fail on an
+    H100: `OSError: libz3.so...`) was treated as absent: the loop ran its fallback without a word. It is now a
+    candidate that fails the check with the import's error. The broken package here is a real one on disk whose
+    import raises as a missing shared library does."""
+    from raytune_ft.models import gated_delta as gd
+
+    pkg = tmp_path / "causal_conv1d"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text('raise OSError("libcausal_conv1d_cuda.so: cannot open shared object file")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    gd._causal_conv1d_fn.cache_clear()
+    try:
+        kernels = fp._conv_kernels()
+        assert [k.name for k in kernels] == ["causal_conv1d"]
+        lines: list[str] = []
+        report = kc.check_kernels(ON_CPU, paths=[fp.conv_path(CFG, kernels)], log_line=lines.append)
+        assert [(f.kernel, f.what) for f in report.failures] == [("causal_conv1d", "raised")]
+        assert "causal_conv1d is installed but `import causal_conv1d` fails: OSError: libcausal_conv1d_cuda.so" \
+            in report.failures[0].detail
+        assert report.in_use == {"gdn_conv": "torch_segmented"} and "switched off" in lines[0]
+    finally:
+        monkeypatch.undo()
+        gd._causal_conv1d_fn.cache_clear()
+    assert fp._conv_kernels() == []              # absent (not installed here): nothing to report
