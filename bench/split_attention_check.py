@@ -13,22 +13,12 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
-import time
 
-HEADS, KV_HEADS, HEAD_DIM = 24, 4, 256
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def _seconds(fn, repeat: int = 5) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / repeat
+from bench.attention_kernels import HEAD_DIM, HEADS, KV_HEADS, _seconds  # noqa: E402
 
 
 def _inputs(nq: int, n_prefix: int, grad: bool = False):
@@ -72,9 +62,9 @@ def speed(nq: int, n_prefix: int) -> dict:
     q, k, v, cu_q, cu_k = _inputs(nq, n_prefix, grad=True)
     flops = 4 * nq * (n_prefix + nq / 2) * HEADS * HEAD_DIM * 3.5      # forward + backward = 3.5 forwards
     split = _seconds(lambda: sa.prefix_causal_attention(q, k, v, sa.Split(n_prefix, HEAD_DIM ** -0.5,
-                                                                             sa.KERNELS["cudnn"])).sum().backward())
+                                                                             sa.KERNELS["cudnn"])).sum().backward(), 5)
     var = _seconds(lambda: varlen_attn(q, k, v, cu_q, cu_k, nq, n_prefix + nq,
-                                       window_size=(-1, 0)).sum().backward())
+                                       window_size=(-1, 0)).sum().backward(), 5)
     return {"split_cudnn_fwdbwd_s": round(split, 5), "varlen_fwdbwd_s": round(var, 5),
             "split_tflops": round(flops / split / 1e12, 1), "varlen_tflops": round(flops / var / 1e12, 1)}
 
