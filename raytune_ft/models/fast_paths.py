@@ -214,6 +214,9 @@ def _unimportable(name: str, module: str, packages: tuple[str, ...]) -> list[Ker
     try:
         if importlib.util.find_spec(packages[0]) is None:
             return []
+    except (ImportError, ValueError):       # no findable package: absent, nothing to report
+        return []
+    try:
         importlib.import_module(module)
         return []              # it imports: the kernel is missing for another reason (the loop's own lookup says)
     except Exception as e:  # noqa: BLE001 - any import failure is the reason to report
