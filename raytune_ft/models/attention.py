@@ -48,6 +48,22 @@ def disable_kernel(name: str) -> None:
 
 def reset_disabled_kernels() -> None:
     DISABLED_KERNELS.clear()
+
+
+# Why a kernel's package is installed but does not import (a shared library missing, a build for another torch),
+# written by the kernel's own lazy import; the start-up check reports it (fast_paths._unimportable). An absent
+# package is not written: nothing is wrong there.
+IMPORT_FAILURES: dict[str, str] = {}
+
+
+def note_import(kernel: str, module: str, error: Exception | None) -> None:
+    """Keep (or, where the import worked or the package is absent, forget) why `module` did not import."""
+    IMPORT_FAILURES.pop(kernel, None)
+    package = module.split(".")[0]
+    if error is None or (isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] == package):
+        return
+    IMPORT_FAILURES[kernel] = (f"{package} is installed but `import {module}` fails: {type(error).__name__}: "
+                               f"{str(error)[:300]}")
     _backend_for.cache_clear()
 
 
@@ -124,9 +140,11 @@ def _max_len(kwargs: dict, cu: torch.Tensor) -> int:
 def _flash_attn_varlen():
     try:
         from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
-        return flash_attn_varlen_func
-    except Exception:  # not installed, or built against another torch
+    except Exception as e:  # noqa: BLE001 - not installed, or built against another torch
+        note_import("flash_attn", "flash_attn", e)
         return None
+    note_import("flash_attn", "flash_attn", None)
+    return flash_attn_varlen_func
 
 
 @functools.lru_cache(maxsize=None)

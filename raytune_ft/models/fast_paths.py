@@ -203,24 +203,16 @@ def fused_ce_path(cfg, candidates: list[Kernel]) -> FastPath:
 FLA_PACKAGES = ("fla", "fla_core", "triton", "tilelang", "torch")
 
 
-def _unimportable(name: str, module: str, packages: tuple[str, ...]) -> list[Kernel]:
-    """[a candidate that raises why `module` does not import] where its package is installed, else []. A kernel
-    whose package is present but broken (a shared library missing, e.g. tilelang without z3-solver under
-    flash-linear-attention; a build for another torch) is then reported off by the check with its error, where
-    the loop would otherwise run its fallback without a word."""
-    import importlib
-    import importlib.util
+def _unimportable(name: str, packages: tuple[str, ...]) -> list[Kernel]:
+    """[a candidate that raises why its package does not import] where the kernel's own lazy import found the
+    package installed but broken (attention.IMPORT_FAILURES: a shared library missing, e.g. tilelang without
+    z3-solver under flash-linear-attention; a build for another torch), else []. The check then reports it off
+    with its error, where the loop would otherwise run its fallback without a word."""
+    from raytune_ft.models.attention import IMPORT_FAILURES
 
-    try:
-        if importlib.util.find_spec(packages[0]) is None:
-            return []
-    except (ImportError, ValueError):       # no findable package: absent, nothing to report
+    why = IMPORT_FAILURES.get(name)
+    if why is None:
         return []
-    try:
-        importlib.import_module(module)
-        return []              # it imports: the kernel is missing for another reason (the loop's own lookup says)
-    except Exception as e:  # noqa: BLE001 - any import failure is the reason to report
-        why = f"{packages[0]} is installed but `import {module}` fails: {type(e).__name__}: {str(e)[:300]}"
 
     def fn(x, cu, max_len):
         raise ImportError(why)
@@ -235,7 +227,7 @@ def _attention_kernels() -> list[Kernel]:
     if att._flash_attn_varlen() is not None:
         out.append(Kernel("flash_attn", functools.partial(_varlen, backend="flash_attn"), ("flash_attn", "torch")))
     else:
-        out += _unimportable("flash_attn", "flash_attn", ("flash_attn", "torch"))
+        out += _unimportable("flash_attn", ("flash_attn", "torch"))
     if att._torch_varlen()[0] is not None:
         out.append(Kernel("torch_varlen", functools.partial(_varlen, backend="torch_varlen"), ("torch",)))
     return out
@@ -252,7 +244,7 @@ def _conv_kernels() -> list[Kernel]:
     from raytune_ft.models import gated_delta as gd
 
     if gd._causal_conv1d_fn() is None:
-        return _unimportable("causal_conv1d", "causal_conv1d", ("causal_conv1d", "torch"))
+        return _unimportable("causal_conv1d", ("causal_conv1d", "torch"))
 
     def fn(x, cu, max_len):
         return gd.segment_causal_conv1d(x["x"], x["w"], None, cu, activation="silu", backend="causal_conv1d")
@@ -264,7 +256,7 @@ def _recurrence_kernels() -> list[Kernel]:
     from raytune_ft.models import gated_delta as gd
 
     if gd._fla_chunk_gated_delta_rule() is None:
-        return _unimportable("fla_chunk", "fla.ops.gated_delta_rule", FLA_PACKAGES)
+        return _unimportable("fla_chunk", FLA_PACKAGES)
 
     def fn(x, cu, max_len):
         return gd.segment_gated_delta_rule(gd.DeltaRuleInputs(x["q"], x["k"], x["v"], x["g"], x["beta"]), cu,

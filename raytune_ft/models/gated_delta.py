@@ -32,8 +32,9 @@ from typing import Any, Mapping, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from raytune_ft.models.attention import (ATTN_NAME, DISABLED_KERNELS, packing_from_kwargs, cu_seqlens_from_position_ids,
-                                         cu_seqlens_from_seq_idx, normalise_cu_seqlens, register_varlen_attention)
+from raytune_ft.models.attention import (ATTN_NAME, DISABLED_KERNELS, cu_seqlens_from_position_ids,
+                                         cu_seqlens_from_seq_idx, normalise_cu_seqlens, note_import,
+                                         packing_from_kwargs, register_varlen_attention)
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,11 @@ log = logging.getLogger(__name__)
 def _causal_conv1d_fn():
     try:
         from causal_conv1d import causal_conv1d_fn  # type: ignore[import-not-found]
-        return causal_conv1d_fn
-    except Exception:
+    except Exception as e:  # noqa: BLE001 - absent, or present and broken: note_import tells them apart
+        note_import("causal_conv1d", "causal_conv1d", e)
         return None
+    note_import("causal_conv1d", "causal_conv1d", None)
+    return causal_conv1d_fn
 
 
 # flash-linear-attention's package __init__ imports every layer and model class it ships (fla.layers,
@@ -118,9 +121,11 @@ def _fla_chunk_gated_delta_rule():
     import_fla_ops_only()
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # type: ignore[import-not-found]
-        return chunk_gated_delta_rule
-    except Exception:
+    except Exception as e:  # noqa: BLE001 - absent, or present and broken: note_import tells them apart
+        note_import("fla_chunk", "fla.ops.gated_delta_rule", e)
         return None
+    note_import("fla_chunk", "fla.ops.gated_delta_rule", None)
+    return chunk_gated_delta_rule
 
 
 @functools.lru_cache(maxsize=None)
