@@ -239,10 +239,14 @@ def clear_local_caches() -> list[str]:
 
 
 def stored_cache_sets(storage: str) -> dict:
-    """The JIT cache sets in the run storage (`<storage>/jit_cache/*.tar`): name -> MiB."""
-    folder = os.path.join(storage, "jit_cache")
-    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-    return {n: round(os.path.getsize(os.path.join(folder, n)) / 2**20, 1) for n in names if n.endswith(".tar")}
+    """The cache sets in the run storage (`<storage>/jit_cache/*.tar`, the bytecode's in `bytecode/`):
+    name -> MiB."""
+    out = {}
+    for sub in ("jit_cache", os.path.join("jit_cache", "bytecode")):
+        folder = os.path.join(storage, sub)
+        names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        out.update({n: round(os.path.getsize(os.path.join(folder, n)) / 2**20, 1) for n in names if n.endswith(".tar")})
+    return out
 
 
 def startup_side_by_side(cold: dict, warm: dict) -> dict:

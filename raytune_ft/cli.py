@@ -139,9 +139,11 @@ def job_main(recipe_fn: RecipeFn, local_fn: LocalFn, argv: list[str] | None = No
     # Before Ray and the libraries are imported (some switches are read at import), so the driver, the
     # local Ray it starts and the DataContext shipped with the datasets all see them
     from raytune_ft.env import keep_bytecode
-    from raytune_ft.train.jit_cache import cache_root
+    from raytune_ft.train.jit_cache import cache_root, restore_bytecode
 
-    keep_bytecode(cache_root(recipe), recipe.train.bytecode_cache)
+    if keep_bytecode(cache_root(recipe), recipe.train.bytecode_cache):
+        # a node with empty caches: the bytecode an earlier run left in the storage, before the imports below
+        restore_bytecode(recipe, lambda line: print(f"[raytune_ft] {line}", flush=True))
     setup_driver(terminal=is_terminal(sys.stdout))
     from raytune_ft.driver.run import run
 

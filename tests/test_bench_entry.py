@@ -112,7 +112,9 @@ def test_startup_from_the_storage_is_a_fresh_node_with_the_cold_runs_storage(cap
     assert not any(os.path.exists(d) for d in gone)
     assert (kept / "f.bin").is_file()
     (kept / "node.tar").write_bytes(b"2" * 2**21)
-    assert gpu_kit.stored_cache_sets(str(tmp_path / "work" / "runs")) == {"node.tar": 2.0}
+    (kept / "bytecode").mkdir()
+    (kept / "bytecode" / "py.tar").write_bytes(b"3" * 2**20)
+    assert gpu_kit.stored_cache_sets(str(tmp_path / "work" / "runs")) == {"node.tar": 2.0, "py.tar": 1.0}
 
 
 def test_a_setting_of_the_command_line_reaches_every_recipe_run_last(capsys):

@@ -15,6 +15,14 @@ fingerprint differs is never loaded: a node that finds none of its own says in o
 set was built for, and compiles its own. One file, written once per run and only when something new was
 compiled, keeps this cheap on object storage. The cache only ever saves time: any failure here is logged
 and the run goes on without it.
+
+Python's own bytecode travels the same way where the job keeps it (env.keep_bytecode: an image that writes
+none, `<cache_dir>/bytecode`): a node with empty caches otherwise compiles Ray, MLflow, transformers and torch
+from source in the driver and in every worker, ~30 s of a fresh node's start. Its set (`BytecodeSet`,
+`<storage>/jit_cache/bytecode/`) is keyed by the interpreter and the large packages' versions; the driver
+unpacks it before its own imports (`restore_bytecode`), rank 0 saves it with the JIT set. A module compiled
+from other sources is never used: Python checks each file against its source's size and time and compiles
+again where they differ.
 """
 from __future__ import annotations
 
@@ -76,14 +84,18 @@ def _node_lock(path: str):
 class JitCache:
     """The folder of this worker's JIT caches and, when the run has storage, the tar shared there."""
 
+    SETS = "jit_cache"          # the sets' folder under the storage root
+    LABEL = "JIT cache"
+
     def __init__(self, folder: str, remote: tuple | None, fp: Fingerprint):
         self.folder = folder
         self.fp = fp
         self.fs, self.remote_dir = remote if remote else (None, None)
-        self.sets_dir = f"{self.remote_dir.rstrip('/')}/jit_cache" if remote else None
+        self.sets_dir = f"{self.remote_dir.rstrip('/')}/{self.SETS}" if remote else None
         self.tar_path = f"{self.sets_dir}/{fp.name}.tar" if remote else None
         self.key_path = f"{self.sets_dir}/{fp.name}.json" if remote else None
         self.restored: dict | None = None     # what `restore` unpacked: files, MiB, seconds (None: nothing)
+        self.companions: list[JitCache] = []  # saved with this one (the node's bytecode set)
 
     def _state(self) -> dict:
         try:
@@ -119,7 +131,7 @@ class JitCache:
             built_for = self._stored_key(self.key_path)
             if built_for != self.fp:     # no key beside the tar, or another under the same name: never loaded
                 what = "; ".join(self.fp.differences(built_for)) if built_for else "no fingerprint beside it"
-                log(f"JIT cache: {self.tar_path} not loaded: {what}")
+                log(f"{self.LABEL}: {self.tar_path} not loaded: {what}")
                 return
             if self._state().get("restored") == stamp:
                 return
@@ -137,7 +149,7 @@ class JitCache:
             self.restored = {"files": len(_files(self.folder)), "mib": round(size / 2**20, 1),
                              "download_s": round(fetched, 2), "restore_s": round(time.perf_counter() - start, 2)}
             r = self.restored
-            log(f"JIT cache: restored {r['files']} files ({r['mib']} MiB) from {self.tar_path} in {r['restore_s']} s "
+            log(f"{self.LABEL}: restored {r['files']} files ({r['mib']} MiB) from {self.tar_path} in {r['restore_s']} s "
                 f"({r['download_s']} s of it the download)")
 
     def _stored_key(self, path: str) -> Fingerprint | None:
@@ -157,12 +169,18 @@ class JitCache:
         if not keys:
             return
         nearest = min(keys, key=lambda k: len(self.fp.differences(k)))
-        log(f"JIT cache: none of the {len(keys)} set(s) in {self.sets_dir} is this node's ({self.fp.name}); "
+        log(f"{self.LABEL}: none of the {len(keys)} set(s) in {self.sets_dir} is this node's ({self.fp.name}); "
             f"not loaded: the nearest, {nearest.name}, was built for {'; '.join(self.fp.differences(nearest))}")
 
     def save(self, log: Callable[[str], None]) -> bool:
         """Pack the folder into the storage's tar when it holds anything not uploaded yet (rank 0, after
-        the first step). True when it uploaded; never raises."""
+        the first step), then the companions'. True when this one uploaded; never raises."""
+        saved = self._save(log)
+        for other in self.companions:
+            other.save(log)
+        return saved
+
+    def _save(self, log: Callable[[str], None]) -> bool:
         if self.fs is None:
             return False
         try:
@@ -181,10 +199,10 @@ class JitCache:
                     json.dump(self.fp.as_dict(), f, indent=1)
                 self._upload(f.name, self.key_path)     # after the tar: a set is whole once its key is there
             self._write_state(uploaded=contents, restored=self._remote_stamp())
-            log(f"JIT cache: saved {len(files)} files to {self.tar_path}")
+            log(f"{self.LABEL}: saved {len(files)} files to {self.tar_path}")
             return True
         except Exception as e:  # noqa: BLE001 - the cache only saves time
-            _skipped(log, "not saved", e)
+            _skipped(log, "not saved", e, self.LABEL)
             return False
 
     def _upload(self, local: str, path: str) -> None:
@@ -202,10 +220,10 @@ class JitCache:
             self.fs.move(partial, path)
 
 
-def _skipped(log: Callable[[str], None], what: str, e: BaseException) -> None:
+def _skipped(log: Callable[[str], None], what: str, e: BaseException, label: str = JitCache.LABEL) -> None:
     from raytune_ft.env import redact_exception
 
-    log(f"JIT cache {what} ({redact_exception(e)}); the run goes on without it")
+    log(f"{label} {what} ({redact_exception(e)}); the run goes on without it")
 
 
 def open_cache(root: str, fp: Fingerprint, *, remote: tuple | None,
@@ -231,6 +249,62 @@ def open_cache(root: str, fp: Fingerprint, *, remote: tuple | None,
     except Exception as e:  # noqa: BLE001 - a torn or unreadable tar: start cold
         _skipped(log, "not restored", e)
     return cache
+
+
+class BytecodeSet(JitCache):
+    """The node's bytecode folder (`<cache root>/bytecode`) and its set in the storage (module docstring)."""
+
+    SETS = "jit_cache/bytecode"
+    LABEL = "Bytecode cache"
+
+
+# the packages whose modules make most of a job's bytecode: a set built under other versions is not loaded
+BYTECODE_VERSIONED = ("torch", "transformers", "ray", "pyarrow", "mlflow", "mlflow-skinny", "datasets", "trl", "peft")
+
+
+def bytecode_fingerprint(versions: dict[str, str] | None = None) -> Fingerprint:
+    """The interpreter (its bytecode tag and machine) and the versions of BYTECODE_VERSIONED."""
+    import platform
+    import sys
+
+    from raytune_ft.env import package_versions
+
+    versions = package_versions(BYTECODE_VERSIONED, "none") if versions is None else versions
+    return Fingerprint(f"bytecode {sys.implementation.cache_tag} {platform.machine()}", "none",
+                       tuple(sorted(versions.items())), "python bytecode")
+
+
+def open_bytecode(root: str, remote: tuple | None, log: Callable[[str], None],
+                  fp: Fingerprint | None = None) -> BytecodeSet | None:
+    """The bytecode set of `root`'s folder, filled from `remote` where the storage holds one of this node's
+    fingerprint; None where this process keeps no bytecode there (Python writes its own, bytecode_cache off, or
+    a PYTHONPYCACHEPREFIX of the user's). Never raises."""
+    folder = os.path.join(os.path.abspath(os.path.expanduser(root)), "bytecode")
+    if os.environ.get("PYTHONPYCACHEPREFIX") != folder:
+        return None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        cache = BytecodeSet(folder, remote, fp or bytecode_fingerprint())
+        cache.restore(log)
+    except Exception as e:  # noqa: BLE001 - only a faster start is lost
+        _skipped(log, "not restored", e, BytecodeSet.LABEL)
+        return None
+    return cache
+
+
+def restore_bytecode(recipe, log: Callable[[str], None]) -> BytecodeSet | None:
+    """The driver's part, before its own imports: the storage's bytecode set of this node, unpacked into the
+    folder keep_bytecode pointed Python at (cli.py). Ray's processes and the workers started on this node
+    after it find it there."""
+    try:
+        from raytune_ft.storage import fs as storage
+
+        st = storage.for_recipe(recipe)
+        remote = (st.fs, st.root)
+    except Exception as e:  # noqa: BLE001
+        _skipped(log, "not shared", e, BytecodeSet.LABEL)
+        return None
+    return open_bytecode(cache_root(recipe), remote, log)
 
 
 def _inherited_default(var: str, value: str) -> bool:
@@ -290,6 +364,9 @@ def for_worker(recipe, device, log, startup=None) -> JitCache | None:
         _skipped(log, "not shared", e)
     cache = open_cache(cache_root(recipe), fingerprint(device_name, model=model_widths(recipe)), remote=remote,
                        log=log)
+    bytecode = open_bytecode(cache_root(recipe), remote, log) if cache is not None else None
+    if bytecode is not None:      # a node the driver is not on fills its folder here; rank 0 saves it with the set
+        cache.companions.append(bytecode)
     if cache is not None and device_name:     # a CPU run compiles nothing worth a line
         log(f"JIT caches in {cache.folder}")
     if cache is not None and cache.restored and startup is not None:    # a node that started from the storage's set

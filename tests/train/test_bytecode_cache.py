@@ -113,3 +113,86 @@ def test_the_recipe_switch_takes_three_values():
     assert r.train.bytecode_cache == "auto"
     with pytest.raises(RecipeError, match="bytecode_cache"):
         apply_overrides(r, ["train.bytecode_cache=yes"])
+
+
+# node A (an earlier run): keep_bytecode, import, then rank 0's save of the node's bytecode set to the storage;
+# node B (a fresh node): keep_bytecode, the driver's restore from the storage, then the same import. Each prints
+# the module's value and the stat of its compiled file before and after the import.
+_NODE = textwrap.dedent("""
+    import json, os, sys
+    from raytune_ft.env import keep_bytecode
+    from raytune_ft.recipe.recipe import Recipe, apply_overrides
+    from raytune_ft.train import jit_cache
+    role, root, storage, src = sys.argv[1:5]
+    keep_bytecode(root, "on")
+    recipe = apply_overrides(Recipe(), [f"tracking.storage_path={storage}", f"train.cache_dir={root}"])
+    lines = []
+    restored = jit_cache.restore_bytecode(recipe, lines.append)
+    sys.path.insert(0, src)
+    folder = os.path.join(root, "bytecode")
+    def pyc():
+        found = [os.path.join(d, n) for d, _, ns in os.walk(folder) for n in ns if n.startswith("first_module.")]
+        return [os.stat(found[0]).st_mtime_ns, os.path.getsize(found[0])] if found else None
+    before = pyc()
+    import first_module
+    after = pyc()
+    if role == "save":
+        restored.save(lines.append)
+    print(json.dumps({"value": first_module.X, "before": before, "after": after, "lines": lines,
+                      "restored": restored.restored if restored else None}))
+""")
+
+
+def _node(tmp_path, role: str, root: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in envmod.BYTECODE_ENV}
+    env.update(PYTHONPATH=str(REPO), PYTHONDONTWRITEBYTECODE="1")
+    out = subprocess.run([sys.executable, "-c", _NODE, role, str(tmp_path / root), str(tmp_path / "storage"),
+                          str(tmp_path / "src")], env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(600)
+def test_a_fresh_node_imports_the_bytecode_an_earlier_run_left_in_the_storage_and_never_a_stale_module(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "first_module.py").write_text("X = 1\n")
+    first = _node(tmp_path, "save", "node_a")
+    assert first["value"] == 1 and first["before"] is None and first["after"]   # compiled here, then saved
+    assert any("Bytecode cache: saved" in line for line in first["lines"]), first["lines"]
+    sets = os.listdir(tmp_path / "storage" / "jit_cache" / "bytecode")
+    assert any(n.endswith(".tar") for n in sets) and any(n.endswith(".json") for n in sets)
+
+    fresh = _node(tmp_path, "load", "node_b")     # another local root: nothing compiled on it yet
+    assert fresh["restored"] and fresh["restored"]["files"] >= 1
+    assert fresh["before"] is not None, "the driver's restore comes before the imports"
+    assert fresh["after"] == fresh["before"], "the restored module was compiled again"
+    assert fresh["value"] == 1
+
+    # the negative control: a source that changed since the set was built is compiled again, never read stale
+    (tmp_path / "src" / "first_module.py").write_text("X = 22\n")
+    changed = _node(tmp_path, "load", "node_c")
+    assert changed["before"] is not None and changed["after"] != changed["before"]
+    assert changed["value"] == 22
+
+
+def test_a_bytecode_set_of_other_versions_is_named_and_not_loaded(tmp_path, monkeypatch):
+    import pyarrow.fs as pafs
+
+    from raytune_ft.train import jit_cache
+
+    remote = (pafs.LocalFileSystem(), str(tmp_path / "storage"))
+    old = jit_cache.bytecode_fingerprint({"torch": "2.11.0", "ray": "2.60.0"})
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "a" / "bytecode"))
+    built = jit_cache.open_bytecode(str(tmp_path / "a"), remote, print, fp=old)
+    (tmp_path / "a" / "bytecode" / "m.cpython-311.pyc").write_bytes(b"x")
+    assert built.save(print)
+    lines: list[str] = []
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "b" / "bytecode"))
+    here = jit_cache.bytecode_fingerprint({"torch": "2.13.0", "ray": "2.60.0"})
+    got = jit_cache.open_bytecode(str(tmp_path / "b"), remote, lines.append, fp=here)
+    assert got is not None and got.restored is None
+    assert not os.path.exists(tmp_path / "b" / "bytecode" / "m.cpython-311.pyc")
+    assert any("torch 2.11.0 (here 2.13.0)" in line and "Bytecode cache" in line for line in lines), lines
+    # a prefix of the user's own (or none): the job keeps no bytecode folder, so no set is read or written
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "mine"))
+    assert jit_cache.open_bytecode(str(tmp_path / "b"), remote, print, fp=here) is None
