@@ -117,11 +117,28 @@ def test_ray_job_submit_runs_the_local_job_on_the_cluster(ray_head, mlflow_serve
     bytecode = tmp_path / "cache" / "bytecode"
     assert list(bytecode.rglob("raytune_ft/train/fsdp_model.*.pyc")), "the worker's modules were not kept"
     assert list(bytecode.rglob("torch/distributed/fsdp/_fully_shard/_fully_shard.*.pyc"))
+    # and rank 0 put that folder in the storage after the first step, for a node whose folder is empty
+    import tarfile
+
+    (bytecode_set,) = (storage / "jit_cache" / "bytecode").glob("bytecode-*.tar")
+    assert bytecode_set.with_suffix(".json").is_file()
+    with tarfile.open(bytecode_set) as tar:
+        assert any("raytune_ft/train/fsdp_model." in n for n in tar.getnames())
     # a cluster's Ray has a dashboard, so Ray Train's placement-group cleaner can ask whether the controller
     # lives: it is kept (a job's own local Ray, without one, starts none: launch.without_blind_callbacks)
     (session,) = temp.glob("session_2*")
     actors = actors_started_since(0, session)
     assert "PlacementGroupCleaner" in actors, actors
+    # a fresh node: another job on an empty cache folder and the same storage unpacks that set in its driver,
+    # before the driver's imports, and trains
+    fresh = [c.replace(str(tmp_path / "cache"), str(tmp_path / "fresh_cache")) for c in cmd]
+    fresh[fresh.index("--set=train.max_steps=6")] = "--set=tracking.run_name=fresh-node"
+    fresh += ["--set=train.max_steps=2", "--no-register"]
+    out = subprocess.run(fresh, env=env, capture_output=True, text=True, timeout=580)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    assert "Bytecode cache: restored" in log, log[-4000:]
+    assert list((tmp_path / "fresh_cache" / "bytecode").rglob("raytune_ft/train/fsdp_model.*.pyc"))
 
 
 def test_submit_without_token_is_refused(ray_head):
