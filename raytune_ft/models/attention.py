@@ -48,6 +48,7 @@ def disable_kernel(name: str) -> None:
 
 def reset_disabled_kernels() -> None:
     DISABLED_KERNELS.clear()
+    _backend_for.cache_clear()
 
 
 # Why a kernel's package is installed but does not import (a shared library missing, a build for another torch),
@@ -64,7 +65,6 @@ def note_import(kernel: str, module: str, error: Exception | None) -> None:
         return
     IMPORT_FAILURES[kernel] = (f"{package} is installed but `import {module}` fails: {type(error).__name__}: "
                                f"{str(error)[:300]}")
-    _backend_for.cache_clear()
 
 
 # ----------------------------------------------------------------- packing signals
