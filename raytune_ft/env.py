@@ -224,7 +224,7 @@ def keep_bytecode(cache_root: str, mode: str = "auto") -> dict[str, str]:
 
     if mode == "off" or os.environ.get("PYTHONPYCACHEPREFIX") or not _bytecode_missing(mode):
         return {}
-    folder = os.path.join(os.path.abspath(os.path.expanduser(cache_root)), "bytecode")
+    folder = bytecode_folder(cache_root)
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError:     # only a faster start is lost
@@ -234,6 +234,11 @@ def keep_bytecode(cache_root: str, mode: str = "auto") -> dict[str, str]:
     sys.pycache_prefix = folder
     sys.dont_write_bytecode = False
     return env
+
+
+def bytecode_folder(cache_root: str) -> str:
+    """The folder keep_bytecode points Python at under a job's cache root."""
+    return os.path.join(os.path.abspath(os.path.expanduser(cache_root)), "bytecode")
 
 
 def bytecode_env() -> dict[str, str]:

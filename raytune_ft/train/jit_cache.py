@@ -149,8 +149,8 @@ class JitCache:
             self.restored = {"files": len(_files(self.folder)), "mib": round(size / 2**20, 1),
                              "download_s": round(fetched, 2), "restore_s": round(time.perf_counter() - start, 2)}
             r = self.restored
-            log(f"{self.LABEL}: restored {r['files']} files ({r['mib']} MiB) from {self.tar_path} in {r['restore_s']} s "
-                f"({r['download_s']} s of it the download)")
+            log(f"{self.LABEL}: restored {r['files']} files ({r['mib']} MiB) from {self.tar_path} in "
+                f"{r['restore_s']} s ({r['download_s']} s of it the download)")
 
     def _stored_key(self, path: str) -> Fingerprint | None:
         """The fingerprint a set's JSON holds; None when there is none or it is not one."""
@@ -279,7 +279,9 @@ def open_bytecode(root: str, remote: tuple | None, log: Callable[[str], None],
     """The bytecode set of `root`'s folder, filled from `remote` where the storage holds one of this node's
     fingerprint; None where this process keeps no bytecode there (Python writes its own, bytecode_cache off, or
     a PYTHONPYCACHEPREFIX of the user's). Never raises."""
-    folder = os.path.join(os.path.abspath(os.path.expanduser(root)), "bytecode")
+    from raytune_ft.env import bytecode_folder
+
+    folder = bytecode_folder(root)
     if os.environ.get("PYTHONPYCACHEPREFIX") != folder:
         return None
     try:

@@ -43,10 +43,15 @@ def _run(tmp_path, mode: str, **environ) -> dict:
     src.mkdir(exist_ok=True)
     (src / "first_module.py").write_text("X = 1\n")
     (src / "second_module.py").write_text("Y = 2\n")
+    return _python(_SCRIPT, [str(tmp_path / "cache"), mode, str(src)], environ, timeout=120)
+
+
+def _python(script: str, args: list[str], environ: dict, timeout: int) -> dict:
+    """`script` in a fresh Python, without this process's bytecode variables, plus `environ`: its last line's JSON."""
     env = {k: v for k, v in os.environ.items() if k not in envmod.BYTECODE_ENV}
     env.update(environ, PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path / "cache"), mode, str(src)], env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                         timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -144,12 +149,8 @@ _NODE = textwrap.dedent("""
 
 
 def _node(tmp_path, role: str, root: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in envmod.BYTECODE_ENV}
-    env.update(PYTHONPATH=str(REPO), PYTHONDONTWRITEBYTECODE="1")
-    out = subprocess.run([sys.executable, "-c", _NODE, role, str(tmp_path / root), str(tmp_path / "storage"),
-                          str(tmp_path / "src")], env=env, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _python(_NODE, [role, str(tmp_path / root), str(tmp_path / "storage"), str(tmp_path / "src")],
+                   {"PYTHONDONTWRITEBYTECODE": "1"}, timeout=240)
 
 
 @pytest.mark.timeout(600)
