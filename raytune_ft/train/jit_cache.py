@@ -128,12 +128,12 @@ class JitCache:
             if stamp is None:
                 self._say_no_set(log)
                 return
+            if self._state().get("restored") == stamp:     # this tar, its key checked when it was unpacked or saved
+                return
             built_for = self._stored_key(self.key_path)
             if built_for != self.fp:     # no key beside the tar, or another under the same name: never loaded
                 what = "; ".join(self.fp.differences(built_for)) if built_for else "no fingerprint beside it"
                 log(f"{self.LABEL}: {self.tar_path} not loaded: {what}")
-                return
-            if self._state().get("restored") == stamp:
                 return
             start = time.perf_counter()
             with tempfile.TemporaryDirectory(prefix="raytune_jit_") as tmp:
