@@ -120,15 +120,21 @@ def _activation_lines(recipe: Recipe, shape: ModelShape, compute_b: int, choice:
     if t.loop == "fsdp2" and t.precision == "fp8":
         from raytune_ft.planning.shapes import fp8_linear_filter_dims
 
-        conv = [(i, o) for k in set(shape.layer_types) for i, o in shape.linears(k).values()
-                if fp8_linear_filter_dims(i, o, t.fp8_recipe)]
+        by_kind = {k: [(i, o) for i, o in shape.linears(k).values() if fp8_linear_filter_dims(i, o, t.fp8_recipe)]
+                   for k in set(shape.layer_types)}
+        conv = [io for ios in by_kind.values() for io in ios]
         if conv:
             x, go, w = max(i for i, _ in conv), max(o for _, o in conv), max(i * o for i, o in conv)
-            lines.append(MemoryLine(
-                "float8 casts", 2.0 * (tokens_mb * (x + go) + w),
-                f"1-byte casts of the largest float8 matmul's input ({tokens_mb:,} x {x:,}), output gradient "
-                f"({tokens_mb:,} x {go:,}) and weight, each with its transpose for backward ({t.fp8_recipe}; "
-                "the float8 all-gather's smaller weights are not subtracted above)"))
+            casts = 2.0 * (tokens_mb * (x + go) + w)
+            how = (f"1-byte casts of the largest float8 matmul's input ({tokens_mb:,} x {x:,}), output gradient "
+                   f"({tokens_mb:,} x {go:,}) and weight, each with its transpose for backward ({t.fp8_recipe})")
+            if t.fp8_recipe == "tensorwise":
+                # FSDP2 all-gathers the converted weights in float8 (train/fp8.py): the 2 unsharded layers the
+                # "fsdp gathered" line counts in the compute dtype hold those weights in 1 byte each
+                saved = 2 * max(sum(i * o for i, o in ios) for ios in by_kind.values()) * (compute_b - 1)
+                casts -= saved
+                how += f", less the float8 all-gather's 1-byte weights in the 2 unsharded layers ({fmt_bytes(saved).strip()})"
+            lines.append(MemoryLine("float8 casts", casts, how))
     return _Activations(tokens_mb, recompute)
 
 
