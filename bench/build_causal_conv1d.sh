@@ -3,6 +3,12 @@
 # architectures of TORCH_CUDA_ARCH_LIST only (default 9.0, Hopper), then smoke-test it on the GPU.
 #
 #   bash bench/build_causal_conv1d.sh SDIST OUTDIR
+#   PARTS=15M bash bench/build_causal_conv1d.sh SDIST OUTDIR   # the wheel as parts of <= 15 MiB instead
+#                                                              # (bench/split_wheel.sh), to bring it back
+#                                                              # through a transfer that caps a file's size
+#
+# Keep the built wheel (or its parts) in a wheelhouse folder: bench/install_wheelhouse.sh installs it on the
+# next node of the same torch and CUDA, which then skips this build.
 #
 # Why a build of our own: causal-conv1d publishes wheels only on GitHub (not reachable from an offline GPU
 # node), and its setup.py compiles for every architecture its CUDA knows (nine with CUDA 13), which takes
@@ -31,3 +37,8 @@ start=$(date +%s)
 (cd "$src" && CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST="$archs" \
   python3 -m pip wheel -q --no-build-isolation --no-deps -w "$out" .)
 echo "built in $(( $(date +%s) - start )) s: $(ls "$out")"
+if [[ -n ${PARTS:-} ]]; then
+  for w in "$out"/causal_conv1d-*.whl; do
+    bash "$(dirname "$0")/split_wheel.sh" "$w" "$out" "$PARTS" && rm -f "$w"
+  done
+fi

@@ -33,10 +33,26 @@ fi
 
 links=()
 wheels=()
+joined=$(mktemp -d)
+trap 'rm -rf "$joined"' EXIT
+links+=(--find-links "$joined")
 for d in "$@"; do
   [[ -d $d ]] || { echo "not a folder: $d" >&2; exit 2; }
   links+=(--find-links "$d")
   for w in "$d"/*.whl; do [[ -e $w ]] && wheels+=("$w"); done
+  # a wheel split by bench/split_wheel.sh (<wheel>.part-00, -01, ... and <wheel>.sha256): put back together and
+  # checked against its checksum before it is installed
+  for first in "$d"/*.whl.part-00; do
+    [[ -e $first ]] || continue
+    d_abs=$(cd "$d" && pwd)
+    name=$(basename "${first%.part-00}")
+    [[ -f $d/$name.sha256 ]] || { echo "$d/$name: parts without $name.sha256 (bench/split_wheel.sh writes it)" >&2; exit 2; }
+    cat "$d/$name".part-* > "$joined/$name"
+    (cd "$joined" && sha256sum --quiet -c "$d_abs/$name.sha256") 2>/dev/null || {
+      echo "$d/$name: the joined parts do not match $name.sha256 (a part missing or cut short)" >&2; exit 2; }
+    wheels+=("$joined/$name")
+    echo "joined: $name from $(ls "$d/$name".part-* | wc -l) parts"
+  done
   if [[ -f $d/ray.tar.xz ]]; then
     # Ray's wheel without its jars, RLlib and web build: unpacked as pip would lay it out; the two
     # daemons lose their exec bit in the tarball's round trip

@@ -353,6 +353,36 @@ def test_a_namespace_package_split_over_two_wheelhouses_keeps_both_halves(tmp_pa
     assert not [p for p in site.iterdir() if p.name.startswith(".install")]
 
 
+@pytest.mark.timeout(120)
+def test_a_wheel_split_into_parts_installs_whole_and_a_cut_part_is_refused(tmp_path):
+    """A built causal-conv1d wheel (~26 MB) comes back from a GPU node through a transfer that caps each file:
+    bench/split_wheel.sh cuts it into parts with a checksum, install_wheelhouse.sh joins and checks them."""
+    built, folder, site = tmp_path / "built", tmp_path / "wh-parts", tmp_path / "site"
+    built.mkdir()
+    wheel = _wheel(built, "benchpkg_split")
+    with zipfile.ZipFile(wheel, "a") as z:      # big enough for several parts of 1 KiB
+        z.writestr("benchpkg_split/data.bin", os.urandom(2500), compress_type=zipfile.ZIP_STORED)
+    n = -(-wheel.stat().st_size // 1024)
+    proc = subprocess.run(["bash", "bench/split_wheel.sh", str(wheel), str(folder), "1K"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    parts = sorted(folder.glob("*.whl.part-*"))
+    assert len(parts) == n > 1 and all(p.stat().st_size <= 1024 for p in parts)
+    assert not list(folder.glob("*.whl"))
+    proc = subprocess.run(["bash", "bench/install_wheelhouse.sh", "--target", str(site), str(folder)],
+                          cwd=REPO, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"joined: benchpkg_split-1.0-py3-none-any.whl from {n} parts" in proc.stdout
+    out = subprocess.run([sys.executable, "-c", "import benchpkg_split; print(benchpkg_split.VALUE)"],
+                         env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True, cwd=tmp_path,
+                         timeout=60)
+    assert out.stdout.strip() == "42", out.stderr
+    parts[-1].write_bytes(parts[-1].read_bytes()[:-10])        # a part cut short in the transfer
+    proc = subprocess.run(["bash", "bench/install_wheelhouse.sh", "--target", str(tmp_path / "site2"), str(folder)],
+                          cwd=REPO, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2 and "do not match" in proc.stderr, proc.stdout + proc.stderr
+
+
 # ---------------------------------------------------------------- the kit's docs and files
 
 WORDS = re.compile(r"carry|lent |session|device call", re.I)
