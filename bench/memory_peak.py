@@ -71,7 +71,9 @@ def memory_peak(step: Callable[[], None], device, max_entries: int = 400_000) ->
     torch.cuda.synchronize(device)
     baseline = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    # Python frames only: the allocating line is all `site` reads; C++ unwinding at every allocation is the costly
+    # part of the history, and a suspect of its first GPU run's failure (a CP step on torch 2.11: bench/NOTES.md)
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
     try:
         step()
         torch.cuda.synchronize(device)

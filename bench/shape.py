@@ -47,6 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -347,6 +348,18 @@ def _cut(signum, frame) -> None:
     raise StepsCut(f"stopped by signal {signum}")
 
 
+def diagnose(rec: dict, key: str, run: Callable[[], dict]) -> bool:
+    """One more step under a diagnostic (the profiler, the memory history): its result in `rec[key]`, or, where it
+    raised, the error there, so that the timed steps' record is still written. Whether it gave a result."""
+    try:
+        rec[key] = run()
+        return True
+    except Exception as e:  # noqa: BLE001 - what stopped it is the finding; the timed steps stand
+        rec[key] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        print(f"[shape] {key} failed: {rec[key]['error']}", flush=True)
+        return False
+
+
 def run_setting(a, setting: dict, model_dir: str | None, device, rec: dict) -> None:
     """Build, step, time and (optionally) checkpoint one setting on the fake group; figures into `rec`."""
     import torch
@@ -454,12 +467,11 @@ def run_setting(a, setting: dict, model_dir: str | None, device, rec: dict) -> N
                 with phase("fp8_scales"):
                     precompute_fp8_scales(model, fp8)
 
-        if a.profile:
-            rec["profile"] = profile_step(one_step, device)
+        if a.profile and diagnose(rec, "profile", lambda: profile_step(one_step, device)):
             print(f"[shape] profile: {rec['profile']['by_kind_share']} gap {rec['profile']['gap_ms']} ms of "
                   f"{rec['profile']['wall_ms']} ms", flush=True)
-        if a.memory_peak:
-            rec["memory_peak"] = memory_peak(lambda: one_step(lambda name: contextlib.nullcontext()), device)
+        if a.memory_peak and diagnose(rec, "memory_peak", lambda: memory_peak(
+                lambda: one_step(lambda name: contextlib.nullcontext()), device)):
             print(f"[shape] memory peak: {rec['memory_peak']['peak_gib']} GiB, by site "
                   f"{rec['memory_peak']['by_site_gib']}", flush=True)
     if a.ckpt == "on" or (a.ckpt == "auto" and cuda):

@@ -103,6 +103,22 @@ def test_the_shape_bench_takes_the_memory_peak_option():
     assert parse(["--memory-peak", "--cp", "8"]).memory_peak and not parse([]).memory_peak
 
 
+def test_a_diagnostic_step_that_raises_leaves_its_error_in_the_record_and_the_timed_steps_stand():
+    """The first GPU run of `--memory-peak` (a CP step, torch 2.11) raised inside torch and the bench exited without
+    writing the record of the step timed before it; the profile and the memory peak now keep their error instead."""
+    sys.path.insert(0, str(REPO))
+    from bench.shape import diagnose
+
+    rec = {"s_per_step": 47.1}
+
+    def fails():
+        raise SystemError("<built-in method apply of FunctionMeta object> returned NULL without setting an exception")
+
+    assert not diagnose(rec, "memory_peak", fails)
+    assert rec["memory_peak"]["error"].startswith("SystemError: <built-in method apply") and rec["s_per_step"] == 47.1
+    assert diagnose(rec, "profile", lambda: {"wall_ms": 1.0}) and rec["profile"] == {"wall_ms": 1.0}
+
+
 def test_a_gpu_shape_run_stops_when_a_fast_kernel_fails_its_check_unless_told_otherwise(tmp_path):
     """A speed figure of a fallback path is no figure: on a GPU the shape bench runs the start-up kernel check
     strict (a kernel that fails stops the run in seconds, recorded with the failure), `--set train.kernels=check`
