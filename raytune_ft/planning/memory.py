@@ -133,7 +133,8 @@ def _activation_lines(recipe: Recipe, shape: ModelShape, compute_b: int, choice:
                 # "fsdp gathered" line counts in the compute dtype hold those weights in 1 byte each
                 saved = 2 * max(sum(i * o for i, o in ios) for ios in by_kind.values()) * (compute_b - 1)
                 casts -= saved
-                how += f", less the float8 all-gather's 1-byte weights in the 2 unsharded layers ({fmt_bytes(saved).strip()})"
+                how += (", less the float8 all-gather's 1-byte weights in the 2 unsharded layers "
+                        f"({fmt_bytes(saved).strip()})")
             lines.append(MemoryLine("float8 casts", casts, how))
     return _Activations(tokens_mb, recompute)
 
