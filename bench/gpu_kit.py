@@ -241,8 +241,10 @@ def clear_local_caches() -> list[str]:
 def stored_cache_sets(storage: str) -> dict:
     """The cache sets in the run storage (`<storage>/jit_cache/*.tar`, the bytecode's in `bytecode/`):
     name -> MiB."""
+    from raytune_ft.train.jit_cache import BytecodeSet, JitCache
+
     out = {}
-    for sub in ("jit_cache", os.path.join("jit_cache", "bytecode")):
+    for sub in (JitCache.SETS, BytecodeSet.SETS):
         folder = os.path.join(storage, sub)
         names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
         out.update({n: round(os.path.getsize(os.path.join(folder, n)) / 2**20, 1) for n in names if n.endswith(".tar")})

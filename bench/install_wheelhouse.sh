@@ -44,11 +44,10 @@ for d in "$@"; do
   # checked against its checksum before it is installed
   for first in "$d"/*.whl.part-00; do
     [[ -e $first ]] || continue
-    d_abs=$(cd "$d" && pwd)
     name=$(basename "${first%.part-00}")
     [[ -f $d/$name.sha256 ]] || { echo "$d/$name: parts without $name.sha256 (bench/split_wheel.sh writes it)" >&2; exit 2; }
     cat "$d/$name".part-* > "$joined/$name"
-    (cd "$joined" && sha256sum --quiet -c "$d_abs/$name.sha256") 2>/dev/null || {
+    (cd "$joined" && sha256sum --quiet -c) < "$d/$name.sha256" 2>/dev/null || {
       echo "$d/$name: the joined parts do not match $name.sha256 (a part missing or cut short)" >&2; exit 2; }
     wheels+=("$joined/$name")
     echo "joined: $name from $(ls "$d/$name".part-* | wc -l) parts"
