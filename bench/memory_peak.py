@@ -64,18 +64,37 @@ def peak_of_trace(trace: list[dict], baseline: int, top: int = 15) -> dict:
                         for e in largest]}
 
 
+# torch 2.11 (open upstream: pytorch/pytorch#179536): under the CUDA memory history, the backward's recompute of a
+# torch.compile'd region inside activation checkpointing raises `SystemError: <built-in method apply of
+# FunctionMeta> returned NULL` (torch 2.10 ran it). Seen here on both the 32k and the CP step, with Python-only
+# stacks too (bench/NOTES.md, twelfth round). So the recorded step runs its compiled regions eagerly.
+EAGER_WHY = ("compiled regions run eagerly under the memory history (torch 2.11: pytorch/pytorch#179536); the "
+             "step's own compiled peak is the record's peak_gib")
+
+
+def eager_regions(step: Callable[[], None]) -> Callable[[], None]:
+    """`step` with every torch.compile'd region running its eager code and compiling nothing."""
+    import torch
+
+    def run() -> None:
+        with torch.compiler.set_stance("force_eager"):
+            step()
+    return run
+
+
 def memory_peak(step: Callable[[], None], device, max_entries: int = 400_000) -> dict:
-    """Run `step()` once under the CUDA memory history of `device`; peak_of_trace of what it allocated."""
+    """Run `step()` once under the CUDA memory history of `device`, its compiled regions eager (EAGER_WHY);
+    peak_of_trace of what it allocated."""
     import torch
 
     torch.cuda.synchronize(device)
     baseline = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     # Python frames only: the allocating line is all `site` reads; C++ unwinding at every allocation is the costly
-    # part of the history, and a suspect of its first GPU run's failure (a CP step on torch 2.11: bench/NOTES.md)
+    # part of the history
     torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
     try:
-        step()
+        eager_regions(step)()
         torch.cuda.synchronize(device)
         snap = torch.cuda.memory._snapshot()
     finally:
@@ -86,4 +105,5 @@ def memory_peak(step: Callable[[], None], device, max_entries: int = 400_000) ->
     out["max_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     out["trace_events"] = len(trace)
     out["trace_full"] = len(trace) >= max_entries      # the oldest events dropped: the replay starts late
+    out["compiled"] = EAGER_WHY
     return out

@@ -119,6 +119,29 @@ def test_a_diagnostic_step_that_raises_leaves_its_error_in_the_record_and_the_ti
     assert diagnose(rec, "profile", lambda: {"wall_ms": 1.0}) and rec["profile"] == {"wall_ms": 1.0}
 
 
+def test_the_memory_peak_step_runs_its_compiled_regions_eagerly():
+    """torch 2.11 fails a compiled region's recompute under the CUDA memory history (pytorch/pytorch#179536; both
+    GPU runs of `--memory-peak` raised it): the recorded step runs compiled regions eagerly. On CPU, with a
+    counting backend: the wrapped step compiles nothing and computes the same; the plain call compiles."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from bench.memory_peak import eager_regions
+
+    compiled = []
+
+    def counting(gm, example_inputs):
+        compiled.append(gm)
+        return gm.forward
+
+    fn = torch.compile(lambda x: torch.nn.functional.silu(x) * 2, backend=counting, dynamic=False)
+    x = torch.randn(8)
+    got = []
+    eager_regions(lambda: got.append(fn(x)))()
+    assert compiled == [] and torch.allclose(got[0], torch.nn.functional.silu(x) * 2)
+    assert torch.allclose(fn(x), got[0]) and len(compiled) == 1
+
+
 def test_a_gpu_shape_run_stops_when_a_fast_kernel_fails_its_check_unless_told_otherwise(tmp_path):
     """A speed figure of a fallback path is no figure: on a GPU the shape bench runs the start-up kernel check
     strict (a kernel that fails stops the run in seconds, recorded with the failure), `--set train.kernels=check`
