@@ -226,7 +226,7 @@ def _fmt_duration(seconds: float) -> str:
     return f"{h} h {m:02d} min" if h else f"{m} min {s:02d} s"
 
 
-def _mean_conversation(recipe: Recipe) -> tuple[DatasetSize | None, float]:
+def mean_conversation(recipe: Recipe) -> tuple[DatasetSize | None, float]:
     """The training data's known size (None when unknown) and the mean conversation length the FLOPs use."""
     size = KNOWN_DATASETS.get((recipe.data.source.rstrip("/"), recipe.data.split))
     return size, (size.mean_tokens if size else float(min(recipe.data.seq_len, 1024)))
@@ -243,7 +243,7 @@ def resolve_checkpointing(recipe: Recipe, shape: ModelShape, g: GpuSpec | None,
     choice = parse_checkpointing(t.activation_checkpointing)
     if choice is not None:
         return choice, f"{choice.label} (as the recipe sets it)"
-    _, mean_conv = _mean_conversation(recipe)
+    _, mean_conv = mean_conversation(recipe)
     return choose(shape, lambda c: sum(line.bytes for line in memory_lines(recipe, shape, g, c)[0]), g, margin,
                   mean_conv)
 
@@ -282,7 +282,7 @@ def memory_plan(recipe: Recipe, *, gpu: str | None = None, tokens_per_s_per_gpu:
 def _plan_time(plan: Plan, recipe: Recipe, tokens_per_s_per_gpu: float | None, mfu: float) -> None:
     """The time plan (module docstring): tokens, steps, throughput, evaluation and samples."""
     t, d, g = recipe.train, recipe.data, plan.gpu
-    size, mean_conv = _mean_conversation(recipe)
+    size, mean_conv = mean_conversation(recipe)
     plan.flops_per_token = fpt = plan.shape.flops_per_token(mean_conv)
     tokens_per_step = tokens_per_micro_batch(recipe) * t.grad_accum * plan.n_workers
     if size is not None:

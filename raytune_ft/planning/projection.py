@@ -5,7 +5,13 @@ figure from `python -m bench gpu shape`, the 64-layer model as rank 0 of 8 on on
 named beside it) or "stated" (a datasheet or the recipe). The arithmetic:
 
   compute per step   the measured per-rank step time x (the measured GPU's dense bf16 peak / B300's): the
-                     same MFU on the faster chip; scaled by tokens when the recipe's block differs.
+                     same MFU on the faster chip; scaled by tokens when the recipe's block differs, and by the
+                     recompute the run makes on B300 against the measured step's (below).
+  recompute          the activation checkpointing the run takes on B300 (`auto`: the least recompute that fits
+                     its memory) against the measured step's (full, on a smaller GPU): a step is the forward F,
+                     the backward 2F and the recomputed share s of the decoder layers' forward F_L, so compute
+                     scales by (3 + s_B300 r) / (3 + s_measured r), r = F_L / F, the layers' share of the
+                     forward's matmul FLOPs (lm_head the rest), at the same MFU.
   communication      FSDP2 per step and rank: the decoder layers' all-gather twice (forward, and again for the
                      backward, which recomputes under activation checkpointing) in the compute dtype, the
                      root unit's once (it stays gathered), for every micro-batch of the step (grad_accum, and
@@ -27,9 +33,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raytune_ft.planning.checkpointing import recompute_share
 from raytune_ft.planning.cp_comms import COLLECTIVE_LATENCY_S
 from raytune_ft.planning.hardware import GiB, gpu_spec
 from raytune_ft.planning.measured import figure, measured_64, measured_64_cp
+from raytune_ft.planning.plan import mean_conversation, resolve_checkpointing
+from raytune_ft.recipe.checkpointing import FULL, parse_checkpointing
 
 # the measured inputs, each with its bench record (planning/data/measured.json; tests/planning/test_measured.py):
 # without context parallelism, and as a rank of a CP group (the long-context step, slower per token)
@@ -105,10 +114,11 @@ def project(recipe, plan, measured: dict | None = None, gpu: str = "B300") -> Pr
     # block (attention's quadratic part grows with it) is slower than this says
     split = (f"; {cp} blocks a step over the {cp} CP ranks, 1/{cp} of each a rank, attention's quadratic part "
              "scaled as the rest" if cp > 1 else "")
-    compute = add("compute per step", measured_s / ratio * seq / m["seq"], "s", "derived",
-                  f"measured step / peak ratio x {seq:,} / {m['seq']:,} tokens (the same MFU on {target.name}; "
-                  f"{recipe.train.master_weights} master weights change only the optimizer step's memory traffic"
-                  f"{split})")
+    recompute = _recompute(recipe, plan, m, target, add)
+    compute = add("compute per step", measured_s / ratio * seq / m["seq"] * recompute, "s", "derived",
+                  f"measured step / peak ratio x {seq:,} / {m['seq']:,} tokens x recompute (the same MFU on "
+                  f"{target.name}; {recipe.train.master_weights} master weights change only the optimizer step's "
+                  f"memory traffic{split})")
     step = _step(recipe, plan, target, compute, add)
     tok_s = seq * n / step
     need_cores = add("data path", tok_s / DATA_TOK_S_PER_CORE, "cores", "measured",
@@ -145,6 +155,22 @@ def project(recipe, plan, measured: dict | None = None, gpu: str = "B300") -> Pr
                f"{'faster' if total < SEED_PASS_HOURS * 3600 else 'slower'} by "
                f"{abs(SEED_PASS_HOURS * 3600 - total) / 3600:.2f} h; the data path needs {need_cores:.2f} cores")
     return Projection(items, total, verdict)
+
+
+def _recompute(recipe, plan, m: dict, target, add) -> float:
+    """The compute factor of the checkpointing the run takes on `target` against the measured step's (the
+    module docstring's `recompute`), added as a line through `add`."""
+    shape = plan.shape
+    _, mean_len = mean_conversation(recipe)
+    measured = parse_checkpointing(m.get("checkpointing", "full")) or FULL
+    chosen, _ = resolve_checkpointing(recipe, shape, target)
+    s_m, s_t = (recompute_share(shape, c, mean_len) for c in (measured, chosen))
+    layers = shape.total_params - shape.root_params
+    r = layers / (layers + shape.vocab * shape.hidden)
+    return add("recompute", (3 + s_t * r) / (3 + s_m * r), "x", "derived",
+               f"on {target.name} {chosen.label} recomputes {s_t:.0%} of the layers' forward, the measured step "
+               f"({measured.label}) {s_m:.0%}: (3 + {s_t:.2f} r) / (3 + {s_m:.2f} r), r = {r:.3f} the layers' "
+               "share of the forward's matmul FLOPs")
 
 
 def _step(recipe, plan, target, compute: float, add) -> float:

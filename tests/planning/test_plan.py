@@ -420,8 +420,21 @@ def test_the_b300_plan_states_its_margin_and_the_projection_labels_its_inputs():
     assert "[measured]" in text and "[stated]" in text and "2.5 h" in proj.verdict
     # the measured step over the peak ratio; FSDP2's traffic: bf16 all-gathers (layers twice, root once) and an
     # fp32 reduce-scatter, 7/8 of each, over 900 GB/s: well under the compute
-    assert proj.item("compute per step").value == pytest.approx(13.291 / (2250 / 989))
     P, root = plan.shape.total_params, plan.shape.root_params
+    # ... times the recompute the run takes on the B300 (`auto` -> keep:K: 288 GB hold some layers' activations)
+    # against the measured step's full recompute: (3 + s r) / (3 + r), r the layers' share of the forward FLOPs
+    from raytune_ft.planning.checkpointing import recompute_share
+    from raytune_ft.planning.plan import mean_conversation, resolve_checkpointing
+
+    chosen, _ = resolve_checkpointing(recipe, plan.shape, plan.gpu)
+    assert chosen.label == plan.checkpointing and chosen.keep > 0 and "keep:" in text
+    s = recompute_share(plan.shape, chosen, mean_conversation(recipe)[1])
+    r = (P - root) / (P - root + plan.shape.vocab * plan.shape.hidden)
+    assert 0.5 < s < 1 and proj.item("recompute").value == pytest.approx((3 + s * r) / (3 + r))
+    assert proj.item("compute per step").value == pytest.approx(13.291 / (2250 / 989) * (3 + s * r) / (3 + r))
+    # a recipe that recomputes every layer itself is projected at the measured step's cost
+    full = apply_overrides(recipe, ["train.activation_checkpointing=full"])
+    assert project(full, memory_plan(full)).item("recompute").value == pytest.approx(1.0)
     assert proj.item("communication").value == pytest.approx((2 * (P - root) * 2 + root * 2 + P * 4) * 7 / 8 / 900e9)
     assert proj.item("communication").value < proj.item("compute per step").value
     # one rank's shard of the shipped fp32 recipe: weights and two moments, 4 B each, over 8 ranks
