@@ -38,7 +38,7 @@ from raytune_ft.planning.cp_comms import COLLECTIVE_LATENCY_S
 from raytune_ft.planning.hardware import GiB, gpu_spec
 from raytune_ft.planning.measured import figure, measured_64, measured_64_cp
 from raytune_ft.planning.plan import mean_conversation, resolve_checkpointing
-from raytune_ft.recipe.checkpointing import FULL, parse_checkpointing
+from raytune_ft.recipe.checkpointing import parse_checkpointing
 
 # the measured inputs, each with its bench record (planning/data/measured.json; tests/planning/test_measured.py):
 # without context parallelism, and as a rank of a CP group (the long-context step, slower per token)
@@ -162,11 +162,11 @@ def _recompute(recipe, plan, m: dict, target, add) -> float:
     module docstring's `recompute`), added as a line through `add`."""
     shape = plan.shape
     _, mean_len = mean_conversation(recipe)
-    measured = parse_checkpointing(m.get("checkpointing", "full")) or FULL
+    measured = parse_checkpointing(m["checkpointing"])     # a measured step names its own (measured.json)
     chosen, _ = resolve_checkpointing(recipe, shape, target)
     s_m, s_t = (recompute_share(shape, c, mean_len) for c in (measured, chosen))
     layers = shape.total_params - shape.root_params
-    r = layers / (layers + shape.vocab * shape.hidden)
+    r = layers / (layers + shape.embedding_params)           # lm_head: vocab x hidden, as the embedding
     return add("recompute", (3 + s_t * r) / (3 + s_m * r), "x", "derived",
                f"on {target.name} {chosen.label} recomputes {s_t:.0%} of the layers' forward, the measured step "
                f"({measured.label}) {s_m:.0%}: (3 + {s_t:.2f} r) / (3 + {s_m:.2f} r), r = {r:.3f} the layers' "
